@@ -1,0 +1,28 @@
+# Two entry points for a fresh machine with Python 3.11 and pip:
+#   make demo   -> creates .venv, installs the package, runs the default BroRL job on CPU
+#   make test   -> creates .venv, installs the package with test extras, runs the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv demo test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	# torch==2.13.0 is the CPU build; asking for it first keeps pip from pulling a CUDA build.
+	$(PY) -m pip install "torch==2.13.0"
+	$(PY) -m pip install -e ".[test]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m brorl_jax.main --config=configs/demo.py --workdir=runs/demo
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,1 @@
+"""brorl_jax: BroRL (large-N RLVR) in JAX."""
