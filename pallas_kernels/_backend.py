@@ -11,22 +11,22 @@ import jax
 
 
 def backend() -> str:
-  """The platform of JAX's default backend: "cpu", "gpu" or "tpu"."""
-  return jax.default_backend()
+    """The platform of JAX's default backend: "cpu", "gpu" or "tpu"."""
+    return jax.default_backend()
 
 
 def interpret_mode() -> bool:
-  """True where Pallas kernels must be interpreted (no accelerator compiler for them)."""
-  return backend() not in ("gpu", "tpu")
+    """True where Pallas kernels must be interpreted (no accelerator compiler for them)."""
+    return backend() not in ("gpu", "tpu")
 
 
 @functools.lru_cache(maxsize=None)
 def jax_triton_available() -> bool:
-  """jax_triton imports only on a CUDA build of JAX; import it lazily and only on GPU."""
-  if backend() != "gpu":
-    return False
-  try:
-    import jax_triton  # noqa: F401
-  except Exception:  # pragma: no cover - depends on the install
-    return False
-  return True
+    """jax_triton imports only on a CUDA build of JAX; import it lazily and only on GPU."""
+    if backend() != "gpu":
+        return False
+    try:
+        import jax_triton  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the install
+        return False
+    return True
