@@ -1,0 +1,288 @@
+"""The configuration schema: every key a run understands, its type, its paper default, and checks.
+
+Configs in `configs/` start from `default_config()` and override values; `validate()` runs at
+start-up and stops the run with a message that names the key and what is allowed when a key is
+unknown (usually a typo), has the wrong type, or is inconsistent with another key.
+
+Defaults follow the BroRL paper and its ProRLv2 recipe (see the README's configuration table);
+values the paper does not state are marked "not stated" with the choice made.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from typing import Any
+
+import ml_collections
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """The full schema with the paper's defaults (BroRL: N=512, 128 prompts per step)."""
+    c = ml_collections.ConfigDict()
+    c.name = "brorl"
+
+    # --- model -----------------------------------------------------------------------------
+    c.model = ml_collections.ConfigDict()
+    c.model.path = ""                 # local Hugging Face directory; "" = the embedded demo model
+    c.model.dtype = "float32"         # compute dtype: float32 | bfloat16
+    c.model.param_dtype = "float32"   # parameter dtype: float32 | bfloat16
+    c.model.remat = True              # rematerialise each layer in the update's backward pass
+
+    # --- data ------------------------------------------------------------------------------
+    c.data = ml_collections.ConfigDict()
+    # A JSONL/Parquet path (veRL layout accepted) or "reasoning_gym:task[,task...]".
+    c.data.train = ""
+    c.data.eval = ""                  # held-out prompts; "" = a disjoint slice of data.train
+    c.data.train_size = 10_000        # prompts generated for reasoning_gym sources
+    c.data.eval_size = 256
+    c.data.max_prompt_len = 1024      # longer prompts are skipped and counted, never truncated
+    c.data.system_prompt = ""
+    c.data.use_chat_template = True
+    c.data.seed = 0
+    # reasoning_gym generator options (JSON object as a string so it stays one typed field)
+    c.data.reasoning_gym_kwargs = "{}"
+
+    # --- rollout ---------------------------------------------------------------------------
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.rollouts_per_prompt = 512   # N [BroRL Table 1]
+    c.rollout.max_new_tokens = 16384 - 1024  # 16k context [BroRL 4.2.1] minus the prompt limit
+    c.rollout.temperature = 1.0           # not stated in BroRL (ProRL v1: 1.2; NeMo-RL: 1.0)
+    c.rollout.top_p = 1.0
+    c.rollout.top_k = 0
+    c.rollout.memory_budget_gb = 0.0      # 0 = no chunking of the N samples of a prompt
+    c.rollout.impl = "auto"               # auto | kernel | reference
+
+    # --- the update (algorithm) ------------------------------------------------------------
+    c.algo = ml_collections.ConfigDict()
+    c.algo.prompts_per_step = 128         # B after dynamic-sampling filtering [BroRL Table 1]
+    c.algo.advantage = "reinforce_pp_baseline"  # | grpo | rloo
+    c.algo.dynamic_sampling = True        # keep groups with 0 < #correct < N
+    c.algo.correct_threshold = 1.0        # a sample counts as correct when reward >= this
+    c.algo.generation_batch_multiplier = 1.5   # NeMo-RL ProRLv2 value (over-generate per round)
+    c.algo.max_generation_rounds = 10          # NeMo-RL dynamic_sampling_max_gen_batches
+    c.algo.on_generation_cap = "error"         # error | pad (train on what was kept, rest masked)
+    c.algo.clip_eps_low = 0.2                  # [ProRLv2]
+    c.algo.clip_eps_high = 0.28                # [ProRLv2]
+    c.algo.loss_agg = "token_mean"             # | seq_mean_token_mean
+    c.algo.ppo_mini_batches = 1                # optimizer steps per RL step (not stated)
+    c.algo.micro_batch_size = 64               # sequences per gradient-accumulation micro-batch
+    c.algo.tis = True                          # truncated importance sampling (ICE-POP)
+    c.algo.tis_low = 0.5
+    c.algo.tis_high = 5.0
+    c.algo.kl_coef = 1e-4                      # NeMo-RL / OpenRLHF ProRLv2 configs
+    c.algo.kl_estimator = "k2"                 # k1 | k2 | k3
+    c.algo.kl_clamp = 10.0                     # clamp of the log ratio [ProRLv2]
+    c.algo.ref_reset_every = 0                 # steps between reference resets; 0 = never
+    c.algo.reset_optimizer_on_ref_reset = False  # ProRL v1: True, ProRLv2: False
+    c.algo.entropy_coef = 0.0                  # entropy bonus, off (not in the paper)
+    c.algo.length_penalty = False              # scheduled cosine length penalty [ProRLv2], off
+    c.algo.length_penalty_coef = 0.0
+    c.algo.length_penalty_eta_min = -0.5
+    c.algo.length_penalty_eta_max = 0.0
+    c.algo.logprob_impl = "auto"               # auto | pallas | chunked | naive
+
+    # --- optimiser -------------------------------------------------------------------------
+    c.optim = ml_collections.ConfigDict()
+    c.optim.name = "adamw"                # adamw | lion (lion: not in the paper)
+    c.optim.base_lr = 1e-6                # eta_0 at the base batch (OpenRLHF ProRLv2 example)
+    c.optim.base_batch = 8192             # samples/step of the base recipe (512 x 16)
+    c.optim.scale_lr_with_batch = True    # lr = base_lr * sqrt(batch / base_batch) [BroRL 4.2.1]
+    c.optim.lr = -1.0                     # explicit lr; -1 = derived by the sqrt rule
+    c.optim.schedule = "constant"         # constant | warmup_cosine (not in the paper)
+    c.optim.warmup_steps = 0
+    c.optim.final_lr_ratio = 0.1
+    c.optim.weight_decay = 0.01
+    c.optim.b1 = 0.9
+    c.optim.b2 = 0.999
+    c.optim.eps = 1e-8
+    c.optim.grad_clip = 1.0
+
+    # --- rewards ---------------------------------------------------------------------------
+    c.rewards = ml_collections.ConfigDict()
+    c.rewards.num_workers = 2
+    c.rewards.timeout_s = 5.0             # per item (ProRL code tests: 5 s)
+    c.rewards.batch_deadline_s = 600.0
+    c.rewards.recycle_after = 2000        # items per worker before it is replaced
+
+    # --- supervised warm start (used by the demo; 0 steps = none) --------------------------
+    c.sft = ml_collections.ConfigDict()
+    c.sft.steps = 0
+    c.sft.batch_size = 64
+    c.sft.lr = 1e-3
+
+    # --- evaluation ------------------------------------------------------------------------
+    c.eval = ml_collections.ConfigDict()
+    c.eval.every = 0                      # steps; 0 = only before and after training
+    c.eval.num_prompts = 256
+    c.eval.samples_per_prompt = 16        # k for pass@k and mean@k [BroRL App. D]
+    c.eval.temperature = 0.6              # [BroRL App. D]
+    c.eval.top_p = 0.95
+    c.eval.max_new_tokens = -1            # -1 = rollout.max_new_tokens
+
+    # --- loop ------------------------------------------------------------------------------
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = 200
+    c.train.seed = 0
+    c.train.checkpoint_every = 10
+    c.train.keep_checkpoints = 3
+    c.train.log_every = 1
+    c.train.plots = True
+    c.train.tensorboard = True
+    c.train.mass_balance_diagnostics = False
+
+    # --- parallelism -----------------------------------------------------------------------
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1                      # -1 = the rest of the devices
+    c.mesh.fsdp = 1
+    c.mesh.tensor = 1
+    c.mesh.rules = "default"              # name of a rule set in brorl_jax.parallel.rules
+    return c
+
+
+ALLOWED = {
+    "model.dtype": ("float32", "bfloat16"),
+    "model.param_dtype": ("float32", "bfloat16"),
+    "rollout.impl": ("auto", "kernel", "reference"),
+    "algo.advantage": ("reinforce_pp_baseline", "grpo", "rloo"),
+    "algo.on_generation_cap": ("error", "pad"),
+    "algo.loss_agg": ("token_mean", "seq_mean_token_mean"),
+    "algo.kl_estimator": ("k1", "k2", "k3"),
+    "algo.logprob_impl": ("auto", "pallas", "chunked", "naive"),
+    "optim.name": ("adamw", "lion"),
+    "optim.schedule": ("constant", "warmup_cosine"),
+}
+
+POSITIVE = (
+    "rollout.rollouts_per_prompt", "rollout.max_new_tokens", "algo.prompts_per_step",
+    "algo.ppo_mini_batches", "algo.micro_batch_size", "algo.max_generation_rounds",
+    "data.max_prompt_len", "optim.base_lr", "optim.base_batch", "rewards.num_workers",
+    "rewards.timeout_s", "eval.samples_per_prompt", "eval.num_prompts", "train.keep_checkpoints",
+)
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, mistyped or inconsistent; the message names it and the fix."""
+
+
+def _flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in cfg.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, ml_collections.ConfigDict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _get(cfg, dotted: str):
+    for part in dotted.split("."):
+        cfg = cfg[part]
+    return cfg
+
+
+def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Checks `cfg` against the schema; returns it unchanged or raises ConfigError.
+
+    Raises on: a key the schema does not have (with the closest known key), a value whose type
+    differs from the schema's (ints are accepted where floats are expected), a value outside its
+    allowed set or range, and inconsistent combinations.
+    """
+    schema = _flatten(default_config())
+    given = _flatten(cfg)
+    errors = []
+    for key, value in given.items():
+        if key not in schema:
+            near = difflib.get_close_matches(key, list(schema), n=1)
+            hint = f" Did you mean '{near[0]}'?" if near else ""
+            errors.append(f"unknown config key '{key}'.{hint}")
+            continue
+        want = type(schema[key])
+        ok = isinstance(value, want) or (want is float and isinstance(value, int)
+                                         and not isinstance(value, bool))
+        if want is int and isinstance(value, bool):
+            ok = False
+        if not ok:
+            errors.append(f"config key '{key}' must be {want.__name__}, got "
+                          f"{type(value).__name__} {value!r}.")
+    missing = [k for k in schema if k not in given]
+    if missing:
+        errors.append("config is missing keys " + ", ".join(sorted(missing)) +
+                      "; start configs from brorl_jax.config.default_config().")
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+    for key, allowed in ALLOWED.items():
+        if _get(cfg, key) not in allowed:
+            errors.append(f"config key '{key}' is {_get(cfg, key)!r}; allowed: "
+                          + ", ".join(repr(a) for a in allowed) + ".")
+    for key in POSITIVE:
+        if not _get(cfg, key) > 0:
+            errors.append(f"config key '{key}' must be > 0, got {_get(cfg, key)!r}.")
+    a, r = cfg.algo, cfg.rollout
+    if not 0.0 <= a.clip_eps_low < 1.0:
+        errors.append(f"config key 'algo.clip_eps_low' must be in [0, 1), got {a.clip_eps_low}.")
+    if a.clip_eps_high < 0.0:
+        errors.append(f"config key 'algo.clip_eps_high' must be >= 0, got {a.clip_eps_high}.")
+    if a.tis and not 0.0 <= a.tis_low < 1.0 < a.tis_high:
+        errors.append(f"config keys 'algo.tis_low'/'algo.tis_high' must satisfy "
+                      f"0 <= tis_low < 1 < tis_high, got {a.tis_low}, {a.tis_high}.")
+    if r.temperature < 0:
+        errors.append(f"config key 'rollout.temperature' must be >= 0 (0 = greedy), got "
+                      f"{r.temperature}.")
+    if not 0.0 < r.top_p <= 1.0:
+        errors.append(f"config key 'rollout.top_p' must be in (0, 1], got {r.top_p}.")
+    if r.top_k < 0:
+        errors.append(f"config key 'rollout.top_k' must be >= 0 (0 = off), got {r.top_k}.")
+    if a.dynamic_sampling and r.rollouts_per_prompt < 2:
+        errors.append("dynamic sampling needs 'rollout.rollouts_per_prompt' >= 2 (a group of one "
+                      "is always all-correct or all-wrong); set algo.dynamic_sampling=False.")
+    if a.generation_batch_multiplier < 1.0:
+        errors.append("config key 'algo.generation_batch_multiplier' must be >= 1.0, got "
+                      f"{a.generation_batch_multiplier}.")
+    samples = a.prompts_per_step * r.rollouts_per_prompt
+    if samples % a.ppo_mini_batches:
+        errors.append(f"algo.prompts_per_step * rollout.rollouts_per_prompt = {samples} samples "
+                      f"must divide into 'algo.ppo_mini_batches'={a.ppo_mini_batches} equal "
+                      "mini-batches.")
+    elif (samples // a.ppo_mini_batches) % a.micro_batch_size:
+        errors.append(f"each PPO mini-batch has {samples // a.ppo_mini_batches} samples, which "
+                      f"'algo.micro_batch_size'={a.micro_batch_size} does not divide; pick a "
+                      "divisor.")
+    if cfg.eval.samples_per_prompt < 1:
+        errors.append("config key 'eval.samples_per_prompt' must be >= 1.")
+    if not 0.0 < cfg.eval.top_p <= 1.0:
+        errors.append(f"config key 'eval.top_p' must be in (0, 1], got {cfg.eval.top_p}.")
+    for axis in ("data", "fsdp", "tensor"):
+        v = cfg.mesh[axis]
+        if v == 0 or v < -1:
+            errors.append(f"config key 'mesh.{axis}' must be a positive size or -1 (the rest), "
+                          f"got {v}.")
+    if sum(cfg.mesh[ax] == -1 for ax in ("data", "fsdp", "tensor")) > 1:
+        errors.append("at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1.")
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    return cfg
+
+
+def samples_per_step(cfg: ml_collections.ConfigDict) -> int:
+    """Samples that enter one update: prompts_per_step (post-filter) x rollouts_per_prompt."""
+    return cfg.algo.prompts_per_step * cfg.rollout.rollouts_per_prompt
+
+
+def derived_learning_rate(cfg: ml_collections.ConfigDict) -> tuple[float, str]:
+    """The learning rate a run uses and a sentence saying how it was derived.
+
+    BroRL scales the learning rate by sqrt(B_new / B_0) when it enlarges the batch [BroRL 4.2.1].
+    The paper does not say whether B counts prompts or samples; we count samples (prompts x N),
+    which makes BroRL's 128 x 512 batch 8x ProRL's 512 x 16 and the LR x sqrt(8) = 2.83.
+    """
+    if cfg.optim.lr > 0:
+        return cfg.optim.lr, f"lr = {cfg.optim.lr:g} (set explicitly by optim.lr)"
+    base = cfg.optim.base_lr
+    if not cfg.optim.scale_lr_with_batch:
+        return base, f"lr = optim.base_lr = {base:g} (batch scaling off)"
+    b = samples_per_step(cfg)
+    factor = math.sqrt(b / cfg.optim.base_batch)
+    return base * factor, (f"lr = base_lr {base:g} x sqrt({b} / {cfg.optim.base_batch}) = "
+                           f"{base:g} x {factor:.4g} = {base * factor:.4g}")

@@ -1,0 +1,257 @@
+"""ModelConfig: the frozen, hashable description of a decoder-only transformer.
+
+It covers the three Hugging Face families used by BroRL-style RLVR runs (Qwen2/Qwen2.5, Qwen3,
+Llama 3.x) and converts to and from a HF ``config.json`` dict. Being a frozen dataclass of plain
+hashable fields, a ``ModelConfig`` can be a static argument of ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_DTYPES = ("float32", "bfloat16")
+
+# HF's RotaryEmbeddingConfigMixin.default_theta: used when a config.json names no theta.
+_DEFAULT_ROPE_THETA = 10_000.0
+# Per-family defaults for fields that old or minimal config.json files may omit.
+_DEFAULTS = {
+    "qwen2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "tie_word_embeddings": False},
+    "qwen3": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "tie_word_embeddings": False},
+    "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "tie_word_embeddings": False},
+}
+_ARCHITECTURES = {
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Qwen2 / Qwen3 / Llama-style decoder-only transformer.
+
+    Attributes follow HF ``config.json`` names. ``rope_scaling`` is the hashable form of HF's rope
+    scaling dict without ``rope_type == "default"`` (then ``None``), as a sorted tuple of
+    ``(key, value)`` pairs, e.g. ``(("factor", 8.0), ..., ("rope_type", "llama3"))``.
+    ``attention_bias`` means bias on q/k/v projections; for qwen2 that is the only bias (o_proj has
+    none), for qwen3/llama HF's ``attention_bias=True`` also adds an o_proj bias.
+    ``param_dtype`` is the storage dtype of the params, ``dtype`` the compute dtype; logits are
+    always float32.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    rope_scaling: tuple | None
+    rms_norm_eps: float
+    attention_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"ModelConfig.model_type={self.model_type!r} is not supported; "
+                f"supported model_type values: {SUPPORTED_MODEL_TYPES}"
+            )
+        for name in ("param_dtype", "dtype"):
+            if getattr(self, name) not in SUPPORTED_DTYPES:
+                raise ValueError(
+                    f"ModelConfig.{name}={getattr(self, name)!r}; use one of {SUPPORTED_DTYPES}"
+                )
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"ModelConfig.num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention)"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
+        if self.rope_scaling is not None:
+            rope_type = dict(self.rope_scaling).get("rope_type")
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(
+                    f"ModelConfig.rope_scaling rope_type={rope_type!r} is not supported; "
+                    f"supported: {SUPPORTED_ROPE_TYPES}"
+                )
+
+    # ----------------------------------------------------------------------------------------
+    @property
+    def num_kv_groups(self) -> int:
+        """Query heads per key/value head (GQA group size)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return None if self.rope_scaling is None else dict(self.rope_scaling)
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        """A copy with some fields changed (e.g. ``cfg.replace(dtype="bfloat16")``)."""
+        return dataclasses.replace(self, **changes)
+
+    # ----------------------------------------------------------------------------------------
+    @classmethod
+    def from_hf_config(
+        cls,
+        hf: dict[str, Any],
+        *,
+        param_dtype: str = "float32",
+        dtype: str = "float32",
+        source: str = "config.json",
+    ) -> "ModelConfig":
+        """Build from a HF ``config.json`` dict (qwen2, qwen3 or llama).
+
+        Accepts both the transformers-5 ``rope_parameters`` layout and the older
+        ``rope_theta`` + ``rope_scaling`` layout. ``source`` names the file in error messages.
+        """
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"{source}: model_type={model_type!r} is not supported; "
+                f"supported model_type values: {SUPPORTED_MODEL_TYPES}"
+            )
+        defaults = _DEFAULTS[model_type]
+
+        def need(key: str) -> Any:
+            if hf.get(key) is None:
+                raise ValueError(f"{source}: required field {key!r} is missing")
+            return hf[key]
+
+        hidden_size = int(need("hidden_size"))
+        num_heads = int(need("num_attention_heads"))
+        num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
+        head_dim = int(hf.get("head_dim") or hidden_size // num_heads)
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act={hf['hidden_act']!r}; only 'silu' is supported")
+        if hf.get("mlp_bias"):
+            raise ValueError(f"{source}: mlp_bias=true is not supported")
+        if hf.get("use_sliding_window"):
+            raise ValueError(f"{source}: use_sliding_window=true is not supported")
+
+        rope_theta, rope_scaling = _parse_rope(hf, source)
+
+        if model_type == "qwen2":
+            # transformers' Qwen2Attention always has q/k/v biases and no o_proj bias.
+            attention_bias = True
+        else:
+            attention_bias = bool(hf.get("attention_bias", False))
+
+        eos = hf.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+        bos = hf.get("bos_token_id")
+        tie = hf.get("tie_word_embeddings")
+        return cls(
+            model_type=model_type,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden_size,
+            intermediate_size=int(need("intermediate_size")),
+            num_hidden_layers=int(need("num_hidden_layers")),
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            rms_norm_eps=float(hf.get("rms_norm_eps") or defaults["rms_norm_eps"]),
+            attention_bias=attention_bias,
+            qk_norm=(model_type == "qwen3"),
+            tie_word_embeddings=bool(defaults["tie_word_embeddings"] if tie is None else tie),
+            max_position_embeddings=int(
+                hf.get("max_position_embeddings") or defaults["max_position_embeddings"]
+            ),
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=eos_ids,
+            param_dtype=param_dtype,
+            dtype=dtype,
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """A HF ``config.json`` dict that transformers loads as the same architecture."""
+        rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            rope_parameters.update(dict(self.rope_scaling))
+        eos: int | list[int] | None
+        if not self.eos_token_ids:
+            eos = None
+        elif len(self.eos_token_ids) == 1:
+            eos = self.eos_token_ids[0]
+        else:
+            eos = list(self.eos_token_ids)
+        hf: dict[str, Any] = {
+            "architectures": [_ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": rope_parameters,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos,
+            "torch_dtype": self.param_dtype,
+            "dtype": self.param_dtype,
+            "use_cache": True,
+        }
+        if self.model_type == "qwen2":
+            hf["use_sliding_window"] = False
+        else:
+            hf["attention_bias"] = self.attention_bias
+        if self.model_type == "llama":
+            hf["mlp_bias"] = False
+        return hf
+
+
+def _parse_rope(hf: dict[str, Any], source: str) -> tuple[float, tuple | None]:
+    """(rope_theta, hashable rope_scaling or None) from either HF rope layout.
+
+    Priority mirrors transformers' ``convert_rope_params_to_dict``: a legacy ``rope_scaling`` dict
+    wins over ``rope_parameters``; theta comes from the dict, else top-level ``rope_theta``.
+    """
+    params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"{source}: per-layer-type rope parameters are not supported")
+    theta = params.pop("rope_theta", None) or hf.get("rope_theta") or _DEFAULT_ROPE_THETA
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if params.get("partial_rotary_factor", 1.0) != 1.0 or hf.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"{source}: partial_rotary_factor != 1 is not supported")
+    params.pop("partial_rotary_factor", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"{source}: rope_type={rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
+        )
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type == "llama3":
+        params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+        required = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        missing = [k for k in required if params.get(k) is None]
+        if missing:
+            raise ValueError(f"{source}: llama3 rope scaling is missing {missing}")
+        keep = {k: params[k] for k in required}
+    else:  # linear
+        if params.get("factor") is None:
+            raise ValueError(f"{source}: linear rope scaling is missing 'factor'")
+        keep = {"factor": params["factor"]}
+    keep = {k: (float(v) if k != "original_max_position_embeddings" else int(v)) for k, v in keep.items()}
+    keep["rope_type"] = rope_type
+    return float(theta), tuple(sorted(keep.items()))

@@ -1,0 +1,451 @@
+"""Decoder-only transformer (Qwen2 / Qwen3 / Llama 3) as Flax linen modules + pure functions.
+
+The modules (``RMSNorm``, ``DecoderLayer``) define the parameters and the math; everything the
+rest of brorl_jax calls is a pure function of a plain param pytree (docs/INTERFACES.md, "models"):
+
+    params = {"embed": {"embedding": [V, D]},
+              "layers": {<DecoderLayer params, every leaf with a leading axis L>},
+              "final_norm": {"scale": [D]},
+              "lm_head": {"kernel": [D, V]}}          # absent when tie_word_embeddings
+
+Per-layer leaves (before stacking): ``input_norm/scale [D]``, ``q_proj/kernel [D, H*Dh]``
+(+ ``bias [H*Dh]``), ``k_proj/kernel [D, Hkv*Dh]``, ``v_proj/kernel [D, Hkv*Dh]`` (+ biases),
+``o_proj/kernel [H*Dh, D]`` (+ ``bias`` for llama/qwen3 with attention_bias), ``q_norm/scale [Dh]``,
+``k_norm/scale [Dh]`` (qwen3 only), ``post_attn_norm/scale [D]``, ``gate_proj/kernel [D, I]``,
+``up_proj/kernel [D, I]``, ``down_proj/kernel [I, D]``.
+
+One layer (pre-norm, Llama/Qwen):
+    x = x + o_proj(Attn(RoPE(q), RoPE(k), v))      with q,k,v = proj(RMSNorm(x))
+    x = x + down_proj(silu(gate_proj(h)) * up_proj(h))   with h = RMSNorm(x)
+Attention is causal softmax(q k^T / sqrt(Dh)) v with grouped-query heads (query head h reads
+key/value head h // (H / Hkv), as transformers' ``repeat_kv``). Softmax and logits are float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import ModelConfig
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# Same init as transformers' PreTrainedModel._init_weights (initializer_range=0.02).
+_WEIGHT_INIT = nn.initializers.normal(stddev=0.02)
+# Finite "minus infinity": a fully masked row (a padding query) then gives a uniform softmax
+# instead of NaN, which keeps gradients finite.
+_MASK_VALUE = float(np.finfo(np.float32).min)
+
+
+def dtype_of(name: str) -> Any:
+    """jnp dtype for a ModelConfig dtype string ("float32" | "bfloat16")."""
+    return _DTYPES[name]
+
+
+# ------------------------------------------------------------------------------------------------
+# Rotary position embedding
+# ------------------------------------------------------------------------------------------------
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse RoPE frequencies f32[Dh/2] (RoFormer, Su et al. 2021, eq. 34), with scaling.
+
+    inv_freq_i = theta^(-2i/Dh); "linear" divides by ``factor``; "llama3" applies Llama 3.1's
+    wavelength-dependent rescaling (transformers ``_compute_llama3_parameters``). Computed in
+    float32 as transformers does, so positions map to the same angles.
+    """
+    dim = cfg.head_dim
+    exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv_freq = (np.float32(1.0) / (np.float32(cfg.rope_theta) ** exponent)).astype(np.float32)
+    scaling = cfg.rope_scaling_dict
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling["rope_type"]
+    if rope_type == "linear":
+        return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
+    if rope_type == "llama3":
+        factor = np.float32(scaling["factor"])
+        low = np.float32(scaling["low_freq_factor"])
+        high = np.float32(scaling["high_freq_factor"])
+        old_len = np.float32(scaling["original_max_position_embeddings"])
+        low_freq_wavelen = old_len / low
+        high_freq_wavelen = old_len / high
+        wavelen = np.float32(2 * np.pi) / inv_freq
+        # Long wavelengths (low frequencies) are stretched by `factor`, short ones kept, and the
+        # band in between interpolated smoothly.
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        return np.where(is_medium, smoothed, scaled).astype(np.float32)
+    raise ValueError(f"rope_type={rope_type!r} is not supported")
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate x[B,T,N,Dh] by angles positions[B,T] * inv_freq[Dh/2] (half-split layout).
+
+    Matches transformers' ``rotate_half`` convention: out = x*cos + rotate_half(x)*sin with the
+    two halves of the head dimension as the (real, imaginary) pairs. Computed in float32.
+    """
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B,T,Dh/2]
+    cos = jnp.cos(freqs)[:, :, None, :]
+    sin = jnp.sin(freqs)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention
+# ------------------------------------------------------------------------------------------------
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
+    """Masked grouped-query attention, the plain reference.
+
+    q[B,Tq,H,Dh], k/v[B,Tk,Hkv,Dh], allowed bool[B,Tq,Tk] (True = query may read key)
+    -> out[B,Tq,H,Dh] in v's dtype. Scores and softmax in float32. A row with no allowed key
+    gives a uniform average instead of NaN (its output is meaningless and should be masked).
+    """
+    b, tq, h, dh = q.shape
+    hkv = k.shape[2]
+    if h % hkv != 0:
+        raise ValueError(f"attention: {h} query heads is not a multiple of {hkv} key/value heads")
+    qg = q.reshape(b, tq, hkv, h // hkv, dh)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * np.float32(dh**-0.5)
+    scores = jnp.where(allowed[:, None, None, :, :], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, tq, h, dh).astype(v.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Flax modules
+# ------------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) * scale, normalised in f32."""
+
+    eps: float
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return scale.astype(self.dtype) * x32.astype(self.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm decoder layer. ``qkv`` and ``finish`` are the halves around attention."""
+
+    cfg: ModelConfig
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
+        dense = functools.partial(nn.Dense, dtype=dt, param_dtype=pdt, kernel_init=_WEIGHT_INIT)
+        norm = functools.partial(RMSNorm, eps=cfg.rms_norm_eps, dtype=dt, param_dtype=pdt)
+        h, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.input_norm = norm()
+        self.q_proj = dense(h * dh, use_bias=cfg.attention_bias)
+        self.k_proj = dense(hkv * dh, use_bias=cfg.attention_bias)
+        self.v_proj = dense(hkv * dh, use_bias=cfg.attention_bias)
+        # Qwen2 has q/k/v biases only; Llama/Qwen3 attention_bias covers o_proj too.
+        self.o_proj = dense(cfg.hidden_size, use_bias=cfg.attention_bias and cfg.model_type != "qwen2")
+        if cfg.qk_norm:
+            self.q_norm = norm()
+            self.k_norm = norm()
+        self.post_attn_norm = norm()
+        self.gate_proj = dense(cfg.intermediate_size, use_bias=False)
+        self.up_proj = dense(cfg.intermediate_size, use_bias=False)
+        self.down_proj = dense(cfg.hidden_size, use_bias=False)
+
+    def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        cfg = self.cfg
+        b, t, _ = x.shape
+        hidden = self.input_norm(x)
+        q = self.q_proj(hidden).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
+        k = self.k_proj(hidden).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        v = self.v_proj(hidden).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's Dh before RoPE.
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        inv_freq = rope_inv_freq(cfg)
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def finish(self, x: jax.Array, attn: jax.Array) -> jax.Array:
+        b, t = x.shape[:2]
+        x = x + self.o_proj(attn.reshape(b, t, -1))
+        hidden = self.post_attn_norm(x)
+        return x + self.down_proj(nn.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
+
+    def __call__(self, x: jax.Array, positions: jax.Array, allowed: jax.Array) -> jax.Array:
+        q, k, v = self.qkv(x, positions)
+        return self.finish(x, attention(q, k, v, allowed))
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure functions of the param pytree
+# ------------------------------------------------------------------------------------------------
+def embed(params: dict, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Token embedding: tokens int32[B,T] -> x[B,T,D] in the compute dtype."""
+    table = params["embed"]["embedding"]
+    return jnp.take(table, tokens, axis=0).astype(dtype_of(cfg.dtype))
+
+
+def layer_qkv(
+    layer_params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Input RMSNorm, q/k/v projections (+bias), q/k RMSNorm (qwen3), RoPE at ``positions``.
+
+    layer_params: ONE layer's params (no leading L axis); x[B,T,D], positions int[B,T]
+    -> q[B,T,H,Dh], k[B,T,Hkv,Dh], v[B,T,Hkv,Dh] in the compute dtype.
+    """
+    return DecoderLayer(cfg).apply({"params": layer_params}, x, positions, method="qkv")
+
+
+def layer_finish(layer_params: dict, cfg: ModelConfig, x: jax.Array, attn: jax.Array) -> jax.Array:
+    """o_proj + residual, post-attention RMSNorm, SwiGLU MLP + residual.
+
+    x[B,T,D] (the layer's input), attn[B,T,H,Dh] (attention output) -> x[B,T,D].
+    """
+    return DecoderLayer(cfg).apply({"params": layer_params}, x, attn, method="finish")
+
+
+def final_norm(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """Final RMSNorm: x[B,T,D] -> h[B,T,D]."""
+    module = RMSNorm(cfg.rms_norm_eps, dtype_of(cfg.dtype), dtype_of(cfg.param_dtype))
+    return module.apply({"params": params["final_norm"]}, x)
+
+
+def lm_head_matrix(params: dict, cfg: ModelConfig) -> jax.Array:
+    """Output projection W[D,V] (the embedding table transposed when tie_word_embeddings)."""
+    if cfg.tie_word_embeddings:
+        return params["embed"]["embedding"].T
+    return params["lm_head"]["kernel"]
+
+
+def lm_logits(params: dict, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+    """Logits f32[..., V] = h[..., D] @ W[D, V], accumulated in float32."""
+    w = lm_head_matrix(params, cfg).astype(dtype_of(cfg.dtype))
+    return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+
+
+def default_positions(mask: jax.Array) -> jax.Array:
+    """Positions int32[B,T] from a padding mask bool[B,T]: count of real tokens before each one.
+
+    Works for left and right padding (a left-padded prompt starts at position 0 at its first
+    real token); padding slots get position 0.
+    """
+    mask = mask.astype(jnp.int32)
+    return jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0).astype(jnp.int32) * mask
+
+
+def _check_tokens(tokens: jax.Array, name: str = "tokens", ndim: int = 2) -> None:
+    if tokens.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tokens.shape}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array, got dtype {tokens.dtype}")
+
+
+def forward(
+    params: dict,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    *,
+    positions: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    return_hidden: bool = False,
+    remat: bool = False,
+) -> jax.Array:
+    """Full-sequence forward pass.
+
+    tokens int32[B,T]; positions int[B,T] (default: derived from attention_mask, see
+    ``default_positions``); attention_mask bool[B,T] (True = real token; default all True).
+    Keys are masked by the causal mask (by array index) and the padding mask, so left or right
+    padding both work. Layers run as ``lax.scan`` over the stacked layer params; ``remat=True``
+    wraps each layer in ``jax.checkpoint`` (recompute activations in the backward pass).
+    -> logits f32[B,T,V], or the final-normed hidden h[B,T,D] with ``return_hidden=True``.
+    """
+    _check_tokens(tokens)
+    b, t = tokens.shape
+    mask = jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
+    if mask.shape != (b, t):
+        raise ValueError(f"attention_mask shape {mask.shape} != tokens shape {(b, t)}")
+    if positions is None:
+        positions = default_positions(mask)
+    elif positions.shape != (b, t):
+        raise ValueError(f"positions shape {positions.shape} != tokens shape {(b, t)}")
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    allowed = causal[None] & mask[:, None, :]  # [B,T,T]
+
+    def layer(x: jax.Array, layer_params: dict) -> tuple[jax.Array, None]:
+        q, k, v = layer_qkv(layer_params, cfg, x, positions)
+        return layer_finish(layer_params, cfg, x, attention(q, k, v, allowed)), None
+
+    if remat:
+        layer = jax.checkpoint(layer)
+    x, _ = jax.lax.scan(layer, embed(params, cfg, tokens), params["layers"])
+    h = final_norm(params, cfg, x)
+    return h if return_hidden else lm_logits(params, cfg, h)
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array) -> dict:
+    """Random params (transformers' init: N(0, 0.02) weights, zero biases, unit norms).
+
+    Layer params are created by ``jax.vmap`` over per-layer keys, so every leaf of
+    ``params["layers"]`` has the leading axis L = num_hidden_layers.
+    """
+    return _init_params_jit(cfg, rng)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init_params_jit(cfg: ModelConfig, rng: jax.Array) -> dict:
+    pdt = dtype_of(cfg.param_dtype)
+    rng_embed, rng_layers, rng_head = jax.random.split(rng, 3)
+    x = jnp.zeros((1, 1, cfg.hidden_size), dtype_of(cfg.dtype))
+    positions = jnp.zeros((1, 1), jnp.int32)
+    allowed = jnp.ones((1, 1, 1), bool)
+    layer = DecoderLayer(cfg)
+    layers = jax.vmap(lambda r: layer.init(r, x, positions, allowed)["params"])(
+        jax.random.split(rng_layers, cfg.num_hidden_layers)
+    )
+    params = {
+        "embed": {
+            "embedding": _WEIGHT_INIT(rng_embed, (cfg.vocab_size, cfg.hidden_size), pdt),
+        },
+        "layers": layers,
+        "final_norm": {"scale": jnp.ones((cfg.hidden_size,), pdt)},
+    }
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = {
+            "kernel": _WEIGHT_INIT(rng_head, (cfg.hidden_size, cfg.vocab_size), pdt)
+        }
+    return params
+
+
+def cast_params(params: dict, cfg: ModelConfig) -> dict:
+    """Params cast to ``cfg.param_dtype`` (floating leaves only)."""
+    pdt = dtype_of(cfg.param_dtype)
+    return jax.tree.map(
+        lambda p: p.astype(pdt) if jnp.issubdtype(p.dtype, jnp.floating) else p, params
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Plain KV cache (one cache row per sequence; the rollout engine has its own shared-prompt cache)
+# ------------------------------------------------------------------------------------------------
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
+    """Empty KV cache.
+
+    {"k", "v": [L,B,S,Hkv,Dh] compute dtype, "mask": bool[B,S] (slot holds a real token),
+     "index": int32[] (next slot to write; the same for every row)} with S = max_len.
+    """
+    if batch <= 0 or max_len <= 0:
+        raise ValueError(f"init_cache: batch={batch} and max_len={max_len} must be positive")
+    shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    dt = dtype_of(cfg.dtype)
+    return {
+        "k": jnp.zeros(shape, dt),
+        "v": jnp.zeros(shape, dt),
+        "mask": jnp.zeros((batch, max_len), bool),
+        "index": jnp.zeros((), jnp.int32),
+    }
+
+
+def _extend(
+    params: dict,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    mask: jax.Array,
+    cache: dict,
+) -> tuple[jax.Array, dict]:
+    """Write tokens[B,T] into cache slots [index, index+T) and return their logits f32[B,T,V].
+
+    Query i (slot index+i) reads every filled slot j <= index+i whose mask is True, so this is
+    forward() over the concatenation of everything cached so far and ``tokens``.
+    """
+    b, t = tokens.shape
+    s = cache["k"].shape[2]
+    index = cache["index"]
+    if not isinstance(index, jax.core.Tracer) and int(index) + t > s:
+        raise ValueError(
+            f"KV cache full: {int(index)} slots used + {t} new tokens > max_len={s}; "
+            "create the cache with a larger max_len"
+        )
+    slot_mask = jax.lax.dynamic_update_slice(cache["mask"], mask.astype(bool), (0, index))
+    query_slot = index + jnp.arange(t)
+    causal = jnp.arange(s)[None, :] <= query_slot[:, None]  # [T,S]
+    allowed = causal[None] & slot_mask[:, None, :]  # [B,T,S]
+
+    def layer(x: jax.Array, xs: tuple) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        layer_params, k_cache, v_cache = xs
+        q, k, v = layer_qkv(layer_params, cfg, x, positions)
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, index, 0, 0))
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, index, 0, 0))
+        x = layer_finish(layer_params, cfg, x, attention(q, k_cache, v_cache, allowed))
+        return x, (k_cache, v_cache)
+
+    x, (k_all, v_all) = jax.lax.scan(
+        layer, embed(params, cfg, tokens), (params["layers"], cache["k"], cache["v"])
+    )
+    logits = lm_logits(params, cfg, final_norm(params, cfg, x))
+    new_cache = {"k": k_all, "v": v_all, "mask": slot_mask, "index": index + t}
+    return logits, new_cache
+
+
+def prefill(
+    params: dict,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    positions: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    *,
+    max_len: int | None = None,
+    cache: dict | None = None,
+) -> tuple[jax.Array, dict]:
+    """Run a prompt batch tokens int32[B,T] and fill a KV cache.
+
+    positions int[B,T] (default from ``mask``), mask bool[B,T] (True = real token, default all).
+    Uses ``cache`` when given (appending after its filled slots), else a fresh cache of
+    ``max_len`` slots (default T: pass a larger max_len to leave room for decode_step).
+    -> (logits f32[B,T,V], cache); logits equal forward() on the same inputs.
+    """
+    _check_tokens(tokens)
+    b, t = tokens.shape
+    mask = jnp.ones((b, t), bool) if mask is None else mask.astype(bool)
+    if mask.shape != (b, t):
+        raise ValueError(f"mask shape {mask.shape} != tokens shape {(b, t)}")
+    if positions is None:
+        positions = default_positions(mask)
+    if cache is None:
+        cache = init_cache(cfg, b, t if max_len is None else max_len)
+    elif cache["mask"].shape[0] != b:
+        raise ValueError(f"cache batch {cache['mask'].shape[0]} != tokens batch {b}")
+    return _extend(params, cfg, tokens, positions, mask, cache)
+
+
+def decode_step(
+    params: dict, cfg: ModelConfig, token: jax.Array, position: jax.Array, cache: dict
+) -> tuple[jax.Array, dict]:
+    """One decoding step: token int32[B] at position int[B] -> (logits f32[B,V], cache).
+
+    Equals forward() logits at that position for the sequence cached so far + token. Outside
+    jit a full cache raises ValueError; under jit the caller must keep index < max_len.
+    """
+    _check_tokens(token, "token", 1)
+    b = token.shape[0]
+    logits, cache = _extend(
+        params,
+        cfg,
+        token[:, None],
+        jnp.reshape(position, (b, 1)),
+        jnp.ones((b, 1), bool),
+        cache,
+    )
+    return logits[:, 0], cache
