@@ -1,0 +1,62 @@
+"""The device mesh and the one place that maps array names to mesh axes.
+
+Mesh axes: `data` (replicas; the N samples of a prompt spread over it), `fsdp` (parameters and
+optimizer state sharded, gathered per layer by XLA), `tensor` (heads, MLP width and vocabulary
+split). Sizes come from the config; -1 means "the devices that are left".
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+AXES = ("data", "fsdp", "tensor")
+
+
+def mesh_shape(sizes: dict, num_devices: int) -> tuple[int, int, int]:
+    """Resolves {"data": -1, "fsdp": 4, "tensor": 2} against `num_devices`."""
+    shape = [int(sizes[a]) for a in AXES]
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        if num_devices % known:
+            raise ValueError(f"mesh: {num_devices} devices cannot be split with fixed axes "
+                             f"{dict(zip(AXES, shape))}; make the fixed sizes divide "
+                             f"{num_devices}.")
+        shape[shape.index(-1)] = num_devices // known
+    if math.prod(shape) != num_devices:
+        raise ValueError(f"mesh: axes {dict(zip(AXES, shape))} use {math.prod(shape)} devices "
+                         f"but {num_devices} are present; set one axis (config mesh.data) to -1 "
+                         "or make the product match.")
+    return tuple(shape)
+
+
+def make_mesh(sizes: dict | None = None, devices=None) -> Mesh:
+    """A ("data", "fsdp", "tensor") mesh over `devices` (default: all, across hosts)."""
+    devices = jax.devices() if devices is None else list(devices)
+    sizes = sizes or {"data": -1, "fsdp": 1, "tensor": 1}
+    shape = mesh_shape(dict(sizes), len(devices))
+    try:
+        from jax.experimental import mesh_utils
+        grid = mesh_utils.create_device_mesh(shape, devices=devices)
+    except Exception:  # simulated CPU devices have no topology to optimise for
+        grid = np.asarray(devices).reshape(shape)
+    return Mesh(grid, AXES)
+
+
+def batch_spec(ndim: int) -> P:
+    """Batches: the leading (sample) axis over data x fsdp, the rest replicated."""
+    return P(("data", "fsdp"), *([None] * (ndim - 1)))
+
+
+def named(mesh: Mesh, spec: P) -> NamedSharding:
+    return NamedSharding(mesh, spec)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh):
+    """Sets `mesh` as the ambient mesh for shardings given as bare PartitionSpecs."""
+    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else mesh:
+        yield mesh
