@@ -3,8 +3,8 @@
 A normalized record is a plain, JSON-serializable dict; it is what the reward scorer receives
 (veRL style: the scorer reads "data_source", "ground_truth" and "extra_info"):
 
-    {"prompt_messages": [{"role": "user", "content": "..."}, ...] | None,
-     "prompt": "raw text" | None,          # exactly one of prompt_messages / prompt is set
+    {"prompt_messages": [{"role": "user", "content": "..."}, ...],   # chat prompt, or
+     "prompt": "raw text",                 # plain text (exactly one of the two keys is present)
      "data_source": "math" | "code" | "reasoning_gym/<task>" | ...,
      "ground_truth": str | dict | list,    # code (APPS style): {"inputs", "outputs"[, "fn_name"]}
      "extra_info": dict,
@@ -164,8 +164,9 @@ def _normalize_prompt(value: Any) -> tuple[list[dict] | None, str | None, str, s
                 return None, None, BAD_PROMPT, (f"message {i} is not a {{'role': str, "
                                                 f"'content': str}} dict: {m!r:.80}")
             messages.append({"role": m["role"], "content": m["content"]})
-        if not any(m["content"].strip() for m in messages):
-            return None, None, EMPTY_PROMPT, "every message content is blank"
+        # A system message alone is an instruction without a question: count it as empty.
+        if not any(m["content"].strip() for m in messages if m["role"] != "system"):
+            return None, None, EMPTY_PROMPT, "no non-blank user message"
         return messages, None, "", ""
     return None, None, BAD_PROMPT, (f"prompt is a {type(value).__name__}; expected text or a list "
                                     "of chat messages")
@@ -224,9 +225,9 @@ def normalize_row(row: Any, *, source: str, row_index: int, report: DataReport,
         extra_info = {}
     elif not isinstance(extra_info, Mapping):
         extra_info = {"value": extra_info}
-    return {"prompt_messages": messages, "prompt": text, "data_source": str(row_source),
-            "ground_truth": ground_truth, "extra_info": dict(extra_info), "row": row_index,
-            "source": source}
+    prompt = {"prompt_messages": messages} if messages is not None else {"prompt": text}
+    return {**prompt, "data_source": str(row_source), "ground_truth": ground_truth,
+            "extra_info": dict(extra_info), "row": row_index, "source": source}
 
 
 def normalize_rows(rows: Iterable[tuple[int, Any]], *, source: str,
@@ -333,9 +334,11 @@ def load_dataset(spec: str | os.PathLike | Sequence[str | os.PathLike], *,
         return records, report
     text = os.fspath(spec)
     if text.startswith(REASONING_GYM_PREFIX):
-        from brorl_jax.data.reasoning_gym_source import parse_tasks, reasoning_gym_source
-        return reasoning_gym_source(parse_tasks(text[len(REASONING_GYM_PREFIX):]), size=size,
-                                    seed=seed)
+        from brorl_jax.data.reasoning_gym_source import reasoning_gym_source
+        report = DataReport()
+        records = reasoning_gym_source(text[len(REASONING_GYM_PREFIX):], size=size, seed=seed,
+                                       report=report)
+        return records, report
     lower = text.lower()
     if lower.endswith(".jsonl"):
         return load_jsonl(text, fields=fields, data_source=data_source)
