@@ -88,7 +88,7 @@ def sampled_set_mask(samples: Array, vocab_size: int) -> Array:
     return jnp.zeros((vocab_size,), bool).at[samples].set(True)
 
 
-def mass_balance(
+def partial_masses(
     probs: Array,
     correct_mask: Array,
     sampled_mask: Array,
@@ -200,7 +200,7 @@ def logit_step(
     Equals ``-lr * grad(linear_surrogate_loss)`` (App. C.1); unsampled tokens move by
     -(η/N) S_R p_j.
     """
-    mb = mass_balance(probs, correct_mask, sampled_mask, reward_correct=reward_correct,
+    mb = partial_masses(probs, correct_mask, sampled_mask, reward_correct=reward_correct,
                       reward_wrong=reward_wrong)
     r = token_rewards(correct_mask, sampled_mask, reward_correct=reward_correct,
                       reward_wrong=reward_wrong).astype(probs.dtype)
@@ -235,7 +235,8 @@ def unsampled_second_moment_terms(probs: Array, n: int | Array) -> Array:
     would overstate the factor for large N.
     """
     probs = jnp.asarray(probs)
-    # p = 1 gives log1p(-1) = -inf; the inner where keeps the N = 0 branch free of 0 * -inf = nan.
+    # log(1 - p) = -inf at p = 1 (always sampled once N >= 1); the inner where keeps log1p and
+    # its gradient finite there (double-where).
     log_keep = jnp.where(probs < 1, jnp.log1p(-jnp.where(probs < 1, probs, 0)), -jnp.inf)
     # N = 0 means nothing was drawn: every token is unsampled (factor 1, also for p = 1).
     keep = jnp.where(n > 0, jnp.exp(n * log_keep), jnp.ones_like(probs))

@@ -173,19 +173,32 @@ def optimizer(cfg: SimulationConfig) -> optax.GradientTransformation:
                        weight_decay=cfg.weight_decay)
 
 
+def update_step(
+    cfg: SimulationConfig,
+    opt: optax.GradientTransformation,
+    logits: Array,
+    opt_state: optax.OptState,
+    counts: Array,
+    rewards: Array,
+) -> tuple[Array, optax.OptState]:
+    """One AdamW step on the surrogate given this step's draw ``counts[V]``; returns new state."""
+    grad = jax.grad(surrogate_loss)(logits, counts, rewards, cfg.n)
+    updates, opt_state = opt.update(grad, opt_state, logits)
+    return optax.apply_updates(logits, updates), opt_state
+
+
 def _simulate(cfg: SimulationConfig, key: Array) -> dict:
     z0 = initial_logits(cfg)
     rewards = token_rewards(cfg)
     p0_correct = jax.nn.softmax(z0)[1:cfg.correct + 1]
     opt = optimizer(cfg)
-    grad_fn = jax.grad(surrogate_loss)
 
     def train_step(carry, _):
         z, opt_state, key = carry
         key, sub = jax.random.split(key)
         counts = sample_counts(sub, jax.nn.softmax(z), cfg.n)
-        updates, opt_state = opt.update(grad_fn(z, counts, rewards, cfg.n), opt_state, z)
-        return (optax.apply_updates(z, updates), opt_state, key), None
+        z, opt_state = update_step(cfg, opt, z, opt_state, counts, rewards)
+        return (z, opt_state, key), None
 
     def logged_chunk(length):
         def chunk(carry, _):
