@@ -150,7 +150,8 @@ class ModelConfig:
             attention_bias = bool(hf.get("attention_bias", False))
 
         eos = hf.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+        eos_list = [] if eos is None else (eos if isinstance(eos, list) else [eos])
+        eos_ids = tuple(int(e) for e in eos_list)
         bos = hf.get("bos_token_id")
         tie = hf.get("tie_word_embeddings")
         return cls(
@@ -232,7 +233,8 @@ def _parse_rope(hf: dict[str, Any], source: str) -> tuple[float, tuple | None]:
     theta = params.pop("rope_theta", None) or hf.get("rope_theta") or _DEFAULT_ROPE_THETA
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    if params.get("partial_rotary_factor", 1.0) != 1.0 or hf.get("partial_rotary_factor", 1.0) != 1.0:
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
         raise ValueError(f"{source}: partial_rotary_factor != 1 is not supported")
     params.pop("partial_rotary_factor", None)
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -243,7 +245,9 @@ def _parse_rope(hf: dict[str, Any], source: str) -> tuple[float, tuple | None]:
         return float(theta), None
     if rope_type == "llama3":
         params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
-        required = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        required = (
+            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"
+        )
         missing = [k for k in required if params.get(k) is None]
         if missing:
             raise ValueError(f"{source}: llama3 rope scaling is missing {missing}")
@@ -252,6 +256,9 @@ def _parse_rope(hf: dict[str, Any], source: str) -> tuple[float, tuple | None]:
         if params.get("factor") is None:
             raise ValueError(f"{source}: linear rope scaling is missing 'factor'")
         keep = {"factor": params["factor"]}
-    keep = {k: (float(v) if k != "original_max_position_embeddings" else int(v)) for k, v in keep.items()}
+    keep = {
+        k: int(v) if k == "original_max_position_embeddings" else float(v)
+        for k, v in keep.items()
+    }
     keep["rope_type"] = rope_type
     return float(theta), tuple(sorted(keep.items()))

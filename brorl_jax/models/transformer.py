@@ -155,7 +155,8 @@ class DecoderLayer(nn.Module):
         self.k_proj = dense(hkv * dh, use_bias=cfg.attention_bias)
         self.v_proj = dense(hkv * dh, use_bias=cfg.attention_bias)
         # Qwen2 has q/k/v biases only; Llama/Qwen3 attention_bias covers o_proj too.
-        self.o_proj = dense(cfg.hidden_size, use_bias=cfg.attention_bias and cfg.model_type != "qwen2")
+        o_bias = cfg.attention_bias and cfg.model_type != "qwen2"
+        self.o_proj = dense(cfg.hidden_size, use_bias=o_bias)
         if cfg.qk_norm:
             self.q_norm = norm()
             self.k_norm = norm()
@@ -395,6 +396,9 @@ def _extend(
         layer, embed(params, cfg, tokens), (params["layers"], cache["k"], cache["v"])
     )
     logits = lm_logits(params, cfg, final_norm(params, cfg, x))
+    # Under jit an overflowing write cannot raise (dynamic_update_slice would clamp it onto the
+    # last slots); make the failure loud instead of silently wrong.
+    logits = jnp.where(index + t > s, jnp.nan, logits)
     new_cache = {"k": k_all, "v": v_all, "mask": slot_mask, "index": index + t}
     return logits, new_cache
 
@@ -436,7 +440,7 @@ def decode_step(
     """One decoding step: token int32[B] at position int[B] -> (logits f32[B,V], cache).
 
     Equals forward() logits at that position for the sequence cached so far + token. Outside
-    jit a full cache raises ValueError; under jit the caller must keep index < max_len.
+    jit a full cache raises ValueError; under jit the logits of an overflowing step are NaN.
     """
     _check_tokens(token, "token", 1)
     b = token.shape[0]

@@ -1,0 +1,129 @@
+"""A tiny, locally built HF-format model for demos and smoke runs (no download).
+
+``ensure_demo_model()`` writes a Qwen2-style checkpoint (random init, hidden 128, 4 layers,
+4 query / 2 key-value heads, tied embeddings) with a character-level tokenizer sized for small
+arithmetic prompts ("What is 23 + 45?" -> "68"), then returns its directory. The demo loads it
+through the same ``from_pretrained`` path as a real checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import string
+import tempfile
+from pathlib import Path
+
+import jax
+
+from .config import ModelConfig
+from .hf import CONFIG_NAME, WEIGHTS_NAME, Model, save_pretrained
+from .transformer import init_params
+
+DEMO_MODEL_NAME = "demo_model_v1"  # bump the suffix whenever the recipe below changes
+DEMO_SEED = 0
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK) + ROLE_TOKENS
+CHARACTERS = string.digits + string.ascii_letters + string.punctuation + " \n"
+# Each message is <|role|>content</s> and a newline; the generation prompt opens the assistant
+# turn, so a completion is the answer text followed by </s> (the generation eos).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}</s>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def default_cache_dir() -> Path:
+    """$BRORL_JAX_CACHE if set, else ~/.cache/brorl_jax."""
+    root = os.environ.get("BRORL_JAX_CACHE")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "brorl_jax"
+
+
+def build_demo_tokenizer():
+    """Character-level tokenizer (``tokenizers`` WordLevel over single characters) wrapped as a
+    transformers ``PreTrainedTokenizerFast`` with pad/bos/eos/unk and the chat template.
+
+    Ids: 0 <pad>, 1 <s>, 2 </s>, 3 <unk>, 4-6 role tokens, then digits, letters, punctuation,
+    space, newline (103 tokens). Characters outside the set map to <unk>.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(CHARACTERS))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    # Every character is its own pre-token ([\s\S] also matches newline); decoding concatenates.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def demo_model_config(vocab_size: int, bos_token_id: int, eos_token_id: int) -> ModelConfig:
+    """The demo architecture: Qwen2-style, hidden 128, 4 layers, GQA 4/2, tied embeddings."""
+    return ModelConfig(
+        model_type="qwen2",
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rope_theta=10_000.0,
+        rope_scaling=None,
+        rms_norm_eps=1e-6,
+        attention_bias=True,
+        qk_norm=False,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+        bos_token_id=bos_token_id,
+        eos_token_ids=(eos_token_id,),
+    )
+
+
+def _is_complete(path: Path) -> bool:
+    return all((path / name).is_file() for name in (CONFIG_NAME, WEIGHTS_NAME, "tokenizer.json"))
+
+
+def ensure_demo_model(path: str | os.PathLike | None = None) -> str:
+    """Build the demo checkpoint at ``path`` (default ``default_cache_dir()/demo_model_v1``)
+    unless it is already there, and return the directory as a string.
+
+    Deterministic (fixed seed), idempotent, and atomic: the model is written to a temporary
+    sibling directory and renamed into place, so concurrent callers never see a partial model.
+    """
+    target = Path(path).expanduser() if path is not None else default_cache_dir() / DEMO_MODEL_NAME
+    if _is_complete(target):
+        return str(target)
+    if target.exists() and any(target.iterdir()):
+        raise ValueError(
+            f"{target} exists but is not a complete demo model (needs {CONFIG_NAME}, "
+            f"{WEIGHTS_NAME}, tokenizer.json); delete it or pass another path"
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_demo_tokenizer()
+    cfg = demo_model_config(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id)
+    params = init_params(cfg, jax.random.PRNGKey(DEMO_SEED))
+    model = Model(cfg, params, tokenizer, cfg.eos_token_ids)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp", dir=target.parent))
+    try:
+        save_pretrained(model, tmp)
+        if target.exists():  # an empty directory left by someone: replace it
+            target.rmdir()
+        os.rename(tmp, target)
+    except OSError:
+        # Another process finished first (rename onto a non-empty directory fails): use theirs.
+        if not _is_complete(target):
+            raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)

@@ -1,0 +1,68 @@
+"""The locally built demo checkpoint (tiny Qwen2-style model + character tokenizer)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from brorl_jax.models import ensure_demo_model, from_pretrained
+from brorl_jax.models.demo_model import DEMO_MODEL_NAME, default_cache_dir
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BRORL_JAX_CACHE", str(cache))
+        assert default_cache_dir() == cache
+        path = ensure_demo_model()
+    assert path == str(cache / DEMO_MODEL_NAME)
+    return path
+
+
+def test_demo_model_builds_idempotently_deterministically_and_atomically(demo_dir, tmp_path):
+    from pathlib import Path
+
+    weights = Path(demo_dir) / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert ensure_demo_model(demo_dir) == demo_dir
+    assert weights.stat().st_mtime_ns == stamp  # not rebuilt
+    # No temporary directories left beside it.
+    assert [p.name for p in Path(demo_dir).parent.iterdir()] == [DEMO_MODEL_NAME]
+    # A second build elsewhere is byte-identical (fixed seed).
+    other = ensure_demo_model(tmp_path / "again")
+    assert (Path(other) / "model.safetensors").read_bytes() == weights.read_bytes()
+    # A directory holding something else is not silently overwritten.
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not a complete demo model"):
+        ensure_demo_model(tmp_path / "junk")
+
+
+def test_demo_model_loads_through_from_pretrained_with_tokenizer(demo_dir):
+    model = from_pretrained(demo_dir)
+    cfg, tok = model.config, model.tokenizer
+    assert cfg.model_type == "qwen2" and cfg.tie_word_embeddings
+    assert (cfg.hidden_size, cfg.num_hidden_layers) == (128, 4)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)
+    assert cfg.vocab_size == len(tok) < 128
+    assert model.generation_eos_ids == (tok.eos_token_id,) == cfg.eos_token_ids
+    assert tok.pad_token_id == 0 and tok.bos_token_id is not None
+
+    text = "What is 23 + 45?\nAnswer: 68."
+    ids = tok.encode(text)
+    assert len(ids) == len(text)  # one token per character
+    assert tok.decode(ids) == text
+    assert [tok.decode([i]) for i in tok.encode("0123456789")] == list("0123456789")
+    assert tok.decode(tok.encode("é")) == "<unk>"
+
+    messages = [{"role": "user", "content": "What is 23 + 45?"}]
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt == "<|user|>What is 23 + 45?</s>\n<|assistant|>"
+    prompt_ids = tok.encode(prompt)
+    assert tok.eos_token_id in prompt_ids
+    assert tok.convert_ids_to_tokens(prompt_ids[-1]) == "<|assistant|>"
+    assert tok.decode(prompt_ids, skip_special_tokens=True) == "What is 23 + 45?\n"
+
+    logits = np.asarray(model(np.asarray([prompt_ids], np.int32)))
+    assert logits.shape == (1, len(prompt_ids), cfg.vocab_size) and np.isfinite(logits).all()

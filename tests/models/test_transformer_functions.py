@@ -1,0 +1,223 @@
+"""Pure transformer functions: layer-level API, KV-cache decoding, positions, grad and remat."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from brorl_jax.models import (
+    ModelConfig,
+    attention,
+    decode_step,
+    embed,
+    final_norm,
+    forward,
+    init_cache,
+    init_params,
+    layer_finish,
+    layer_qkv,
+    lm_head_matrix,
+    prefill,
+)
+from models_testutil import padded_batch
+
+VOCAB = 97
+
+
+def tiny_config(model_type: str = "qwen2", **overrides) -> ModelConfig:
+    fields = dict(
+        model_type=model_type,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=10_000.0,
+        rope_scaling=None,
+        rms_norm_eps=1e-6,
+        attention_bias=(model_type == "qwen2"),
+        qk_norm=(model_type == "qwen3"),
+        tie_word_embeddings=False,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+# One batch shape and two configs for the whole file: every jitted function compiles once per
+# config (init_params and forward compiles dominate this file's run time on CPU).
+BATCH, LENGTH = 3, 12
+CONFIGS = {"qwen2": tiny_config("qwen2"), "qwen3": tiny_config("qwen3", tie_word_embeddings=True)}
+
+
+@functools.cache
+def params_for(model_type: str) -> dict:
+    return init_params(CONFIGS[model_type], jax.random.PRNGKey(0))
+
+
+forward_jit = jax.jit(forward, static_argnums=1, static_argnames=("return_hidden", "remat"))
+prefill_jit = jax.jit(prefill, static_argnums=1, static_argnames=("max_len",))
+decode_jit = jax.jit(decode_step, static_argnums=1)
+
+
+def test_init_params_layout_matches_interfaces():
+    cfg = tiny_config(tie_word_embeddings=True, param_dtype="bfloat16")
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
+    assert set(shapes) == {"embed", "layers", "final_norm"}  # no lm_head when tied
+    assert shapes["embed"]["embedding"].shape == (VOCAB, 64)
+    assert shapes["final_norm"]["scale"].shape == (64,)
+    assert shapes["layers"]["q_proj"]["kernel"].shape == (2, 64, 4 * 16)
+    assert shapes["layers"]["k_proj"]["kernel"].shape == (2, 64, 2 * 16)
+    assert shapes["layers"]["o_proj"]["kernel"].shape == (2, 4 * 16, 64)
+    assert "bias" not in shapes["layers"]["o_proj"]  # qwen2: q/k/v biases only
+    assert all(leaf.shape[0] == 2 for leaf in jax.tree.leaves(shapes["layers"]))
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(shapes))
+
+    params = params_for("qwen2")
+    assert params["lm_head"]["kernel"].shape == (64, VOCAB)
+    assert lm_head_matrix(params, CONFIGS["qwen2"]).shape == (64, VOCAB)
+    # Different layers get different random weights; norms start at one, biases at zero.
+    kernel = np.asarray(params["layers"]["gate_proj"]["kernel"])
+    assert not np.array_equal(kernel[0], kernel[1])
+    assert 0.015 < kernel.std() < 0.025
+    np.testing.assert_array_equal(np.asarray(params["layers"]["input_norm"]["scale"]), 1.0)
+    np.testing.assert_array_equal(np.asarray(params["layers"]["q_proj"]["bias"]), 0.0)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_layer_functions_compose_to_forward(model_type):
+    """The layer-level API the rollout engine uses reproduces forward() exactly."""
+    cfg, params = CONFIGS[model_type], params_for(model_type)
+    tokens, mask, positions = padded_batch(np.random.default_rng(0), BATCH, LENGTH, left=True)
+
+    @jax.jit
+    def by_layers(params):
+        x = embed(params, cfg, tokens)
+        allowed = jnp.tril(jnp.ones((LENGTH, LENGTH), bool))[None] & jnp.asarray(mask)[:, None, :]
+        for i in range(cfg.num_hidden_layers):
+            layer_params = jax.tree.map(lambda p: p[i], params["layers"])
+            q, k, v = layer_qkv(layer_params, cfg, x, positions)
+            assert q.shape == (BATCH, LENGTH, 4, 16)
+            assert k.shape == v.shape == (BATCH, LENGTH, 2, 16)
+            x = layer_finish(layer_params, cfg, x, attention(q, k, v, allowed))
+        h = final_norm(params, cfg, x)
+        return h @ lm_head_matrix(params, cfg), h
+
+    logits, hidden = by_layers(params)
+    ref = forward_jit(params, cfg, tokens, positions=positions, attention_mask=mask)
+    np.testing.assert_allclose(np.asarray(logits)[mask], np.asarray(ref)[mask], atol=1e-5)
+    ref_hidden = forward_jit(
+        params, cfg, tokens, positions=positions, attention_mask=mask, return_hidden=True
+    )
+    np.testing.assert_allclose(np.asarray(hidden), np.asarray(ref_hidden), atol=1e-5)
+
+
+def test_positions_derived_from_mask_for_left_and_right_padding():
+    cfg, params = CONFIGS["qwen2"], params_for("qwen2")
+    rng = np.random.default_rng(1)
+    for left in (True, False):
+        tokens, mask, positions = padded_batch(rng, BATCH, LENGTH, left=left)
+        explicit = forward_jit(params, cfg, tokens, positions=positions, attention_mask=mask)
+        derived = forward_jit(params, cfg, tokens, attention_mask=mask)
+        np.testing.assert_allclose(np.asarray(derived)[mask], np.asarray(explicit)[mask], atol=1e-6)
+        assert np.isfinite(np.asarray(derived)).all()  # padding rows too
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_kv_cache_decoding_matches_forward_position_by_position(model_type):
+    cfg, params = CONFIGS[model_type], params_for(model_type)
+    prompt = 7
+    tokens, mask, _ = padded_batch(np.random.default_rng(2), BATCH, prompt, left=True)
+    rng = np.random.default_rng(3)
+    new = rng.integers(3, VOCAB, size=(BATCH, LENGTH - prompt)).astype(np.int32)
+    tokens = np.concatenate([tokens, new], axis=1)
+    mask = np.concatenate([mask, np.ones_like(new, bool)], axis=1)
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32) * mask
+    ref = np.asarray(forward_jit(params, cfg, tokens, positions=positions, attention_mask=mask))
+
+    logits, cache = prefill_jit(
+        params, cfg, tokens[:, :prompt], positions[:, :prompt], mask[:, :prompt], max_len=LENGTH
+    )
+    assert cache["k"].shape == (2, BATCH, LENGTH, 2, 16) and int(cache["index"]) == prompt
+    pm = mask[:, :prompt]
+    np.testing.assert_allclose(np.asarray(logits)[pm], ref[:, :prompt][pm], atol=1e-5)
+    for t in range(prompt, LENGTH):
+        step_logits, cache = decode_jit(params, cfg, tokens[:, t], positions[:, t], cache)
+        assert step_logits.shape == (BATCH, VOCAB)
+        np.testing.assert_allclose(np.asarray(step_logits), ref[:, t], atol=1e-5)
+    assert int(cache["index"]) == LENGTH and np.asarray(cache["mask"]).tolist() == mask.tolist()
+
+    if model_type == "qwen2":
+        # Chunked prefill (a second prefill appended to a cache) equals one prefill.
+        half = LENGTH // 2
+        _, cache = prefill_jit(
+            params, cfg, tokens[:, :half], positions[:, :half], mask[:, :half], max_len=LENGTH
+        )
+        chunk, _ = jax.jit(prefill, static_argnums=1)(
+            params, cfg, tokens[:, half:], positions[:, half:], mask[:, half:], cache=cache
+        )
+        tail = mask[:, half:]
+        np.testing.assert_allclose(np.asarray(chunk)[tail], ref[:, half:][tail], atol=1e-5)
+
+
+def test_full_kv_cache_is_an_error_outside_jit():
+    cfg, params = CONFIGS["qwen2"], params_for("qwen2")
+    cache = init_cache(cfg, batch=1, max_len=4)
+    with pytest.raises(ValueError, match="KV cache full.*max_len=4"):
+        prefill(params, cfg, jnp.ones((1, 5), jnp.int32), cache=cache)
+    # Under jit it cannot raise; the overflowing step's logits are NaN instead of silently wrong.
+    logits, cache = prefill_jit(params, cfg, jnp.ones((1, 4), jnp.int32), max_len=4)
+    assert np.isfinite(np.asarray(logits)).all()
+    token, position = jnp.ones((1,), jnp.int32), jnp.full((1,), 4, jnp.int32)
+    step, _ = decode_jit(params, cfg, token, position, cache)
+    assert np.isnan(np.asarray(step)).all()
+
+
+def test_forward_under_grad_and_remat_gives_same_values_and_gradients():
+    cfg, params = CONFIGS["qwen3"], params_for("qwen3")
+    tokens, mask, positions = padded_batch(np.random.default_rng(4), BATCH, LENGTH, left=False)
+
+    def loss(params, remat):
+        logits = forward(params, cfg, tokens, positions=positions, attention_mask=mask, remat=remat)
+        logp = jax.nn.log_softmax(logits[:, :-1])
+        picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+        weights = mask[:, 1:]
+        return -(picked * weights).sum() / weights.sum(), logits
+
+    @jax.jit
+    def both(params):  # one compile for the plain and the rematerialised version
+        grad_fn = jax.value_and_grad(loss, has_aux=True)
+        return grad_fn(params, False), grad_fn(params, True)
+
+    ((value, logits), grads), ((value_remat, logits_remat), grads_remat) = both(params)
+    assert np.isfinite(float(value))
+    np.testing.assert_allclose(float(value_remat), float(value), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(logits_remat), np.asarray(logits), atol=1e-6)
+    for g, g_remat in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_remat)):
+        assert np.isfinite(np.asarray(g)).all()
+        np.testing.assert_allclose(np.asarray(g_remat), np.asarray(g), rtol=1e-4, atol=1e-7)
+    # Gradients reach the q/k norms of both layers and the (tied) embedding.
+    assert float(jnp.abs(grads["layers"]["q_norm"]["scale"]).min(axis=1).max()) > 0
+    assert (np.abs(np.asarray(grads["layers"]["k_norm"]["scale"])).sum(axis=1) > 0).all()
+    assert float(jnp.abs(grads["embed"]["embedding"]).max()) > 0
+    # The remat checkpoint does not change forward values.
+    plain = forward_jit(params, cfg, tokens, positions=positions, attention_mask=mask)
+    np.testing.assert_allclose(np.asarray(plain), np.asarray(logits), atol=1e-6)
+
+
+def test_bad_inputs_raise_clear_errors():
+    cfg, params = CONFIGS["qwen2"], params_for("qwen2")
+    with pytest.raises(ValueError, match="tokens must have 2 dims"):
+        forward(params, cfg, jnp.ones((5,), jnp.int32))
+    with pytest.raises(ValueError, match="attention_mask shape"):
+        forward(params, cfg, jnp.ones((2, 5), jnp.int32), attention_mask=jnp.ones((2, 4), bool))
+    with pytest.raises(ValueError, match="positions shape"):
+        forward(params, cfg, jnp.ones((2, 5), jnp.int32), positions=jnp.zeros((2, 4), jnp.int32))
