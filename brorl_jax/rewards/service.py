@@ -1,0 +1,400 @@
+"""Scoring service: verifiers run in a pool of worker processes, never in the trainer.
+
+Workers are fresh interpreters (`python -m brorl_jax.rewards._worker`, started with
+subprocess: fork+exec, the safe way from a process that holds JAX threads; the trainer itself
+is never forked). Unlike multiprocessing's spawn/forkserver, this does not re-import the
+trainer's __main__ module (and with it JAX) in every worker. Each worker talks over its own
+socket with multiprocessing's Connection (pickled messages), takes several items in flight so
+the latency hides behind work, and scores them one at a time in its main thread.
+
+Guarantees of score_batch(records, completions):
+  * per-item timeout: an item whose verifier runs longer than its timeout is abandoned, its
+    worker is killed (SIGKILL) and replaced; the item scores 0 with reason "timeout ...".
+  * a worker that dies (segfault, OOM kill, os._exit) is replaced; the item it was scoring
+    scores 0 with reason "worker died ..."; the items queued behind it go to other workers.
+  * per-batch deadline: when it passes, every unfinished item scores 0 ("batch deadline
+    exceeded") and the call returns.
+  * one slow item never blocks the others: the rest of the batch keeps flowing to the other
+    workers.
+  * recycling: a worker that has scored recycle_after items is retired after its in-flight
+    items and replaced, so memory does not creep.
+  * a verifier that raises gives 0 with reason "verifier error: ..."; the worker lives on.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import multiprocessing.connection
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from brorl_jax.rewards.registry import REWARDS, resolve_reward_name
+from brorl_jax.rewards.types import RewardResult
+
+logger = logging.getLogger(__name__)
+
+_STARTUP_TIMEOUT_S = 180.0
+_MAX_START_FAILURES = 3
+
+
+class _WorkerProcess:
+    """A worker interpreter: Popen handle plus the parent's end of its socket."""
+
+    def __init__(self, init_message: tuple):
+        parent_sock, child_sock = socket.socketpair()
+        try:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "brorl_jax.rewards._worker", str(child_sock.fileno())],
+                pass_fds=[child_sock.fileno()], stdin=subprocess.DEVNULL, close_fds=True)
+        finally:
+            child_sock.close()
+        self.conn = multiprocessing.connection.Connection(parent_sock.detach())
+        self.pid = self.popen.pid
+        self.conn.send(list(sys.path))  # so verifiers registered from any module unpickle
+        self.conn.send(init_message)
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def join(self, timeout: float) -> None:
+        try:
+            self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+
+
+@dataclasses.dataclass
+class _Worker:
+    proc: _WorkerProcess
+    conn: Any
+    started: float
+    ready: bool = False
+    inflight: collections.deque = dataclasses.field(default_factory=collections.deque)
+    head_started: float = 0.0     # when the worker began the item at the head of inflight
+    done: int = 0
+    draining: bool = False        # recycled: no new items, retire when inflight is empty
+
+
+class ScoringService:
+    """A pool of scoring workers (see the module docstring for the guarantees).
+
+    Args:
+      num_workers: worker processes (default: the CPUs this process may use).
+      timeout_s: per-item timeout in seconds (also passed to verifiers as time_budget_s).
+      batch_deadline_s: wall-clock limit for one score_batch call (None: no limit).
+      recycle_after: items a worker scores before it is replaced.
+      reward_map: data_source (or its family before "/") -> verifier name.
+      reward_options: verifier name -> keyword options, e.g. {"code": {"timeout_per_test_s": 5}}.
+      timeout_overrides: verifier name -> per-item timeout replacing timeout_s.
+      rewards: the verifiers this service loads (default: every registered one); fewer means
+        faster worker start (each worker imports what its verifiers need).
+      max_inflight_per_worker: items queued on one worker's pipe at once.
+    """
+
+    def __init__(self, num_workers: int | None = None, timeout_s: float = 10.0,
+                 batch_deadline_s: float | None = None, recycle_after: int = 1000, *,
+                 reward_map: Mapping[str, str] | None = None,
+                 reward_options: Mapping[str, Mapping[str, Any]] | None = None,
+                 timeout_overrides: Mapping[str, float] | None = None,
+                 rewards: Sequence[str] | None = None, max_inflight_per_worker: int = 4):
+        if num_workers is None:
+            num_workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+                else (os.cpu_count() or 1)
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if batch_deadline_s is not None and not batch_deadline_s > 0:
+            raise ValueError(f"batch_deadline_s must be > 0 or None, got {batch_deadline_s}")
+        if recycle_after < 1:
+            raise ValueError(f"recycle_after must be >= 1, got {recycle_after}")
+        if max_inflight_per_worker < 1:
+            raise ValueError("max_inflight_per_worker must be >= 1")
+        self.num_workers = num_workers
+        self.timeout_s = float(timeout_s)
+        self.batch_deadline_s = batch_deadline_s
+        self.recycle_after = recycle_after
+        self.reward_map = dict(reward_map or {})
+        self.timeout_overrides = {k: float(v) for k, v in (timeout_overrides or {}).items()}
+        self.max_inflight = max_inflight_per_worker
+        if rewards is None:
+            self._specs = dict(REWARDS)
+        else:
+            unknown = [r for r in rewards if r not in REWARDS]
+            if unknown:
+                raise ValueError(f"rewards {unknown} are not registered "
+                                 f"(registered: {sorted(REWARDS)})")
+            self._specs = {r: REWARDS[r] for r in rewards}
+        for name in list(self.reward_map.values()) + list(reward_options or {}) \
+                + list(self.timeout_overrides):
+            if name not in self._specs:
+                raise ValueError(f"unknown verifier {name!r} in the service config "
+                                 f"(registered: {sorted(self._specs)})")
+        self._options = {k: dict(v) for k, v in (reward_options or {}).items()}
+        self._workers: list[_Worker] = []
+        self._start_failures = 0
+        self._batch_id = 0
+        self._closed = False
+        self._lock = threading.Lock()
+        self.isolation: dict | None = None
+        self.stats = collections.Counter()
+        for _ in range(num_workers):
+            self._start_worker()
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers)
+
+    # ----- worker management -------------------------------------------------------------
+
+    def _start_worker(self) -> None:
+        proc = _WorkerProcess((self._specs, self._options, "code" in self._specs))
+        self._workers.append(_Worker(proc, proc.conn, time.monotonic()))
+        self.stats["workers_started"] += 1
+
+    def _retire(self, w: _Worker, graceful: bool) -> None:
+        if graceful:
+            try:
+                w.conn.send(None)
+            except OSError:
+                pass
+            w.proc.join(timeout=2.0)
+        if w.proc.is_alive():
+            w.proc.kill()
+            w.proc.join(timeout=5.0)
+        w.conn.close()
+        self._workers.remove(w)
+
+    def worker_pids(self) -> list[int]:
+        """pids of the current workers (for monitoring and tests)."""
+        return [w.proc.pid for w in self._workers]
+
+    def _ensure_workers(self) -> None:
+        while len(self._workers) < self.num_workers:
+            self._start_worker()
+
+    def _on_ready(self, w: _Worker, msg) -> None:
+        _, _, isolation = msg
+        w.ready = True
+        self._start_failures = 0
+        if isolation is not None and self.isolation is None:
+            self.isolation = isolation
+            logger.info("scoring service: code sandbox isolation in force: %s", isolation)
+
+    def _check_startup(self, w: _Worker, now: float) -> bool:
+        """Handles a worker that died or hung before becoming ready; True if it was retired."""
+        if w.ready:
+            return False
+        dead = not w.proc.is_alive()
+        if dead or now - w.started > _STARTUP_TIMEOUT_S:
+            code = w.proc.exitcode
+            self._retire(w, graceful=False)
+            self._start_failures += 1
+            if self._start_failures >= _MAX_START_FAILURES:
+                raise RuntimeError(f"scoring workers fail to start (last exit code {code}); "
+                                   "check that the verifiers import in a fresh process")
+            return True
+        return False
+
+    # ----- scoring -----------------------------------------------------------------------
+
+    def score_batch(self, records: Sequence[Mapping[str, Any]],
+                    completions: Sequence[str]) -> list[RewardResult]:
+        """Scores completions[i] against records[i] (e.g. N prompts x G rollouts, flattened)."""
+        if self._closed:
+            raise RuntimeError("ScoringService is closed")
+        if len(records) != len(completions):
+            raise ValueError(f"records ({len(records)}) and completions ({len(completions)}) "
+                             "must have the same length")
+        names = []
+        for i, (rec, comp) in enumerate(zip(records, completions)):
+            if not isinstance(rec, Mapping):
+                raise ValueError(f"records[{i}] must be a dict, got {type(rec).__name__}")
+            if not isinstance(comp, str):
+                raise ValueError(f"completions[{i}] must be a str, got {type(comp).__name__}")
+            names.append(resolve_reward_name(rec.get("data_source"), self.reward_map,
+                                             self._specs))
+        with self._lock:
+            return self._score(records, completions, names)
+
+    def _score(self, records, completions, names) -> list[RewardResult]:
+        self._batch_id += 1
+        batch = self._batch_id
+        n = len(records)
+        results: list[RewardResult | None] = [None] * n
+        pending = collections.deque(range(n))
+        remaining = n
+        start = time.monotonic()
+        deadline = None if self.batch_deadline_s is None else start + self.batch_deadline_s
+        timeouts = [self.timeout_overrides.get(name, self.timeout_s) for name in names]
+
+        def finish(i: int, res: RewardResult) -> None:
+            nonlocal remaining
+            if results[i] is None:
+                results[i] = res
+                remaining -= 1
+
+        def fail_worker(w: _Worker, reason: str) -> None:
+            # Blame the item being scored; send the ones queued behind it elsewhere.
+            if w.inflight:
+                head = w.inflight.popleft()
+                finish(head, RewardResult(0.0, reason, {"verifier": names[head]}))
+                pending.extendleft(reversed(w.inflight))
+                w.inflight.clear()
+            self._retire(w, graceful=False)
+
+        while remaining:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                for w in [w for w in self._workers if w.inflight]:
+                    w.inflight.clear()
+                    self._retire(w, graceful=False)
+                for i in range(n):
+                    finish(i, RewardResult(0.0, "batch deadline exceeded",
+                                           {"verifier": names[i]}))
+                self.stats["batch_deadline_hits"] += 1
+                break
+            self._ensure_workers()
+            for w in list(self._workers):
+                if self._check_startup(w, now):
+                    continue
+                if not w.ready or w.draining:
+                    continue
+                while pending and len(w.inflight) < self.max_inflight:
+                    i = pending.popleft()
+                    if not w.inflight:
+                        w.head_started = time.monotonic()
+                    try:
+                        w.conn.send(((batch, i), names[i], records[i], completions[i],
+                                     timeouts[i]))
+                    except (OSError, ValueError):
+                        pending.appendleft(i)
+                        break
+                    w.inflight.append(i)
+            # Sleep until a message, a death, the earliest item timeout or the deadline.
+            wake = [deadline] if deadline is not None else []
+            wake += [w.head_started + timeouts[w.inflight[0]] for w in self._workers
+                     if w.inflight]
+            wake += [w.started + _STARTUP_TIMEOUT_S for w in self._workers if not w.ready]
+            wait_s = max(0.0, min(wake) - time.monotonic()) if wake else 1.0
+            # A worker's death closes its socket, which wakes this wait (EOF).
+            objs = [w.conn for w in self._workers]
+            ready = set(multiprocessing.connection.wait(objs, timeout=min(wait_s, 1.0)))
+            for w in list(self._workers):
+                if w.conn in ready:
+                    dead = False
+                    try:
+                        while w.conn.poll():
+                            msg = w.conn.recv()
+                            if msg[0] == "ready":
+                                self._on_ready(w, msg)
+                                continue
+                            (b, i), res = msg
+                            if b != batch or not w.inflight or w.inflight[0] != i:
+                                continue  # stale (cannot happen with in-order workers)
+                            w.inflight.popleft()
+                            w.head_started = time.monotonic()
+                            w.done += 1
+                            finish(i, res)
+                    except (EOFError, OSError):
+                        dead = True
+                    if dead:
+                        w.proc.join(timeout=2.0)  # let the exit status arrive
+                        w.proc.kill()
+                        w.proc.join(timeout=5.0)
+                if not w.proc.is_alive():
+                    if w.ready or w.inflight:
+                        code = w.proc.exitcode
+                        how = (f"signal {-code}" if code is not None and code < 0
+                               else f"exit code {code}")
+                        self.stats["worker_deaths"] += 1
+                        fail_worker(w, f"worker died ({how})")
+                    else:
+                        self._check_startup(w, time.monotonic())
+                    continue
+                if w.inflight:
+                    limit = timeouts[w.inflight[0]]
+                    if time.monotonic() - w.head_started > limit:
+                        self.stats["item_timeouts"] += 1
+                        fail_worker(w, f"timeout after {limit:g}s")
+                        continue
+                if w.done >= self.recycle_after:
+                    w.draining = True
+                    if not w.inflight:
+                        self.stats["workers_recycled"] += 1
+                        self._retire(w, graceful=True)
+        self._ensure_workers()
+        return results  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Stops every worker (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> ScoringService:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _shutdown(workers: list[_Worker]) -> None:
+    for w in workers:
+        try:
+            w.conn.send(None)
+        except (OSError, ValueError):
+            pass
+    end = time.monotonic() + 2.0
+    for w in workers:
+        w.proc.join(timeout=max(0.0, end - time.monotonic()))
+        if w.proc.is_alive():
+            w.proc.kill()
+            w.proc.join(timeout=5.0)
+        w.conn.close()
+    workers.clear()
+
+
+_DEFAULT: list[ScoringService] = []
+
+
+def set_default_service(service: ScoringService | None) -> None:
+    """Makes score() use `service` (e.g. the trainer's long-lived pool); None clears it."""
+    _DEFAULT[:] = [service] if service is not None else []
+
+
+def score(records: Sequence[Mapping[str, Any]], completions: Sequence[str],
+          timeout_s: float | None = None, **service_kwargs: Any) -> list[float]:
+    """Scores a batch and returns the scores only (the public one-call surface).
+
+    Uses the default service (set_default_service) when one is set and no other settings
+    are asked for; otherwise starts a temporary service for this call.
+    """
+    if len(records) != len(completions):
+        raise ValueError(f"records ({len(records)}) and completions ({len(completions)}) "
+                         "must have the same length")
+    if not records:
+        return []
+    if _DEFAULT and not _DEFAULT[0]._closed and not service_kwargs and (
+            timeout_s is None or timeout_s == _DEFAULT[0].timeout_s):
+        return [r.score for r in _DEFAULT[0].score_batch(records, completions)]
+    service_kwargs.setdefault("num_workers", max(1, min(len(records), len(
+        os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)))
+    with ScoringService(timeout_s=10.0 if timeout_s is None else timeout_s,
+                        **service_kwargs) as service:
+        return [r.score for r in service.score_batch(records, completions)]
