@@ -50,7 +50,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.top_p = 1.0
     c.rollout.top_k = 0
     c.rollout.memory_budget_gb = 0.0      # 0 = no chunking of the N samples of a prompt
-    c.rollout.impl = "auto"               # auto | kernel | reference
+    c.rollout.impl = "auto"               # auto | pallas | reference (auto: Pallas on GPU/TPU)
 
     # --- the update (algorithm) ------------------------------------------------------------
     c.algo = ml_collections.ConfigDict()
@@ -142,7 +142,7 @@ def default_config() -> ml_collections.ConfigDict:
 ALLOWED = {
     "model.dtype": ("float32", "bfloat16"),
     "model.param_dtype": ("float32", "bfloat16"),
-    "rollout.impl": ("auto", "kernel", "reference"),
+    "rollout.impl": ("auto", "pallas", "reference"),
     "algo.advantage": ("reinforce_pp_baseline", "grpo", "rloo"),
     "algo.on_generation_cap": ("error", "pad"),
     "algo.loss_agg": ("token_mean", "seq_mean_token_mean"),

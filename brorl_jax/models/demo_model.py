@@ -20,12 +20,15 @@ from .config import ModelConfig
 from .hf import CONFIG_NAME, WEIGHTS_NAME, Model, save_pretrained
 from .transformer import init_params
 
-DEMO_MODEL_NAME = "demo_model_v1"  # bump the suffix whenever the recipe below changes
+DEMO_MODEL_NAME = "demo_model_v2"  # bump the suffix whenever the recipe below changes
 DEMO_SEED = 0
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK) + ROLE_TOKENS
+# Reasoning Gym's answer tags as single (non-special, so decoding keeps them) tokens: the demo's
+# completions are "<answer>68</answer></s>", five tokens instead of twenty.
+ANSWER_TOKENS = ("<answer>", "</answer>")
 CHARACTERS = string.digits + string.ascii_letters + string.punctuation + " \n"
 # Each message is <|role|>content</s> and a newline; the generation prompt opens the assistant
 # turn, so a completion is the answer text followed by </s> (the generation eos).
@@ -48,7 +51,7 @@ def build_demo_tokenizer():
     transformers ``PreTrainedTokenizerFast`` with pad/bos/eos/unk and the chat template.
 
     Ids: 0 <pad>, 1 <s>, 2 </s>, 3 <unk>, 4-6 role tokens, then digits, letters, punctuation,
-    space, newline (103 tokens). Characters outside the set map to <unk>.
+    space, newline, then <answer> and </answer> (105 tokens). Characters outside the set map to <unk>.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -59,6 +62,7 @@ def build_demo_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_tokens(list(ANSWER_TOKENS))
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK
     )
@@ -94,7 +98,7 @@ def _is_complete(path: Path) -> bool:
 
 
 def ensure_demo_model(path: str | os.PathLike | None = None) -> str:
-    """Build the demo checkpoint at ``path`` (default ``default_cache_dir()/demo_model_v1``)
+    """Build the demo checkpoint at ``path`` (default ``default_cache_dir()/demo_model_v2``)
     unless it is already there, and return the directory as a string.
 
     Deterministic (fixed seed), idempotent, and atomic: the model is written to a temporary

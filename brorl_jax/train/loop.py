@@ -1,0 +1,403 @@
+"""The outer loop in plain Python: data -> rollout -> scoring -> update, with checkpoints,
+logging and evaluation around the pure, compiled steps.
+
+One RL step (BroRL §3.1):
+  1. generation rounds: take `ceil(prompts_per_step * generation_batch_multiplier)` prompts,
+     generate N responses each over the shared prompt, score them in the worker pool, keep the
+     groups with 0 < #correct < N (dynamic sampling), until `prompts_per_step` groups are kept
+     or `max_generation_rounds` is reached;
+  2. advantages (REINFORCE++-baseline by default) over the kept groups;
+  3. reference log-probs (when the KL term is on), then the PPO update in mini-batches;
+  4. a periodic reference reset, logging, evaluation and an asynchronous checkpoint.
+
+Resuming: the checkpoint holds the train state, the data-iterator state and counters; every
+random draw of step s is derived from (seed, s), so a resumed run repeats exactly what an
+uninterrupted one would have done.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from brorl_jax import algo, data, models, rollout
+from brorl_jax.config import derived_learning_rate, validate
+from brorl_jax.train import evaluation
+from brorl_jax.train.checkpoint import Checkpointer
+from brorl_jax.train.logger import MetricsLogger, plot_metrics
+from brorl_jax.train.monitoring import effective_update_ratio, rollout_monitoring
+
+
+def _log(msg: str) -> None:
+    if jax.process_index() == 0:
+        print(msg, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Building the pieces
+# ------------------------------------------------------------------------------------------------
+def load_model(cfg) -> models.Model:
+    path = cfg.model.path or models.ensure_demo_model()
+    return models.from_pretrained(path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+
+
+def load_records(cfg, spec: str, size: int, seed: int) -> list[dict]:
+    """Records from a file path or "reasoning_gym:task[,task]" (generated, seeded)."""
+    if spec.startswith("reasoning_gym:"):
+        kwargs = json.loads(cfg.data.reasoning_gym_kwargs or "{}")
+        return data.reasoning_gym_source(spec.split(":", 1)[1], size=size, seed=seed, **kwargs)
+    records, report = data.load_dataset(spec)
+    if report.skipped:
+        _log(f"[data] {spec}: skipped {len(report.skipped)} rows; first: "
+             + "; ".join(str(s) for s in report.skipped[:5]))
+    return records
+
+
+def build_datasets(cfg) -> tuple[list[dict], list[dict]]:
+    """Training and held-out records. Generated sources get disjoint seeds for the two."""
+    if not cfg.data.train:
+        raise ValueError("config key 'data.train' is empty; give a JSONL/Parquet path or "
+                         "'reasoning_gym:<task>'.")
+    train = load_records(cfg, cfg.data.train, cfg.data.train_size, cfg.data.seed)
+    if cfg.data.eval:
+        held_out = load_records(cfg, cfg.data.eval, cfg.data.eval_size, cfg.data.seed + 1)
+    elif cfg.data.train.startswith("reasoning_gym:"):
+        held_out = load_records(cfg, cfg.data.train, cfg.data.eval_size, cfg.data.seed + 10_007)
+        # A generated question may repeat across seeds; keep held-out questions out of training.
+        seen = {r["prompt"] if "prompt" in r else json.dumps(r.get("prompt_messages"))
+                for r in held_out}
+        train = [r for r in train
+                 if (r["prompt"] if "prompt" in r else json.dumps(r.get("prompt_messages")))
+                 not in seen]
+    else:
+        n = min(cfg.data.eval_size, len(train) // 10)
+        held_out, train = train[:n], train[n:]
+    return train, held_out
+
+
+class Trainer:
+    """Owns the side effects of a run: model, data iterator, scoring pool, files, logs."""
+
+    def __init__(self, cfg, workdir: str):
+        validate(cfg)
+        self.cfg = cfg
+        self.workdir = workdir
+        os.makedirs(workdir, exist_ok=True)
+        self.model = load_model(cfg)
+        self.mcfg = self.model.config
+        tok = self.model.tokenizer
+        if tok is None:
+            raise ValueError(f"model directory {cfg.model.path!r} has no tokenizer files; RL "
+                             "needs one to turn completions into text for the verifiers.")
+        self.tokenizer = tok
+        self.eos_ids = tuple(self.model.generation_eos_ids)
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        self.prompt_tokenizer = data.PromptTokenizer(
+            tok, cfg.data.max_prompt_len, system_prompt=cfg.data.system_prompt or None,
+            use_chat_template=cfg.data.use_chat_template)
+        train_records, eval_records = build_datasets(cfg)
+        self.gen_batch = math.ceil(cfg.algo.prompts_per_step
+                                   * cfg.algo.generation_batch_multiplier)
+        self.loader = data.make_prompt_loader(
+            train_records, self.prompt_tokenizer, batch_size=self.gen_batch, seed=cfg.data.seed)
+        if self.loader.num_too_long:
+            _log(f"[data] {self.loader.num_too_long} training prompts longer than "
+                 f"data.max_prompt_len={cfg.data.max_prompt_len} were skipped")
+        self.eval_prompts = [(self.prompt_tokenizer(r), r) for r in eval_records]
+        self.eval_prompts = [(ids, r) for ids, r in self.eval_prompts
+                             if len(ids) <= cfg.data.max_prompt_len][:cfg.eval.num_prompts]
+        self.seq_len = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+        self.n = cfg.rollout.rollouts_per_prompt
+        self.rows = cfg.algo.prompts_per_step * self.n
+        self.lr, self.lr_note = derived_learning_rate(cfg)
+        self.optimizer = algo.make_optimizer(optimizer_config(cfg, self.lr))
+        self.algo_cfg = algo_config(cfg)
+        self.update_fn = jax.jit(algo.make_update_step(self.mcfg, self.algo_cfg, self.optimizer),
+                                 donate_argnums=(0,))
+        self.logprob_fn = jax.jit(algo.make_logprob_fn(self.mcfg, self.algo_cfg))
+        self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
+                                         keep=cfg.train.keep_checkpoints)
+        from brorl_jax.rewards import ScoringService
+        self.scorer = ScoringService(num_workers=cfg.rewards.num_workers,
+                                     timeout_s=cfg.rewards.timeout_s,
+                                     batch_deadline_s=cfg.rewards.batch_deadline_s,
+                                     recycle_after=cfg.rewards.recycle_after)
+
+    # --------------------------------------------------------------------------------------
+    def decode(self, tokens: np.ndarray, length: int) -> str:
+        return self.tokenizer.decode(tokens[:length].tolist(), skip_special_tokens=True)
+
+    def score(self, records: list[dict], tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Rewards [G, N] for rollouts [G, N, S], scored in the worker pool."""
+        g, n = lengths.shape
+        flat_records, texts = [], []
+        for gi in range(g):
+            for ni in range(n):
+                flat_records.append(records[gi])
+                texts.append(self.decode(tokens[gi, ni], int(lengths[gi, ni])))
+        results = self.scorer.score_batch(flat_records, texts)
+        return np.array([r.score for r in results], np.float32).reshape(g, n)
+
+    def generate(self, params, prompt_ids, *, n, temperature, top_p, top_k, max_new_tokens,
+                 seed):
+        res = rollout.generate(
+            self.model, prompt_ids, rollouts_per_prompt=n, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, eos_ids=self.eos_ids,
+            params=params, impl=self.cfg.rollout.impl,
+            memory_budget_bytes=int(self.cfg.rollout.memory_budget_gb * 2**30) or None)
+        return res
+
+    # --------------------------------------------------------------------------------------
+    def evaluate(self, params, step: int) -> dict:
+        """pass@k / mean@k on the held-out prompts at the evaluation temperature and top-p."""
+        c = self.cfg.eval
+        k = c.samples_per_prompt
+        max_new = c.max_new_tokens if c.max_new_tokens > 0 else self.cfg.rollout.max_new_tokens
+        rewards = []
+        chunk = max(1, 4096 // k)
+        for start in range(0, len(self.eval_prompts), chunk):
+            part = self.eval_prompts[start:start + chunk]
+            res = self.generate(params, [ids for ids, _ in part], n=k,
+                                temperature=c.temperature, top_p=c.top_p, top_k=0,
+                                max_new_tokens=max_new, seed=10_000_019 + start)
+            rewards.append(self.score([r for _, r in part], res.tokens, res.lengths))
+        rewards = np.concatenate(rewards)
+        ks = tuple(sorted({1, k}))
+        return evaluation.summarize(rewards, ks, self.cfg.algo.correct_threshold)
+
+    # --------------------------------------------------------------------------------------
+    def collect(self, params, data_iter, step: int) -> tuple[dict, dict]:
+        """Generation rounds with dynamic sampling until prompts_per_step groups are kept.
+
+        Returns the fixed-shape update batch (numpy) and the step's rollout metrics.
+        """
+        cfg = self.cfg
+        sampler = algo.DynamicSampler.from_config(self.algo_cfg)
+        t_roll = t_score = 0.0
+        gen_tokens = gen_samples = 0
+        rewards_all, lengths_all, truncated_all, monitor = [], [], [], []
+        while sampler.need_more():          # raises a clear error at the round cap ("error")
+            batch = next(data_iter)
+            t0 = time.perf_counter()
+            res = self.generate(params, batch["prompt_ids"], n=self.n,
+                                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
+                                seed=_round_seed(cfg.train.seed, step, sampler.rounds))
+            t1 = time.perf_counter()
+            rewards = self.score(batch["records"], res.tokens, res.lengths)
+            t2 = time.perf_counter()
+            t_roll += t1 - t0
+            t_score += t2 - t1
+            gen_tokens += int(res.lengths.sum())
+            gen_samples += res.lengths.size
+            rewards_all.append(rewards)
+            lengths_all.append(res.lengths)
+            truncated_all.append(res.truncated)
+            monitor.append(rollout_monitoring(res.tokens, res.lengths, rewards))
+            shaped = rewards
+            if self.algo_cfg.length_penalty:
+                shaped = algo.apply_length_penalty(rewards, res.lengths, step=step,
+                                                   max_len=cfg.rollout.max_new_tokens,
+                                                   cfg=self.algo_cfg)
+            prompt_arr = np.empty(len(batch["prompt_ids"]), object)
+            prompt_arr[:] = [list(p) for p in batch["prompt_ids"]]
+            sampler.add(rewards, {"prompt_ids": prompt_arr, "tokens": res.tokens,
+                                  "logprobs": res.logprobs, "mask": res.mask,
+                                  "lengths": res.lengths, "shaped": np.asarray(shaped)})
+        kept, group_valid, ds_stats = sampler.finalize()
+        prompts = [p if isinstance(p, list) else [self.pad_id] for p in kept["prompt_ids"]]
+        advantages = np.asarray(algo.compute_advantages(
+            self.algo_cfg.advantage_estimator, kept["shaped"], group_valid,
+            eps=self.algo_cfg.advantage_eps))
+        update_batch = algo.assemble_update_batch(
+            prompts, kept["tokens"], kept["logprobs"], kept["mask"], advantages, group_valid,
+            seq_len=self.seq_len, pad_id=self.pad_id)
+        rewards_all = np.concatenate(rewards_all)
+        lengths_all = np.concatenate(lengths_all)
+        stats = {
+            "reward/mean": float(rewards_all.mean()),
+            "reward/correct_frac": float((rewards_all >= cfg.algo.correct_threshold).mean()),
+            "dynamic_sampling/pass_rate": ds_stats["pass_rate"],
+            "dynamic_sampling/rounds": ds_stats["generation_rounds"],
+            "dynamic_sampling/kept_groups": ds_stats["kept_groups"],
+            "dynamic_sampling/padded_groups": ds_stats["padded_groups"],
+            "response/length_mean": float(lengths_all.mean()),
+            "response/length_max": int(lengths_all.max()),
+            "response/truncated_frac": float(np.concatenate(truncated_all).mean()),
+            "monitor/effective_update_ratio": effective_update_ratio(
+                update_batch["advantages"], update_batch["loss_mask"].any(axis=1)),
+            "time/rollout_s": t_roll,
+            "time/scoring_s": t_score,
+            "perf/generated_samples": gen_samples,
+            "perf/generated_tokens": gen_tokens,
+        }
+        for key in monitor[0]:
+            stats[key] = float(np.mean([m[key] for m in monitor]))
+        if self.cfg.train.mass_balance_diagnostics:
+            from brorl_jax.theory import group_reward_balance, reward_balance_metrics
+            stats.update(reward_balance_metrics(group_reward_balance(
+                rewards_all, None,
+                correct_threshold=cfg.algo.correct_threshold)))
+        return update_batch, stats
+
+    # --------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        cfg = self.cfg
+        ckpt_step = self.checkpointer.latest_step()
+        state = self.new_state(self.model.params)
+        data_iter = iter(self.loader)
+        counters = {"skipped_steps": 0, "generated_samples": 0}
+        logger = None
+        if ckpt_step is not None:
+            state, meta = self.checkpointer.restore(ckpt_step, state)
+            data_iter.set_state(meta["data"])
+            counters = meta["counters"]
+            _log(f"[resume] from checkpoint step {ckpt_step} in {self.workdir}")
+            logger = MetricsLogger(self.workdir, tensorboard=cfg.train.tensorboard,
+                                   enabled=jax.process_index() == 0, resume_step=ckpt_step)
+        else:
+            logger = MetricsLogger(self.workdir, tensorboard=cfg.train.tensorboard,
+                                   enabled=jax.process_index() == 0)
+            _log(f"[config] {self.lr_note}")
+            if cfg.sft.steps > 0:
+                from brorl_jax.train.sft import warm_start
+                t0 = time.perf_counter()
+                params, sft_metrics = warm_start(self, state.params)
+                state = self.new_state(params)
+                _log(f"[sft] {cfg.sft.steps} supervised steps in {time.perf_counter() - t0:.0f}s, "
+                     f"final loss {sft_metrics['sft/loss']:.3f}")
+            ev = self.evaluate(state.params, 0)
+            logger.write(0, ev)
+            _log(f"[eval] before RL: pass@1 = {ev['eval/pass@1']:.3f}")
+        start = int(state.step)
+        first_eval = None
+        if ckpt_step is None:
+            first_eval = ev
+        from tqdm import tqdm
+        bar = tqdm(range(start, cfg.train.steps), initial=start, total=cfg.train.steps,
+                   desc="BroRL", disable=jax.process_index() != 0, file=sys.stdout)
+        last = {}
+        for step in bar:
+            t0 = time.perf_counter()
+            batch, metrics = self.collect(state.params, data_iter, step)
+            batch = jax.tree.map(jnp.asarray, batch)
+            t1 = time.perf_counter()
+            if self.algo_cfg.kl_coef > 0:
+                batch["ref_logprobs"], _, _ = self.logprob_fn(state.ref_params, batch)
+            rng = jax.random.fold_in(jax.random.key(cfg.train.seed), step)
+            state, upd = self.update_fn(state, batch, rng)
+            upd = {f"loss/{k}" if k in LOSS_KEYS else f"update/{k}": float(v)
+                   for k, v in jax.device_get(upd).items()}
+            t2 = time.perf_counter()
+            if upd["update/skipped"]:
+                counters["skipped_steps"] += 1
+                _log(f"[nan-guard] step {step}: non-finite loss or gradient; update skipped")
+            if cfg.algo.ref_reset_every and (step + 1) % cfg.algo.ref_reset_every == 0 \
+                    and self.algo_cfg.kl_coef > 0:
+                state = algo.reset_reference(state, self.optimizer,
+                                             reset_optimizer=cfg.algo.reset_optimizer_on_ref_reset)
+                _log(f"[reference] reset at step {step + 1}"
+                     + (" (optimizer state cleared)" if cfg.algo.reset_optimizer_on_ref_reset
+                        else ""))
+                metrics["ref_reset"] = 1
+            counters["generated_samples"] += metrics["perf/generated_samples"]
+            wall = time.perf_counter() - t0
+            metrics.update({k: v for k, v in upd.items()})
+            metrics.update({
+                "time/update_s": t2 - t1, "time/step_s": wall,
+                "perf/samples_per_s": metrics["perf/generated_samples"] / wall,
+                "perf/tokens_per_s": metrics["perf/generated_tokens"] / wall,
+                "counters/skipped_steps": counters["skipped_steps"],
+                "counters/generated_samples": counters["generated_samples"],
+                "optim/lr": self.lr,
+            })
+            done = step + 1
+            if cfg.eval.every and done % cfg.eval.every == 0 and done != cfg.train.steps:
+                metrics.update(self.evaluate(state.params, done))
+            if done == cfg.train.steps:
+                metrics.update(self.evaluate(state.params, done))
+            logger.write(done, metrics)
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
+                            pass_rate=f"{metrics['dynamic_sampling/pass_rate']:.2f}")
+            if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps:
+                self.checkpointer.save(done, state, {"data": data_iter.get_state(),
+                                                     "counters": counters})
+            last = metrics
+        bar.close()
+        self.checkpointer.wait()
+        if "eval/pass@1" in last:
+            before = first_eval["eval/pass@1"] if first_eval else None
+            msg = f"[eval] after RL: pass@1 = {last['eval/pass@1']:.3f}"
+            if before is not None:
+                msg += f" (before: {before:.3f})"
+            _log(msg)
+        if cfg.train.plots and jax.process_index() == 0 and os.path.exists(logger.path):
+            png = plot_metrics(logger.path, os.path.join(self.workdir, "curves.png"))
+            if png:
+                _log(f"[plots] {png}")
+        logger.close()
+        self.state = state
+        return last
+
+    def new_state(self, params) -> algo.TrainState:
+        return algo.create_train_state(params, self.optimizer,
+                                       with_reference=self.algo_cfg.kl_coef > 0)
+
+    def close(self) -> None:
+        self.scorer.close()
+        self.checkpointer.close()
+
+
+LOSS_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "clip_frac_low", "clip_frac_high",
+             "ratio_mean", "tis_dropped_frac", "tis_weight_mean")
+
+
+def optimizer_config(cfg, lr: float) -> algo.OptimizerConfig:
+    o = cfg.optim
+    return algo.OptimizerConfig(
+        name=o.name, learning_rate=lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+        max_grad_norm=o.grad_clip if o.grad_clip > 0 else None, schedule=o.schedule,
+        warmup_steps=o.warmup_steps, decay_steps=max(cfg.train.steps, o.warmup_steps + 1),
+        end_lr_fraction=o.final_lr_ratio)
+
+
+def algo_config(cfg) -> algo.AlgoConfig:
+    """The update's frozen config from the run config (one source of truth: brorl_jax.config)."""
+    a, r = cfg.algo, cfg.rollout
+    return algo.AlgoConfig(
+        rollouts_per_prompt=r.rollouts_per_prompt, prompts_per_step=a.prompts_per_step,
+        dynamic_sampling=a.dynamic_sampling, correct_threshold=a.correct_threshold,
+        generation_batch_multiplier=a.generation_batch_multiplier,
+        max_generation_rounds=a.max_generation_rounds,
+        dynamic_sampling_cap_policy=a.on_generation_cap, advantage_estimator=a.advantage,
+        clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high, loss_agg=a.loss_agg,
+        ppo_mini_batches=a.ppo_mini_batches, micro_batch_size=a.micro_batch_size,
+        temperature=r.temperature if r.temperature > 0 else 1.0,
+        tis_mode="ice_pop" if a.tis else "off", tis_low=a.tis_low, tis_high=a.tis_high,
+        kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, kl_clamp=a.kl_clamp,
+        ref_reset_interval=a.ref_reset_every,
+        reset_optimizer_on_ref_reset=a.reset_optimizer_on_ref_reset, entropy_coef=a.entropy_coef,
+        length_penalty=a.length_penalty, length_penalty_coef=a.length_penalty_coef,
+        length_penalty_eta_min=a.length_penalty_eta_min,
+        length_penalty_eta_max=a.length_penalty_eta_max,
+        logprob_impl=a.logprob_impl, remat=cfg.model.remat)
+
+
+def _round_seed(seed: int, step: int, round_: int) -> int:
+    """A distinct, reproducible rollout seed for every (run seed, step, generation round)."""
+    return (seed * 1_000_003 + step * 1_009 + round_) % (2**31 - 1)
+
+
+def train(cfg, workdir: str) -> dict:
+    trainer = Trainer(cfg, workdir)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()

@@ -1,0 +1,106 @@
+"""A short supervised warm start (the demo's): teach a fresh model the answer format.
+
+BroRL continues from a model that already solves part of its tasks (the ProRLv2 checkpoint); RL
+cannot start from a random model, whose every group is all-wrong and is filtered out. The demo
+therefore begins with a few hundred steps of next-token cross-entropy on (prompt, reference
+answer) pairs from the training source, with the loss on answer tokens only, then hands the
+parameters to BroRL. Reference answers come from the record's ground truth, rendered as the
+verifier expects (`answer_text`).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from brorl_jax import models
+from pallas_kernels import fused_logprob
+
+
+def answer_text(record: dict) -> str:
+    """The completion a perfect model writes for `record`, in the verifier's answer format.
+
+    Reasoning Gym's verifier reads the last <answer>...</answer> span; the math verifier the last
+    \\boxed{...}. Code has no single reference completion, so it cannot be warm-started here.
+    """
+    source = str(record.get("data_source", ""))
+    truth = record.get("ground_truth")
+    if source.startswith("reasoning_gym"):
+        return f"<answer>{truth}</answer>"
+    if source == "math" or source.startswith("math/"):
+        return f"\\boxed{{{truth}}}"
+    raise ValueError(f"the supervised warm start has no reference completion for data_source "
+                     f"{source!r}; set sft.steps=0 or use reasoning_gym/math prompts.")
+
+
+def build_sft_batch(prompt_ids: Sequence[Sequence[int]], answer_ids: Sequence[Sequence[int]],
+                    *, seq_len: int, pad_id: int = 0) -> dict[str, np.ndarray]:
+    """A supervised batch in the update's layout (algo.assemble_update_batch): loss on the
+    answer tokens only."""
+    rows = len(prompt_ids)
+    out = {
+        "input_tokens": np.full((rows, seq_len), pad_id, np.int32),
+        "targets": np.full((rows, seq_len), pad_id, np.int32),
+        "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), (rows, seq_len)).copy(),
+        "loss_mask": np.zeros((rows, seq_len), bool),
+    }
+    for r, (prompt, answer) in enumerate(zip(prompt_ids, answer_ids)):
+        seq = np.asarray(list(prompt) + list(answer), np.int32)[:seq_len]
+        p = len(prompt)
+        out["input_tokens"][r, :len(seq)] = seq
+        out["targets"][r, :len(seq) - 1] = seq[1:]
+        out["loss_mask"][r, p - 1:len(seq) - 1] = True
+    return out
+
+
+def _sft_loss(params, mcfg, batch):
+    h = models.forward(params, mcfg, batch["input_tokens"], positions=batch["positions"],
+                       return_hidden=True)
+    b, t, d = h.shape
+    logp, _ = fused_logprob(h.reshape(b * t, d), models.lm_head_matrix(params, mcfg),
+                            batch["targets"].reshape(-1))
+    mask = batch["loss_mask"].reshape(-1).astype(jnp.float32)
+    return -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2), donate_argnums=(0, 3))
+def _sft_step(params, mcfg, optimizer, opt_state, batch):
+    loss, grads = jax.value_and_grad(_sft_loss)(params, mcfg, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+def warm_start(trainer, params) -> tuple[dict, dict]:
+    """Runs `cfg.sft.steps` supervised steps on the trainer's training prompts."""
+    cfg = trainer.cfg
+    prompts = trainer.loader.prompts
+    tok = trainer.tokenizer
+    eos = trainer.eos_ids[0] if trainer.eos_ids else tok.eos_token_id
+    rng = np.random.default_rng(cfg.train.seed + 17)
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0),
+                            optax.adamw(optax.warmup_cosine_decay_schedule(
+                                0.0, cfg.sft.lr, max(1, cfg.sft.steps // 20), cfg.sft.steps,
+                                cfg.sft.lr * 0.1), weight_decay=0.0))
+    params = jax.tree.map(jnp.array, params)     # a copy: the model's own params stay intact
+    opt_state = optimizer.init(params)
+    answers: dict[int, list[int]] = {}
+    losses = []
+    for _ in range(cfg.sft.steps):
+        idx = rng.integers(0, len(prompts), cfg.sft.batch_size)
+        p_ids, a_ids = [], []
+        for i in idx:
+            pr = prompts[int(i)]
+            if pr.index not in answers:
+                text = answer_text(pr.record)
+                answers[pr.index] = tok.encode(text, add_special_tokens=False) + [eos]
+            p_ids.append(list(pr.ids))
+            a_ids.append(answers[pr.index])
+        batch = build_sft_batch(p_ids, a_ids, seq_len=trainer.seq_len, pad_id=trainer.pad_id)
+        batch = jax.tree.map(jnp.asarray, batch)
+        params, opt_state, loss = _sft_step(params, trainer.mcfg, optimizer, opt_state, batch)
+        losses.append(loss)
+    return params, {"sft/loss": float(np.mean(jax.device_get(losses[-10:])))}
