@@ -1,0 +1,41 @@
+"""Helpers shared by the bench scripts: run one variant in a fresh subprocess and read its peak
+memory (host RSS on CPU, device peak_bytes_in_use on GPU/TPU)."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+
+
+def current_rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
+
+
+def device_peak_bytes():
+    import jax
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def run_child(script: str, args: list[str], timeout: float) -> dict:
+    """Run `python script --child args...`; the child prints one JSON line starting with RESULT."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(script)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    try:
+        out = subprocess.run([sys.executable, script, "--child", *args], capture_output=True, text=True,
+                             timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout after {timeout:.0f}s"}
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = (out.stderr or out.stdout).strip().splitlines()[-3:]
+    return {"error": f"exit {out.returncode}: {' | '.join(tail)}"}

@@ -1,0 +1,260 @@
+"""The jitted RL update step: PPO mini-batches, micro-batched gradient accumulation, fused
+log-probs, KL to the reference, NaN guard, reference resets (BroRL §3.1, ProRLv2).
+
+One call of `update(state, batch, rng)`:
+  1. pi_old: the step-start trainer log-probs of every response token (a no-grad, micro-batched
+     pass), unless recompute_old_logprobs=False (then the rollout log-probs are pi_old).
+  2. for each of ppo_epochs x ppo_mini_batches mini-batches (a lax.scan): the gradient of the
+     policy_loss (losses.py) summed over micro-batches by a lax.scan, every micro-batch's
+     transformer forward rematerialised per layer, so peak memory is set by micro_batch_size and
+     not by the number of rollouts N; then the optax step, skipped if loss or gradients are
+     non-finite (params and optimizer state kept; metrics["skipped"] counts skipped steps).
+Log-probs come from pallas_kernels.fused_logprob on the final hidden states: the [tokens, V]
+logits are never materialised.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from brorl_jax.algo.config import AlgoConfig
+from brorl_jax.algo.losses import get_loss_agg, policy_loss
+from pallas_kernels import fused_logprob, fused_logprob_stats
+
+BATCH_KEYS = ("input_tokens", "positions", "loss_mask", "targets", "old_logprobs", "ref_logprobs",
+              "advantages")
+
+
+@flax.struct.dataclass
+class TrainState:
+    """step: int32 scalar (RL steps done); params / ref_params: model param trees (ref_params None
+    when no KL is used); opt_state: the optax state."""
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    ref_params: Any
+
+
+def create_train_state(params, optimizer: optax.GradientTransformation, *, with_reference: bool = True) -> TrainState:
+    ref = jax.tree.map(jnp.copy, params) if with_reference else None
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
+                      ref_params=ref)
+
+
+def reset_reference(state: TrainState, optimizer: optax.GradientTransformation | None = None, *,
+                    reset_optimizer: bool = False) -> TrainState:
+    """pi_ref <- current policy (ProRL's periodic reference reset). With reset_optimizer=True the
+    optimizer state is re-initialised as ProRL v1 did; ProRLv2 keeps it (False)."""
+    new = state.replace(ref_params=jax.tree.map(jnp.copy, state.params))
+    if reset_optimizer:
+        if optimizer is None:
+            raise ValueError("reset_reference(reset_optimizer=True) needs the optimizer to re-initialise its state")
+        new = new.replace(opt_state=optimizer.init(state.params))
+    return new
+
+
+def maybe_reset_reference(state: TrainState, cfg: AlgoConfig,
+                          optimizer: optax.GradientTransformation | None = None) -> tuple[TrainState, bool]:
+    """Reset every cfg.ref_reset_interval RL steps (host-side check on state.step)."""
+    step = int(state.step)
+    if cfg.ref_reset_interval > 0 and step > 0 and step % cfg.ref_reset_interval == 0:
+        return reset_reference(state, optimizer, reset_optimizer=cfg.reset_optimizer_on_ref_reset), True
+    return state, False
+
+
+class PolicyFns(NamedTuple):
+    """How the update reaches a model: hidden(params, tokens, positions, attention_mask, remat) ->
+    final normed hidden [B, T, D]; lm_head(params) -> [D, V]."""
+    hidden: Callable[..., jax.Array]
+    lm_head: Callable[[Any], jax.Array]
+
+
+def model_policy_fns(model_cfg) -> PolicyFns:
+    """PolicyFns for brorl_jax.models (the transformer's pure functions)."""
+    from brorl_jax.models import transformer
+
+    def hidden(params, tokens, positions, attention_mask, remat):
+        return transformer.forward(params, model_cfg, tokens, positions=positions,
+                                   attention_mask=attention_mask, return_hidden=True, remat=remat)
+
+    return PolicyFns(hidden=hidden, lm_head=lambda params: transformer.lm_head_matrix(params, model_cfg))
+
+
+def _resolve_policy(model_cfg, policy: PolicyFns | None) -> PolicyFns:
+    if policy is not None:
+        return policy
+    if model_cfg is None:
+        raise ValueError("give model_cfg (a brorl_jax.models.ModelConfig) or policy=PolicyFns(...)")
+    return model_policy_fns(model_cfg)
+
+
+def _token_logprobs(policy: PolicyFns, params, mb: dict, cfg: AlgoConfig, *, remat: bool, stats: bool = False):
+    """Micro-batch rows -> (logp [b, T], entropy [b, T], sum_p2 [b, T] or None)."""
+    tokens = mb["input_tokens"]
+    b, t = tokens.shape
+    h = policy.hidden(params, tokens, mb["positions"], mb.get("attention_mask"), remat)
+    w = policy.lm_head(params).astype(h.dtype)
+    h2, tg = h.reshape(b * t, h.shape[-1]), mb["targets"].reshape(b * t)
+    if stats:
+        out = fused_logprob_stats(h2, w, tg, temperature=cfg.temperature, impl=cfg.logprob_impl)
+        return (out["logp"].reshape(b, t), out["entropy"].reshape(b, t), out["sum_p2"].reshape(b, t))
+    logp, ent = fused_logprob(h2, w, tg, temperature=cfg.temperature, impl=cfg.logprob_impl)
+    return logp.reshape(b, t), ent.reshape(b, t), None
+
+
+def _check_batch(batch: dict, cfg: AlgoConfig) -> tuple[int, int, int]:
+    missing = [k for k in BATCH_KEYS if k not in batch]
+    if missing:
+        raise ValueError(f"update batch is missing {missing}; required keys: {list(BATCH_KEYS)}")
+    rows, seq = batch["input_tokens"].shape
+    for k in BATCH_KEYS:
+        want = (rows,) if k == "advantages" else (rows, seq)
+        if batch[k].shape != want:
+            raise ValueError(f"batch[{k!r}] has shape {batch[k].shape}, expected {want}")
+    if rows % cfg.ppo_mini_batches:
+        raise ValueError(f"batch rows {rows} not divisible by algo.ppo_mini_batches={cfg.ppo_mini_batches}")
+    mini = rows // cfg.ppo_mini_batches
+    micro = min(cfg.micro_batch_size, mini)
+    if mini % micro:
+        raise ValueError(f"mini-batch rows {mini} (= {rows} / ppo_mini_batches) not divisible by "
+                         f"algo.micro_batch_size={cfg.micro_batch_size}")
+    return rows, mini, micro
+
+
+def _split(tree, n: int):
+    """Leading dim R -> [n, R / n, ...] for every leaf."""
+    return jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), tree)
+
+
+def make_logprob_fn(model_cfg=None, algo_cfg: AlgoConfig | None = None, *, policy: PolicyFns | None = None,
+                    micro_batch_size: int | None = None, with_stats: bool = False):
+    """-> logprobs(params, batch) -> (logp [B, T], entropy [B, T], stats dict).
+
+    No gradient; micro-batched with lax.map so memory does not grow with B. stats holds
+    "sum_p2" [B, T] (sum_v p_v^2) when with_stats. Used for the reference log-probs, pi_old and
+    diagnostics. Jit it yourself (jax.jit(make_logprob_fn(...)))."""
+    cfg = algo_cfg or AlgoConfig()
+    pol = _resolve_policy(model_cfg, policy)
+    mbs = micro_batch_size or cfg.micro_batch_size
+
+    def logprobs(params, batch):
+        rows = batch["input_tokens"].shape[0]
+        micro = min(mbs, rows)
+        if rows % micro:
+            raise ValueError(f"batch rows {rows} not divisible by micro_batch_size={micro}")
+        keys = ["input_tokens", "positions", "targets"] + (["attention_mask"] if "attention_mask" in batch else [])
+        parts = _split({k: batch[k] for k in keys}, rows // micro)
+
+        def one(mb):
+            logp, ent, p2 = _token_logprobs(pol, params, mb, cfg, remat=False, stats=with_stats)
+            return logp, ent, (p2 if with_stats else jnp.zeros_like(logp))
+
+        logp, ent, p2 = lax.map(one, parts)
+        merge = lambda x: lax.stop_gradient(x.reshape((rows,) + x.shape[2:]))
+        stats = {"sum_p2": merge(p2)} if with_stats else {}
+        return merge(logp), merge(ent), stats
+
+    return logprobs
+
+
+_METRIC_SUMS = ("n_tokens", "kl_sum", "entropy_sum", "clip_low_sum", "clip_high_sum", "ratio_sum",
+                "tis_dropped_sum", "tis_weight_sum", "pg_loss", "kl_loss", "entropy_loss")
+
+
+def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientTransformation, *,
+                     policy: PolicyFns | None = None):
+    """-> update(state, batch, rng) -> (state, metrics). Pure; jit it (donate state if you like).
+
+    batch: the INTERFACES.md "algo" dict, rows = prompts_per_step * N (padded rows have an all-False
+    loss_mask). metrics (scalars): loss, pg_loss, kl, entropy, clip_frac, clip_frac_low,
+    clip_frac_high, ratio_mean, tis_dropped_frac, tis_weight_mean, grad_norm, finite, skipped,
+    n_tokens, optimizer_steps.
+    """
+    cfg = algo_cfg
+    pol = _resolve_policy(model_cfg, policy)
+    agg = get_loss_agg(cfg.loss_agg)
+    old_fn = make_logprob_fn(algo_cfg=cfg, policy=pol)
+    use_ref = cfg.kl_coef > 0
+
+    def micro_loss(params, mb):
+        logp, ent, _ = _token_logprobs(pol, params, mb, cfg, remat=cfg.remat)
+        return policy_loss(logp, ent, old_logp=mb["pi_old"], rollout_logp=mb["old_logprobs"],
+                           ref_logp=mb["ref_logprobs"] if use_ref else None,
+                           advantages=mb["advantages"], loss_mask=mb["loss_mask"],
+                           agg_weights=mb["agg_weights"], cfg=cfg)
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def minibatch_step(micro_rows, carry, mb):
+        params, opt_state = carry
+        mb = dict(mb, agg_weights=agg(mb["loss_mask"]))
+        micro = _split(mb, mb["input_tokens"].shape[0] // micro_rows)
+
+        def accumulate(acc, x):
+            g_acc, l_acc, s_acc = acc
+            (loss, sums), g = grad_fn(params, x)
+            return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss,
+                    {k: s_acc[k] + sums[k] for k in s_acc}), None
+
+        zeros_g = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        zeros_s = {k: jnp.zeros((), jnp.float32) for k in _METRIC_SUMS}
+        (grads, loss, sums), _ = lax.scan(accumulate, (zeros_g, jnp.zeros((), jnp.float32), zeros_s), micro)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
+        updates, new_opt = optimizer.update(safe_grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        params, opt_state = keep(new_params, params), keep(new_opt, opt_state)
+        metrics = dict(sums, loss=loss, grad_norm=grad_norm, finite=finite.astype(jnp.float32))
+        return (params, opt_state), metrics
+
+    def update(state: TrainState, batch: dict, rng: jax.Array | None = None):
+        rows, mini, micro_rows = _check_batch(batch, cfg)
+        keys = list(BATCH_KEYS) + (["attention_mask"] if "attention_mask" in batch else [])
+        data = {k: batch[k] for k in keys}
+        if cfg.recompute_old_logprobs:
+            data["pi_old"], _, _ = old_fn(state.params, data)
+        else:
+            data["pi_old"] = data["old_logprobs"]
+        epochs = []
+        for epoch in range(cfg.ppo_epochs):
+            order = data
+            if rng is not None and cfg.ppo_epochs > 1 and epoch > 0:
+                # reshuffle rows between epochs (the first epoch keeps prompt groups together)
+                perm = jax.random.permutation(jax.random.fold_in(rng, epoch), rows)
+                order = jax.tree.map(lambda x: x[perm], data)
+            epochs.append(_split(order, cfg.ppo_mini_batches))
+        minis = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *epochs) if len(epochs) > 1 else epochs[0]
+        (params, opt_state), m = lax.scan(functools.partial(minibatch_step, micro_rows), (state.params, state.opt_state), minis)
+
+        n_tok = jnp.maximum(m["n_tokens"], 1.0)
+        frac = lambda k: jnp.mean(m[k] / n_tok)
+        metrics = {
+            "loss": jnp.mean(m["loss"]),
+            "pg_loss": jnp.mean(m["pg_loss"]),
+            "kl": frac("kl_sum"),
+            "entropy": frac("entropy_sum"),
+            "clip_frac_low": frac("clip_low_sum"),
+            "clip_frac_high": frac("clip_high_sum"),
+            "clip_frac": jnp.mean((m["clip_low_sum"] + m["clip_high_sum"]) / n_tok),
+            "ratio_mean": frac("ratio_sum"),
+            "tis_dropped_frac": frac("tis_dropped_sum"),
+            "tis_weight_mean": frac("tis_weight_sum"),
+            "grad_norm": jnp.mean(m["grad_norm"]),
+            "finite": jnp.min(m["finite"]),
+            "skipped": jnp.sum(1.0 - m["finite"]),
+            "n_tokens": jnp.sum(m["n_tokens"]) / cfg.ppo_epochs,
+            "optimizer_steps": jnp.sum(m["finite"]),
+        }
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        return new_state, metrics
+
+    return update

@@ -1,0 +1,70 @@
+"""Advantage estimators on hand-computed small cases (incl. all-correct / all-wrong groups)."""
+import numpy as np
+import pytest
+
+from brorl_jax.algo import ADVANTAGES, compute_advantages, get_advantage_fn
+
+R = np.array([[1, 0, 0, 1],
+              [1, 1, 1, 1],     # all correct
+              [0, 0, 0, 0]],    # all wrong
+             np.float32)
+
+
+def test_registry_names_and_unknown_name():
+    assert sorted(ADVANTAGES) == ["grpo", "reinforce_pp_baseline", "rloo"]
+    with pytest.raises(ValueError, match="allowed: \\['grpo', 'reinforce_pp_baseline', 'rloo'\\]"):
+        get_advantage_fn("ppo")
+
+
+def test_reinforce_pp_baseline_hand_case():
+    # group means 0.5, 1, 0 -> A = +-0.5 in group 0, zeros elsewhere; batch mean 0,
+    # batch std = sqrt(4 * 0.25 / 12) = sqrt(1/12)
+    a = np.asarray(compute_advantages("reinforce_pp_baseline", R, eps=0.0))
+    expect = np.array([[0.5, -0.5, -0.5, 0.5], [0] * 4, [0] * 4]) / np.sqrt(1 / 12)
+    np.testing.assert_allclose(a, expect, rtol=1e-6)
+
+
+def test_reinforce_pp_baseline_whitens_over_kept_groups_only():
+    r = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [5, 5, 5, 9]], np.float32)
+    mask = np.array([True, True, False])
+    a = np.asarray(compute_advantages("reinforce_pp_baseline", r, mask, eps=0.0))
+    raw = np.array([[0.75, -0.25, -0.25, -0.25], [0.5, 0.5, -0.5, -0.5]])
+    expect = (raw - raw.mean()) / raw.std()
+    np.testing.assert_allclose(a[:2], expect, rtol=1e-5)
+    assert np.all(a[2] == 0)
+    assert abs(a[:2].mean()) < 1e-6 and abs(a[:2].std() - 1) < 1e-5
+
+
+def test_reinforce_pp_baseline_token_weighted_whitening():
+    r = np.array([[1, 0], [0, 1]], np.float32)
+    lengths = np.array([[3, 1], [1, 1]], np.float32)
+    a = np.asarray(compute_advantages("reinforce_pp_baseline", r, lengths=lengths, eps=0.0))
+    raw = np.array([0.5, -0.5, -0.5, 0.5])
+    w = lengths.reshape(-1)
+    mean = np.sum(w * raw) / w.sum()
+    std = np.sqrt(np.sum(w * (raw - mean) ** 2) / w.sum())
+    np.testing.assert_allclose(a.reshape(-1), (raw - mean) / std, rtol=1e-5)
+
+
+def test_grpo_hand_case():
+    a = np.asarray(compute_advantages("grpo", R, eps=0.0))
+    std = np.sqrt((4 * 0.25) / 3)  # ddof=1
+    np.testing.assert_allclose(a[0], np.array([0.5, -0.5, -0.5, 0.5]) / std, rtol=1e-6)
+    # all-correct / all-wrong groups: zero advantage, not nan (eps guards 0/0)
+    a_eps = np.asarray(compute_advantages("grpo", R))
+    assert np.all(a_eps[1:] == 0) and np.all(np.isfinite(a_eps))
+
+
+def test_rloo_hand_case():
+    a = np.asarray(compute_advantages("rloo", R))
+    # i=0: 1 - (0+0+1)/3 ; i=1: 0 - (1+0+1)/3
+    np.testing.assert_allclose(a[0], [2 / 3, -2 / 3, -2 / 3, 2 / 3], rtol=1e-6)
+    assert np.all(a[1:] == 0)
+
+
+@pytest.mark.parametrize("name", sorted(ADVANTAGES))
+def test_bad_shapes_raise(name):
+    with pytest.raises(ValueError, match="rewards must be"):
+        compute_advantages(name, np.zeros((3,)))
+    with pytest.raises(ValueError, match="group_mask"):
+        compute_advantages(name, np.zeros((3, 4)), np.ones(2, bool))
