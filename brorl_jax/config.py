@@ -60,7 +60,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.algo.correct_threshold = 1.0        # a sample counts as correct when reward >= this
     c.algo.generation_batch_multiplier = 1.5   # NeMo-RL ProRLv2 value (over-generate per round)
     c.algo.max_generation_rounds = 10          # NeMo-RL dynamic_sampling_max_gen_batches
-    c.algo.on_generation_cap = "error"         # error | pad (train on what was kept, rest masked)
+    c.algo.dynamic_sampling_cap_policy = "error"         # error | pad (train on what was kept, rest masked)
     c.algo.clip_eps_low = 0.2                  # [ProRLv2]
     c.algo.clip_eps_high = 0.28                # [ProRLv2]
     c.algo.loss_agg = "token_mean"             # | seq_mean_token_mean
@@ -144,7 +144,7 @@ ALLOWED = {
     "model.param_dtype": ("float32", "bfloat16"),
     "rollout.impl": ("auto", "pallas", "reference"),
     "algo.advantage": ("reinforce_pp_baseline", "grpo", "rloo"),
-    "algo.on_generation_cap": ("error", "pad"),
+    "algo.dynamic_sampling_cap_policy": ("error", "pad"),
     "algo.loss_agg": ("token_mean", "seq_mean_token_mean"),
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.logprob_impl": ("auto", "pallas", "chunked", "naive"),

@@ -64,6 +64,7 @@ class DynamicSampler:
     generated_groups: int = 0
     kept_groups: int = 0
     _kept: list = dataclasses.field(default_factory=list)
+    _template: dict = dataclasses.field(default_factory=dict)   # one group's shape per array
 
     def __post_init__(self):
         if self.cap_policy not in ("error", "pad"):
@@ -121,6 +122,9 @@ class DynamicSampler:
             if np.shape(v)[0] != r.shape[0]:
                 raise ValueError(f"arrays[{k!r}] has leading dim {np.shape(v)[0]}, rewards has G={r.shape[0]}")
         kept = select_groups(r, self.correct_threshold) if self.enabled else np.ones(r.shape[0], bool)
+        if not self._template:
+            self._template = {k: np.zeros_like(np.asarray(v)[:1]) for k, v in arrays.items()}
+            self._template["rewards"] = np.zeros_like(r[:1])
         self.rounds += 1
         self.generated_groups += r.shape[0]
         self.kept_groups += int(kept.sum())
@@ -135,13 +139,13 @@ class DynamicSampler:
         stats). Raises if not full under policy "error"."""
         if not self.full and self.cap_policy == "error":
             raise DynamicSamplingError(self._cap_message())
-        if not self._kept:
-            raise DynamicSamplingError(self._cap_message() + " (no group was kept at all)")
+        if not self._template:
+            raise DynamicSamplingError("DynamicSampler.finalize() called before any add()")
         p = self.prompts_per_step
-        keys = self._kept[0].keys()
         out = {}
-        for k in keys:
-            cat = np.concatenate([part[k] for part in self._kept], axis=0)[:p]
+        for k in self._template:
+            parts = [part[k] for part in self._kept] or [self._template[k][:0]]
+            cat = np.concatenate(parts, axis=0)[:p]
             if cat.shape[0] < p:  # "pad" policy: zeros, masked by group_valid
                 cat = np.concatenate([cat, np.zeros((p - cat.shape[0],) + cat.shape[1:], cat.dtype)])
             out[k] = cat

@@ -17,6 +17,16 @@ import jax
 import orbax.checkpoint as ocp
 
 
+def _maybe_crash_during_save(step: int) -> None:
+    """Fault injection for the kill-and-resume tests: BRORL_KILL_DURING_SAVE=<step> kills this
+    process with SIGKILL right after the asynchronous save of <step> has started, i.e. while
+    orbax is still writing it. Unset in normal runs."""
+    target = os.environ.get("BRORL_KILL_DURING_SAVE")
+    if target is not None and int(target) == step:
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 class Checkpointer:
     """A thin wrapper over `ocp.CheckpointManager` with the two items this project saves."""
 
@@ -41,6 +51,7 @@ class Checkpointer:
         """Starts an asynchronous save of `state` and `meta` at `step`; returns at once."""
         self._manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+        _maybe_crash_during_save(step)
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """Restores step `step` into the structure, shapes and shardings of `abstract_state`."""

@@ -376,7 +376,7 @@ def algo_config(cfg) -> algo.AlgoConfig:
         dynamic_sampling=a.dynamic_sampling, correct_threshold=a.correct_threshold,
         generation_batch_multiplier=a.generation_batch_multiplier,
         max_generation_rounds=a.max_generation_rounds,
-        dynamic_sampling_cap_policy=a.on_generation_cap, advantage_estimator=a.advantage,
+        dynamic_sampling_cap_policy=a.dynamic_sampling_cap_policy, advantage_estimator=a.advantage,
         clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high, loss_agg=a.loss_agg,
         ppo_mini_batches=a.ppo_mini_batches, micro_batch_size=a.micro_batch_size,
         temperature=r.temperature if r.temperature > 0 else 1.0,
@@ -401,3 +401,25 @@ def train(cfg, workdir: str) -> dict:
         return trainer.run()
     finally:
         trainer.close()
+
+
+def restore_params(cfg, workdir: str, step: int | None = None):
+    """(model, params, step) of checkpoint `step` (default: latest) in `workdir`."""
+    model = load_model(cfg)
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.train.keep_checkpoints)
+    try:
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no complete checkpoint in {workdir}/checkpoints; train first "
+                                    "or give --step of an existing one.")
+        if step not in ckpt.all_steps():
+            raise FileNotFoundError(f"checkpoint step {step} not in {workdir}/checkpoints; "
+                                    f"available: {ckpt.all_steps()}.")
+        lr, _ = derived_learning_rate(cfg)
+        optimizer = algo.make_optimizer(optimizer_config(cfg, lr))
+        template = algo.create_train_state(model.params, optimizer,
+                                           with_reference=cfg.algo.kl_coef > 0)
+        state, _ = ckpt.restore(step, template)
+    finally:
+        ckpt.close()
+    return model, state.params, step

@@ -1,0 +1,50 @@
+"""Standalone evaluation: pass@k and mean@k on the held-out prompts of a config.
+
+  python -m brorl_jax.evaluate --config=configs/NAME.py --workdir=DIR [--step=S]
+  python -m brorl_jax.evaluate --config=configs/NAME.py --config.model.path=HF_DIR   (no workdir)
+
+Defaults are the paper's evaluation settings (temperature 0.6, top-p 0.95, 16 samples per
+prompt, pass@1 as their mean) unless the config's eval section says otherwise.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+from absl import app, flags
+from ml_collections import config_flags
+
+import configs
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(os.path.dirname(configs.__file__), "demo.py"), "Config.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Evaluate this run's checkpoint (else the "
+                               "model at config.model.path).")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+
+
+def evaluate(cfg, workdir: str | None = None, step: int | None = None) -> dict:
+    from brorl_jax.config import validate
+    from brorl_jax.train.loop import Trainer, restore_params
+    validate(cfg)
+    scratch = tempfile.mkdtemp(prefix="brorl_eval_")
+    trainer = Trainer(cfg, scratch)
+    try:
+        params = trainer.model.params
+        if workdir:
+            _, params, step = restore_params(cfg, workdir, step)
+        out = trainer.evaluate(params, step or 0)
+        out["step"] = step or 0
+        return out
+    finally:
+        trainer.close()
+
+
+def main(argv):
+    del argv
+    print(json.dumps(evaluate(_CONFIG.value, _WORKDIR.value, _STEP.value), indent=1))
+
+
+if __name__ == "__main__":
+    app.run(main)
