@@ -94,8 +94,12 @@ def _resolve_policy(model_cfg, policy: PolicyFns | None) -> PolicyFns:
     return model_policy_fns(model_cfg)
 
 
-def _token_logprobs(policy: PolicyFns, params, mb: dict, cfg: AlgoConfig, *, remat: bool, stats: bool = False):
-    """Micro-batch rows -> (logp [b, T], entropy [b, T], sum_p2 [b, T] or None)."""
+def _token_logprobs(policy: PolicyFns, params, mb: dict, cfg: AlgoConfig, *, remat: bool, stats: bool = False,
+                    logprob_fn=None):
+    """Micro-batch rows -> (logp [b, T], entropy [b, T], sum_p2 [b, T] or None).
+
+    logprob_fn(hidden[T, D], lm_head[D, V], targets[T], *, temperature, impl) replaces
+    pallas_kernels.fused_logprob when given (e.g. the vocab-parallel shard_map version)."""
     tokens = mb["input_tokens"]
     b, t = tokens.shape
     h = policy.hidden(params, tokens, mb["positions"], mb.get("attention_mask"), remat)
@@ -104,7 +108,7 @@ def _token_logprobs(policy: PolicyFns, params, mb: dict, cfg: AlgoConfig, *, rem
     if stats:
         out = fused_logprob_stats(h2, w, tg, temperature=cfg.temperature, impl=cfg.logprob_impl)
         return (out["logp"].reshape(b, t), out["entropy"].reshape(b, t), out["sum_p2"].reshape(b, t))
-    logp, ent = fused_logprob(h2, w, tg, temperature=cfg.temperature, impl=cfg.logprob_impl)
+    logp, ent = (logprob_fn or fused_logprob)(h2, w, tg, temperature=cfg.temperature, impl=cfg.logprob_impl)
     return logp.reshape(b, t), ent.reshape(b, t), None
 
 
@@ -127,18 +131,24 @@ def _check_batch(batch: dict, cfg: AlgoConfig) -> tuple[int, int, int]:
     return rows, mini, micro
 
 
-def _split(tree, n: int):
-    """Leading dim R -> [n, R / n, ...] for every leaf."""
-    return jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), tree)
+def _split(tree, n: int, shard_rows=None):
+    """Leading dim R -> [n, R / n, ...] for every leaf; shard_rows (a sharding constraint under a
+    mesh) keeps the rows of each part spread over the batch devices after the reshape."""
+    out = jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), tree)
+    return shard_rows(out) if shard_rows is not None else out
 
 
 def make_logprob_fn(model_cfg=None, algo_cfg: AlgoConfig | None = None, *, policy: PolicyFns | None = None,
-                    micro_batch_size: int | None = None, with_stats: bool = False):
+                    micro_batch_size: int | None = None, with_stats: bool = False,
+                    unsampled_n: int | None = None, logprob_fn=None, shard_rows=None):
     """-> logprobs(params, batch) -> (logp [B, T], entropy [B, T], stats dict).
 
     No gradient; micro-batched with lax.map so memory does not grow with B. stats holds
-    "sum_p2" [B, T] (sum_v p_v^2) when with_stats. Used for the reference log-probs, pi_old and
-    diagnostics. Jit it yourself (jax.jit(make_logprob_fn(...)))."""
+    "sum_p2" [B, T] (sum_v p_v^2) when with_stats, and "sum_p2_unsampled" [B, T]
+    (sum_v p_v^2 (1 - p_v)^n, BroRL Lemma 2's expected unsampled second moment at n =
+    unsampled_n) when unsampled_n is given, both from the same pass over the vocabulary. Used for
+    the reference log-probs, pi_old and diagnostics. Jit it yourself.
+    logprob_fn / shard_rows: see make_update_step."""
     cfg = algo_cfg or AlgoConfig()
     pol = _resolve_policy(model_cfg, policy)
     mbs = micro_batch_size or cfg.micro_batch_size
@@ -149,15 +159,32 @@ def make_logprob_fn(model_cfg=None, algo_cfg: AlgoConfig | None = None, *, polic
         if rows % micro:
             raise ValueError(f"batch rows {rows} not divisible by micro_batch_size={micro}")
         keys = ["input_tokens", "positions", "targets"] + (["attention_mask"] if "attention_mask" in batch else [])
-        parts = _split({k: batch[k] for k in keys}, rows // micro)
+        parts = _split({k: batch[k] for k in keys}, rows // micro, shard_rows)
 
         def one(mb):
-            logp, ent, p2 = _token_logprobs(pol, params, mb, cfg, remat=False, stats=with_stats)
-            return logp, ent, (p2 if with_stats else jnp.zeros_like(logp))
+            if unsampled_n is not None:
+                tokens = mb["input_tokens"]
+                b, t = tokens.shape
+                h = pol.hidden(params, tokens, mb["positions"], mb.get("attention_mask"), False)
+                w = pol.lm_head(params).astype(h.dtype)
+                out = fused_logprob_stats(h.reshape(b * t, -1), w, mb["targets"].reshape(-1),
+                                          temperature=cfg.temperature, impl=cfg.logprob_impl,
+                                          unsampled_n=int(unsampled_n))
+                shape = lambda x: x.reshape(b, t)
+                return (shape(out["logp"]), shape(out["entropy"]), shape(out["sum_p2"]),
+                        shape(out["sum_p2_unsampled"][:, 0]))
+            logp, ent, p2 = _token_logprobs(pol, params, mb, cfg, remat=False, stats=with_stats,
+                                            logprob_fn=logprob_fn)
+            zero = jnp.zeros_like(logp)
+            return logp, ent, (p2 if with_stats else zero), zero
 
-        logp, ent, p2 = lax.map(one, parts)
+        logp, ent, p2, u2 = lax.map(one, parts)
         merge = lambda x: lax.stop_gradient(x.reshape((rows,) + x.shape[2:]))
-        stats = {"sum_p2": merge(p2)} if with_stats else {}
+        stats = {}
+        if with_stats or unsampled_n is not None:
+            stats["sum_p2"] = merge(p2)
+        if unsampled_n is not None:
+            stats["sum_p2_unsampled"] = merge(u2)
         return merge(logp), merge(ent), stats
 
     return logprobs
@@ -168,22 +195,36 @@ _METRIC_SUMS = ("n_tokens", "kl_sum", "entropy_sum", "clip_low_sum", "clip_high_
 
 
 def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientTransformation, *,
-                     policy: PolicyFns | None = None):
+                     policy: PolicyFns | None = None, logprob_fn=None, shard_rows=None,
+                     diagnostics_n: int | None = None):
     """-> update(state, batch, rng) -> (state, metrics). Pure; jit it (donate state if you like).
 
     batch: the INTERFACES.md "algo" dict, rows = prompts_per_step * N (padded rows have an all-False
     loss_mask). metrics (scalars): loss, pg_loss, kl, entropy, clip_frac, clip_frac_low,
-    clip_frac_high, ratio_mean, tis_dropped_frac, tis_weight_mean, grad_norm, finite, skipped,
-    n_tokens, optimizer_steps.
+    clip_frac_high, ratio_mean, tis_dropped_frac, tis_weight_mean, grad_norm, grad_var, finite,
+    skipped, n_tokens, optimizer_steps (+ mass_balance/* with diagnostics_n).
+
+    grad_var estimates the trace of the covariance of the mini-batch gradient from the spread of
+    its M micro-batch gradients g_i (sum_i g_i = G): each M g_i is an unbiased estimate of G, so
+    Var = (M^2 sum_i |g_i|^2 - M |G|^2) / (M (M - 1)) (nan when M = 1). Not in the paper: the
+    BroRL write-ups claim the gradient variance at N=16 is several times that at N=512.
+
+    logprob_fn: replaces pallas_kernels.fused_logprob (same signature), e.g. the vocab-parallel
+    shard_map version of brorl_jax.parallel. shard_rows: applied to every batch split (a sharding
+    constraint keeping rows on the batch devices under a mesh); default identity.
+    diagnostics_n: when given, the pi_old pass also returns BroRL's mass-balance statistics from
+    the same pass over the vocabulary: the expected unsampled second moment sum_v p^2 (1-p)^n at
+    n = diagnostics_n (Lemma 2) and sum_v p^2, averaged over response tokens.
     """
     cfg = algo_cfg
     pol = _resolve_policy(model_cfg, policy)
     agg = get_loss_agg(cfg.loss_agg)
-    old_fn = make_logprob_fn(algo_cfg=cfg, policy=pol)
+    old_fn = make_logprob_fn(algo_cfg=cfg, policy=pol, logprob_fn=logprob_fn, shard_rows=shard_rows,
+                             unsampled_n=diagnostics_n)
     use_ref = cfg.kl_coef > 0
 
     def micro_loss(params, mb):
-        logp, ent, _ = _token_logprobs(pol, params, mb, cfg, remat=cfg.remat)
+        logp, ent, _ = _token_logprobs(pol, params, mb, cfg, remat=cfg.remat, logprob_fn=logprob_fn)
         return policy_loss(logp, ent, old_logp=mb["pi_old"], rollout_logp=mb["old_logprobs"],
                            ref_logp=mb["ref_logprobs"] if use_ref else None,
                            advantages=mb["advantages"], loss_mask=mb["loss_mask"],
@@ -194,17 +235,23 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
     def minibatch_step(micro_rows, carry, mb):
         params, opt_state = carry
         mb = dict(mb, agg_weights=agg(mb["loss_mask"]))
-        micro = _split(mb, mb["input_tokens"].shape[0] // micro_rows)
+        n_micro = mb["input_tokens"].shape[0] // micro_rows
+        micro = _split(mb, n_micro, shard_rows)
 
         def accumulate(acc, x):
-            g_acc, l_acc, s_acc = acc
+            g_acc, l_acc, s_acc, sq_acc = acc
             (loss, sums), g = grad_fn(params, x)
             return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss,
-                    {k: s_acc[k] + sums[k] for k in s_acc}), None
+                    {k: s_acc[k] + sums[k] for k in s_acc},
+                    sq_acc + jnp.square(optax.tree.norm(g))), None
 
         zeros_g = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         zeros_s = {k: jnp.zeros((), jnp.float32) for k in _METRIC_SUMS}
-        (grads, loss, sums), _ = lax.scan(accumulate, (zeros_g, jnp.zeros((), jnp.float32), zeros_s), micro)
+        zero = jnp.zeros((), jnp.float32)
+        (grads, loss, sums, sq), _ = lax.scan(accumulate, (zeros_g, zero, zeros_s, zero), micro)
+        total_sq = jnp.square(optax.tree.norm(grads))
+        grad_var = ((n_micro ** 2 * sq - n_micro * total_sq) / (n_micro * (n_micro - 1))
+                    if n_micro > 1 else jnp.float32(jnp.nan))
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -213,17 +260,24 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
         new_params = optax.apply_updates(params, updates)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         params, opt_state = keep(new_params, params), keep(new_opt, opt_state)
-        metrics = dict(sums, loss=loss, grad_norm=grad_norm, finite=finite.astype(jnp.float32))
+        metrics = dict(sums, loss=loss, grad_norm=grad_norm, grad_var=grad_var,
+                       finite=finite.astype(jnp.float32))
         return (params, opt_state), metrics
 
     def update(state: TrainState, batch: dict, rng: jax.Array | None = None):
         rows, mini, micro_rows = _check_batch(batch, cfg)
         keys = list(BATCH_KEYS) + (["attention_mask"] if "attention_mask" in batch else [])
         data = {k: batch[k] for k in keys}
-        if cfg.recompute_old_logprobs:
-            data["pi_old"], _, _ = old_fn(state.params, data)
-        else:
-            data["pi_old"] = data["old_logprobs"]
+        diag = {}
+        if cfg.recompute_old_logprobs or diagnostics_n is not None:
+            pi_old, _, stats = old_fn(state.params, data)
+            if diagnostics_n is not None:
+                mask = data["loss_mask"].astype(jnp.float32)
+                denom = jnp.maximum(mask.sum(), 1.0)
+                diag = {"mass_balance/unsampled_second_moment":
+                        (stats["sum_p2_unsampled"] * mask).sum() / denom,
+                        "mass_balance/sum_p2": (stats["sum_p2"] * mask).sum() / denom}
+        data["pi_old"] = pi_old if cfg.recompute_old_logprobs else data["old_logprobs"]
         epochs = []
         for epoch in range(cfg.ppo_epochs):
             order = data
@@ -231,7 +285,7 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
                 # reshuffle rows between epochs (the first epoch keeps prompt groups together)
                 perm = jax.random.permutation(jax.random.fold_in(rng, epoch), rows)
                 order = jax.tree.map(lambda x: x[perm], data)
-            epochs.append(_split(order, cfg.ppo_mini_batches))
+            epochs.append(_split(order, cfg.ppo_mini_batches, shard_rows))
         minis = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *epochs) if len(epochs) > 1 else epochs[0]
         (params, opt_state), m = lax.scan(functools.partial(minibatch_step, micro_rows), (state.params, state.opt_state), minis)
 
@@ -249,10 +303,12 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
             "tis_dropped_frac": frac("tis_dropped_sum"),
             "tis_weight_mean": frac("tis_weight_sum"),
             "grad_norm": jnp.mean(m["grad_norm"]),
+            "grad_var": jnp.mean(m["grad_var"]),
             "finite": jnp.min(m["finite"]),
             "skipped": jnp.sum(1.0 - m["finite"]),
             "n_tokens": jnp.sum(m["n_tokens"]) / cfg.ppo_epochs,
             "optimizer_steps": jnp.sum(m["finite"]),
+            **diag,
         }
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return new_state, metrics
