@@ -23,7 +23,7 @@ def get_config(arg: str | None = None):
         allow_parentheses=False, allow_negation=False))
     c.data.train_size = 20_000
     c.data.eval_size = 200
-    c.data.max_prompt_len = 40
+    c.data.max_prompt_len = 24
     c.data.use_chat_template = True
     c.rollout.rollouts_per_prompt = opts.get("n", 128)
     c.rollout.max_new_tokens = 8

@@ -168,7 +168,9 @@ class DecoderLayer(nn.Module):
     def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.cfg
         b, t, _ = x.shape
-        hidden = self.input_norm(x)
+        # Dense layers see [B*T, D]: XLA:CPU's weight-gradient matmul contracting over one
+        # flattened axis is about twice as fast as over (B, T); the math is identical.
+        hidden = self.input_norm(x).reshape(b * t, -1)
         q = self.q_proj(hidden).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
         k = self.k_proj(hidden).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         v = self.v_proj(hidden).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
@@ -179,10 +181,11 @@ class DecoderLayer(nn.Module):
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
     def finish(self, x: jax.Array, attn: jax.Array) -> jax.Array:
-        b, t = x.shape[:2]
-        x = x + self.o_proj(attn.reshape(b, t, -1))
+        b, t, d = x.shape
+        x = x.reshape(b * t, d) + self.o_proj(attn.reshape(b * t, -1))
         hidden = self.post_attn_norm(x)
-        return x + self.down_proj(nn.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
+        x = x + self.down_proj(nn.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
+        return x.reshape(b, t, d)
 
     def __call__(self, x: jax.Array, positions: jax.Array, allowed: jax.Array) -> jax.Array:
         q, k, v = self.qkv(x, positions)
