@@ -6,3 +6,22 @@ comes from the backend (`interpret_mode()`).
 from pallas_kernels._backend import backend, interpret_mode, jax_triton_available
 
 __all__ = ["backend", "interpret_mode", "jax_triton_available"]
+
+# fused log-prob / entropy over vocab tiles (algo update); reference beside it.
+from pallas_kernels.fused_logprob import fused_logprob, fused_logprob_stats  # noqa: E402
+from pallas_kernels.fused_logprob_reference import (  # noqa: E402
+    fused_logprob_reference, fused_logprob_stats_reference)
+
+__all__ += ["fused_logprob", "fused_logprob_stats", "fused_logprob_reference",
+            "fused_logprob_stats_reference"]
+
+# rollout: sort-free token sampling and shared-prefix decode attention; references beside them.
+from pallas_kernels.decode_attention import (  # noqa: E402
+    shared_prefix_decode_attention, shared_prefix_decode_attention_pallas,
+    shared_prefix_decode_attention_reference)
+from pallas_kernels.sampling import (  # noqa: E402
+    sample_tokens, sample_tokens_pallas, sample_tokens_reference)
+
+__all__ += ["shared_prefix_decode_attention", "shared_prefix_decode_attention_pallas",
+            "shared_prefix_decode_attention_reference", "sample_tokens", "sample_tokens_pallas",
+            "sample_tokens_reference"]

@@ -94,8 +94,9 @@ def sample_tokens_reference(
         logp = jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), tokens[:, None], axis=-1)[:, 0]
         return tokens, logp
     z = x / temperature
-    full_logp = jax.nn.log_softmax(z, axis=-1)
-    e = jnp.exp(z - jnp.max(z, axis=-1, keepdims=True))
+    zmax = jnp.max(z, axis=-1, keepdims=True)
+    e = jnp.exp(z - zmax)
+    lse = zmax[:, 0] + jnp.log(jnp.sum(e, axis=-1))
     kept = jnp.ones_like(x, dtype=bool)
     if 0 < top_k < vocab:
         kth = jax.lax.top_k(x, top_k)[0][:, -1:]
@@ -109,14 +110,36 @@ def sample_tokens_reference(
         # first sorted index whose cumulative mass reaches top_p; keep every logit >= its value
         cut = jnp.minimum(jnp.sum(csum < target, axis=-1, keepdims=True), vocab - 1)
         kept = kept & (x >= jnp.take_along_axis(sorted_x, cut, axis=-1))
-    ek = jnp.where(kept, e, 0.0)
-    csum = jnp.cumsum(ek, axis=-1)
-    target = uniforms.astype(jnp.float32)[:, None] * csum[:, -1:]
-    tokens = jnp.sum(csum <= target, axis=-1)
-    last_kept = jnp.max(jnp.where(kept, jnp.arange(vocab), -1), axis=-1)
-    tokens = jnp.minimum(tokens, last_kept).astype(jnp.int32)
-    logp = jnp.take_along_axis(full_logp, tokens[:, None], axis=-1)[:, 0]
+    ek = jnp.where(kept, e, 0.0) if (0 < top_k < vocab or top_p < 1.0) else e
+    tokens = _inverse_cdf(ek, uniforms.astype(jnp.float32))
+    logp = jnp.take_along_axis(z, tokens[:, None], axis=-1)[:, 0] - lse
     return tokens, logp
+
+
+def _inverse_cdf(weights: jax.Array, uniforms: jax.Array, block: int = 128) -> jax.Array:
+    """``min{j : sum_{i<=j} w_i > u * sum_i w_i}`` per row of ``weights[S, V] >= 0``, always an
+    index with ``w_j > 0``.
+
+    Two-level prefix sums (block totals, then one block's entries) instead of a full-row cumsum:
+    XLA's CPU cumsum over a [S, 32k] row costs as much as the LM-head matmul that produced it.
+    """
+    rows, vocab = weights.shape
+    nb = -(-vocab // block)
+    w = jnp.pad(weights, ((0, 0), (0, nb * block - vocab))).reshape(rows, nb, block)
+    block_csum = jnp.cumsum(jnp.sum(w, axis=-1), axis=-1)  # [S, nb]
+    target = uniforms * block_csum[:, -1]
+    iota_b = jnp.arange(nb)
+    last_block = jnp.max(jnp.where(block_csum > jnp.concatenate(
+        [jnp.zeros((rows, 1)), block_csum[:, :-1]], axis=-1), iota_b, 0), axis=-1)
+    blk = jnp.minimum(jnp.sum(block_csum <= target[:, None], axis=-1), last_block)
+    base = jnp.where(blk > 0, jnp.take_along_axis(block_csum, jnp.maximum(blk - 1, 0)[:, None],
+                                                  axis=-1)[:, 0], 0.0)
+    inner = jnp.take_along_axis(w, blk[:, None, None], axis=1)[:, 0]  # [S, block]
+    iota = jnp.arange(block)
+    last_nz = jnp.max(jnp.where(inner > 0, iota, 0), axis=-1)
+    j = jnp.minimum(jnp.sum(base[:, None] + jnp.cumsum(inner, axis=-1) <= target[:, None], axis=-1),
+                    last_nz)
+    return (blk * block + j).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,154 @@
+"""pallas_kernels.sampling: kernel == reference, and the draws follow softmax(logits / T)
+restricted by top-k / top-p (chi-square goodness of fit)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from pallas_kernels.sampling import (
+    resolve_impl, sample_tokens, sample_tokens_pallas, sample_tokens_reference,
+)
+
+# (samples, vocab, temperature, top_k, top_p)
+CASES = [
+    (13, 301, 1.0, 0, 1.0),
+    (9, 128, 0.7, 5, 1.0),
+    (16, 100, 1.3, 0, 0.8),
+    (7, 257, 1.0, 20, 0.5),
+    (5, 64, 0.0, 0, 1.0),
+    (11, 50, 1.0, 1, 1.0),
+    (8, 33, 2.0, 40, 0.95),  # top_k > vocab: no top-k filtering
+]
+
+
+def _numpy_filtered_probs(x: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """Independent float64 statement of the sampling distribution (HF order: top-k, then top-p)."""
+    z = x.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-x, kind="stable")
+    keep = np.ones_like(p, bool)
+    if 0 < top_k < x.size:
+        keep &= x >= x[order[top_k - 1]]
+    if top_p < 1.0:
+        q = np.where(keep, p, 0.0)
+        q /= q.sum()
+        csum = np.cumsum(q[order])
+        cut = int(np.searchsorted(csum, top_p - 1e-12))
+        keep &= x >= x[order[cut]]
+    out = np.where(keep, p, 0.0)
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("s,v,temperature,top_k,top_p", CASES)
+def test_kernel_matches_reference(s, v, temperature, top_k, top_p):
+    rng = np.random.default_rng(s * v)
+    logits = jnp.asarray(rng.standard_normal((s, v), np.float32) * 3.0)
+    u = jnp.asarray(rng.random(s, np.float32))
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    tok_r, lp_r = sample_tokens_reference(logits, u, **kw)
+    tok_p, lp_p = sample_tokens_pallas(logits, u, block_rows=4, **kw)
+    np.testing.assert_array_equal(np.asarray(tok_p), np.asarray(tok_r))
+    np.testing.assert_allclose(np.asarray(lp_p), np.asarray(lp_r), atol=2e-6)
+    # the log-prob is the temperature-scaled, unfiltered one
+    t = temperature if temperature > 0 else 1.0
+    want = jax.nn.log_softmax(logits / t, axis=-1)[jnp.arange(s), tok_r]
+    np.testing.assert_allclose(np.asarray(lp_r), np.asarray(want), atol=2e-6)
+    # every drawn token is in the kept set of the independent statement
+    for row in range(s):
+        if temperature > 0:
+            probs = _numpy_filtered_probs(np.asarray(logits[row]), temperature, top_k, top_p)
+            assert probs[int(tok_r[row])] > 0
+        else:
+            assert int(tok_r[row]) == int(np.argmax(np.asarray(logits[row])))
+
+
+def test_kernel_matches_reference_on_ties_and_extreme_logits():
+    logits = jnp.array([[0.0, 5.0, 5.0, 1.0, -1e9, 5.0, 2.0, -3.0],
+                        [-1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0],
+                        [100.0, -100.0, 0.0, 99.0, 98.5, -0.0, 3.0, 3.0]])
+    for u in (jnp.array([0.0, 0.5, 0.999999]), jnp.array([0.3, 0.01, 0.7])):
+        for kw in (dict(top_k=2), dict(top_p=0.5), dict(top_k=3, top_p=0.9), dict(temperature=0.0)):
+            tr, lr = sample_tokens_reference(logits, u, **kw)
+            tp, lp = sample_tokens_pallas(logits, u, **kw)
+            np.testing.assert_array_equal(np.asarray(tp), np.asarray(tr))
+            np.testing.assert_allclose(np.asarray(lp), np.asarray(lr), atol=1e-5)
+
+
+LOGITS = np.array([2.0, 1.5, 1.2, 0.9, 0.5, 0.1, -0.3, -0.8, -1.5, -2.5], np.float32)
+GOF = [(1.0, 0, 1.0), (0.7, 4, 1.0), (1.3, 0, 0.75), (1.0, 6, 0.8)]
+
+
+def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    support = probs > 0
+    assert counts[~support].sum() == 0, "drew a token outside the kept set"
+    return stats.chisquare(counts[support], probs[support] * counts.sum()).pvalue
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", GOF)
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_draws_follow_filtered_softmax(temperature, top_k, top_p, impl):
+    draws = 40_000 if impl == "reference" else 16_384
+    logits = jnp.broadcast_to(jnp.asarray(LOGITS), (draws, LOGITS.size))
+    u = jax.random.uniform(jax.random.PRNGKey(7), (draws,))
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    if impl == "pallas":
+        tok, _ = sample_tokens_pallas(logits, u, block_rows=4096, **kw)
+    else:
+        tok, _ = sample_tokens_reference(logits, u, **kw)
+    counts = np.bincount(np.asarray(tok), minlength=LOGITS.size)
+    probs = _numpy_filtered_probs(LOGITS, temperature, top_k, top_p)
+    assert _chi2_pvalue(counts, probs) > 1e-3
+    # the test has power: the distribution without the filter (or at T=1) is rejected
+    wrong = []
+    if top_k or top_p < 1.0:
+        wrong.append(_numpy_filtered_probs(LOGITS, temperature, 0, 1.0))
+    if temperature != 1.0:
+        wrong.append(_numpy_filtered_probs(LOGITS, 1.0, top_k, top_p))
+    for w in wrong:
+        if counts[w == 0].sum() > 0:
+            continue  # rejected outright: draws outside the wrong distribution's support
+        assert stats.chisquare(counts[w > 0], w[w > 0] * counts.sum()).pvalue < 1e-6
+
+
+def test_no_top_p_implementation_fails_goodness_of_fit():
+    """A sampler that ignores top_p draws tokens outside the nucleus: the check rejects it."""
+    draws = 40_000
+    logits = jnp.broadcast_to(jnp.asarray(LOGITS), (draws, LOGITS.size))
+    u = jax.random.uniform(jax.random.PRNGKey(8), (draws,))
+    tok, _ = sample_tokens_reference(logits, u, temperature=1.3, top_p=1.0)  # "forgot" top_p
+    counts = np.bincount(np.asarray(tok), minlength=LOGITS.size)
+    probs = _numpy_filtered_probs(LOGITS, 1.3, 0, 0.75)
+    with pytest.raises(AssertionError, match="outside the kept set"):
+        _chi2_pvalue(counts, probs)
+
+
+def test_greedy_and_key_input():
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((6, 40), np.float32))
+    tok, lp = sample_tokens(logits, jax.random.PRNGKey(1), temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(tok), np.argmax(np.asarray(logits), -1))
+    np.testing.assert_allclose(np.asarray(lp), np.max(np.asarray(jax.nn.log_softmax(logits)), -1), atol=1e-6)
+    t1, _ = sample_tokens(logits, jax.random.PRNGKey(3))
+    t2, _ = sample_tokens(logits, jax.random.PRNGKey(3))
+    np.testing.assert_array_equal(np.asarray(t1), np.asarray(t2))
+
+
+def test_auto_impl_is_chosen_by_backend():
+    expected = "reference" if jax.default_backend() == "cpu" else "pallas"
+    assert resolve_impl("auto") == expected
+    with pytest.raises(ValueError, match="impl"):
+        resolve_impl("triton")
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(temperature=-1.0), "temperature"), (dict(top_k=-2), "top_k"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+])
+def test_bad_arguments_raise(kw, match):
+    with pytest.raises(ValueError, match=match):
+        sample_tokens(jnp.zeros((2, 5)), jnp.zeros((2,)), **kw)
+    with pytest.raises(ValueError, match="uniforms"):
+        sample_tokens(jnp.zeros((2, 5)), jnp.zeros((3,)))
