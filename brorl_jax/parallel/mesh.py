@@ -55,8 +55,26 @@ def named(mesh: Mesh, spec: P) -> NamedSharding:
     return NamedSharding(mesh, spec)
 
 
+def mesh_from_config(mesh_cfg, devices=None) -> Mesh:
+    """The mesh a config declares: `mesh_cfg` has data/fsdp/tensor sizes (config key `mesh`)."""
+    get = mesh_cfg.get if hasattr(mesh_cfg, "get") else lambda k, d=None: getattr(mesh_cfg, k, d)
+    return make_mesh({a: int(get(a, 1)) for a in AXES}, devices)
+
+
+def batch_axis_size(mesh: Mesh) -> int:
+    """How many ways the batch (rows) is split: data x fsdp."""
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh):
     """Sets `mesh` as the ambient mesh for shardings given as bare PartitionSpecs."""
-    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else mesh:
-        yield mesh
+    if hasattr(jax, "set_mesh"):
+        with jax.set_mesh(mesh):
+            yield mesh
+    elif hasattr(jax.sharding, "use_mesh"):
+        with jax.sharding.use_mesh(mesh):
+            yield mesh
+    else:
+        with mesh:
+            yield mesh

@@ -1,40 +1,128 @@
-"""Sharding rules as data: regular expressions over parameter paths -> PartitionSpec.
+"""Sharding rules as data: the one place that maps array names to mesh axes.
 
-A path is the "/"-joined key path of a leaf in the param pytree, e.g.
-"layers/q_proj/kernel". Layer leaves carry a leading stacked-layer axis (never sharded).
-The first rule whose pattern matches (re.search) wins; a parameter that matches no rule is an
-error, so a new parameter cannot silently end up replicated.
+Two tables, both plain data a config can name or replace:
 
-Optimizer state (Adam's mu and nu) mirrors the params, so it gets the params' specs; scalars in
-the optimizer state (counts) are replicated.
+1. ``LOGICAL_AXES[name]``: logical dimension name -> mesh axes (a mesh axis name, a tuple of
+   them, or None = replicated). Model code never mentions devices; it has dimensions with names
+   ("embed", "heads", "vocab", "samples", ...) and this table decides where they live.
+
+2. ``PARAM_RULES[name]``: regular expressions over parameter paths -> the logical names of that
+   parameter's dimensions (or a literal ``PartitionSpec`` over mesh axes). A path is the
+   "/"-joined key path of a leaf in the param pytree, e.g. "layers/q_proj/kernel". The first
+   rule whose pattern matches (re.search) wins; a parameter that matches no rule is an error,
+   so a new parameter cannot silently end up replicated.
+
+Activations, batches and the rollout's KV caches have fixed names (``ARRAY_AXES``), e.g. the
+rollout's per-sample suffix KV ``[L, G, N, S, Hkv, Dh]`` is ("layers", "prompts", "samples",
+"seq", "kv_heads", "head_dim"): with "samples" -> "data" the N samples of a prompt are spread over
+the data axis while the prompt's KV ("prefix_kv", no "samples" dimension) is shared by all of them.
+
+Optimizer state (Adam's mu and nu) mirrors the params, so it gets the params' shardings; scalars
+in the optimizer state (counts) are replicated.
+
+A mesh axis that does not divide a dimension is dropped for that array (tiny test models, GQA
+with 2 kv heads on tensor=4): the array is then replicated over that axis, which is always
+correct, only less memory-efficient. ``check_divisible=True`` turns this into an error for plans
+where every byte counts (bench/plan_memory.py).
 """
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Sequence, Union
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-# name -> list of (pattern, spec). Shapes: embedding [V, D]; layers/*: [L, in, out] kernels,
-# [L, out] biases, [L, D] or [L, Dh] norm scales; lm_head [D, V].
-RULES: dict[str, list[tuple[str, P]]] = {
-    "default": [
-        (r"^embed/embedding$", P("tensor", "fsdp")),
-        (r"^layers/(q_proj|k_proj|v_proj|gate_proj|up_proj)/kernel$", P(None, "fsdp", "tensor")),
-        (r"^layers/(o_proj|down_proj)/kernel$", P(None, "tensor", "fsdp")),
-        (r"^layers/(q_proj|k_proj|v_proj)/bias$", P(None, "tensor")),
-        (r"^layers/o_proj/bias$", P(None, None)),
-        (r"^layers/\w+norm/scale$", P(None, None)),
-        (r"^final_norm/scale$", P(None)),
-        (r"^lm_head/kernel$", P("fsdp", "tensor")),
-    ],
-    # Everything replicated (pure data parallelism).
+MeshAxes = Union[str, tuple, None]
+
+# -------------------------------------------------------------------------------------------------
+# Logical dimension -> mesh axes
+# -------------------------------------------------------------------------------------------------
+LOGICAL_AXES: dict[str, dict[str, MeshAxes]] = {
+    # Training (update, log-probs): ZeRO-3/FSDP over `fsdp`, Megatron-style over `tensor`, and
+    # the batch over every axis that is not splitting features.
+    "default": {
+        "batch": ("data", "fsdp"),     # update rows (sequences)
+        "prompts": "fsdp",             # rollout: the G prompts of a generation round
+        "samples": ("data", "fsdp"),   # rollout: the N samples of one prompt (fsdp if unused)
+        "seq": None,
+        "layers": None,                # the stacked-layer axis is scanned over, never split
+        "embed": "fsdp",               # hidden size D (params); gathered per layer by XLA
+        "heads": "tensor",             # H*Dh of q_proj/o_proj
+        "kv_heads": "tensor",          # Hkv*Dh of k_proj/v_proj and the KV caches
+        "head_dim": None,
+        "mlp": "tensor",               # intermediate size I
+        "vocab": "tensor",             # V of the embedding / lm_head
+        "norm": None,                  # RMSNorm scales (tiny)
+        "act_embed": None,             # D of activations (hidden states) - not split
+    },
+    # Rollout: params gathered once (a 1.5B model is 3 GB in bf16), no per-token all-gathers in
+    # the decode loop. Prompts over fsdp, each prompt's samples over data (and over fsdp when
+    # the prompts cannot use it), so all devices decode; with both split, the decode loop's
+    # flattened [G * N] sample axis stays split too.
+    "rollout": {
+        "batch": ("data", "fsdp"),
+        "prompts": "fsdp",
+        "samples": ("data", "fsdp"),
+        "seq": None, "layers": None, "embed": None, "heads": "tensor", "kv_heads": "tensor",
+        "head_dim": None, "mlp": "tensor", "vocab": "tensor", "norm": None, "act_embed": None,
+    },
+    # Everything replicated except the batch (pure data parallelism).
+    "replicated": {
+        "batch": ("data", "fsdp"), "prompts": None, "samples": ("data", "fsdp"), "seq": None,
+        "layers": None, "embed": None, "heads": None, "kv_heads": None, "head_dim": None,
+        "mlp": None, "vocab": None, "norm": None, "act_embed": None,
+    },
+}
+
+# -------------------------------------------------------------------------------------------------
+# Parameter path -> logical names (one per dimension). Shapes: embedding [V, D]; layers/*:
+# [L, in, out] kernels, [L, out] biases, [L, D] or [L, Dh] norm scales; lm_head [D, V].
+# -------------------------------------------------------------------------------------------------
+_TRANSFORMER_PARAMS: list[tuple[str, Any]] = [
+    (r"^embed/embedding$", ("vocab", "embed")),
+    (r"^layers/q_proj/kernel$", ("layers", "embed", "heads")),
+    (r"^layers/(k_proj|v_proj)/kernel$", ("layers", "embed", "kv_heads")),
+    (r"^layers/(gate_proj|up_proj)/kernel$", ("layers", "embed", "mlp")),
+    (r"^layers/o_proj/kernel$", ("layers", "heads", "embed")),
+    (r"^layers/down_proj/kernel$", ("layers", "mlp", "embed")),
+    (r"^layers/q_proj/bias$", ("layers", "heads")),
+    (r"^layers/(k_proj|v_proj)/bias$", ("layers", "kv_heads")),
+    (r"^layers/o_proj/bias$", ("layers", "norm")),
+    (r"^layers/(input_norm|post_attn_norm|q_norm|k_norm)/scale$", ("layers", "norm")),
+    (r"^final_norm/scale$", ("norm",)),
+    (r"^lm_head/kernel$", ("embed", "vocab")),
+]
+PARAM_RULES: dict[str, list[tuple[str, Any]]] = {
+    "default": _TRANSFORMER_PARAMS,
+    "rollout": _TRANSFORMER_PARAMS,
     "replicated": [(r".*", P())],
+}
+# Back-compatible name: the param rules.
+RULES = PARAM_RULES
+
+# Named arrays of the steps (batches, activations, caches) -> logical names per dimension.
+ARRAY_AXES: dict[str, tuple[str, ...]] = {
+    # update / log-prob batch (docs/INTERFACES.md "algo"): [B, T] and [B]
+    "tokens": ("batch", "seq"),
+    "rows": ("batch",),
+    "hidden": ("batch", "seq", "act_embed"),
+    # rollout
+    "prompt_tokens": ("prompts", "seq"),
+    "prompt_rows": ("prompts",),
+    "prefix_kv": ("layers", "prompts", "seq", "kv_heads", "head_dim"),      # [L, G, P, Hkv, Dh]
+    "prompt_logits": ("prompts", "vocab"),                                 # [G, V]
+    "suffix_kv": ("layers", "prompts", "samples", "seq", "kv_heads", "head_dim"),  # [L,G,N,S,..]
+    "sample_tokens": ("prompts", "samples", "seq"),                        # [G, N, S]
+    "sample_rows": ("prompts", "samples"),                                 # [G, N]
 }
 
 
+# -------------------------------------------------------------------------------------------------
+# Resolution
+# -------------------------------------------------------------------------------------------------
 def path_str(path) -> str:
+    """"/"-joined key path of a pytree leaf ("layers/q_proj/kernel")."""
     parts = []
     for k in path:
         if hasattr(k, "key"):
@@ -48,67 +136,201 @@ def path_str(path) -> str:
     return "/".join(parts)
 
 
-def spec_for(path: str, ndim: int, rules: list[tuple[str, P]]) -> P:
+def logical_table(axes: str | dict = "default") -> dict[str, MeshAxes]:
+    if isinstance(axes, dict):
+        return axes
+    if axes not in LOGICAL_AXES:
+        raise ValueError(f"unknown logical-axis table {axes!r}; known: {sorted(LOGICAL_AXES)} "
+                         "(brorl_jax/parallel/rules.py LOGICAL_AXES).")
+    return LOGICAL_AXES[axes]
+
+
+def param_rule_table(rules: str | Sequence = "default") -> list[tuple[str, Any]]:
+    if isinstance(rules, str):
+        if rules not in PARAM_RULES:
+            raise ValueError(f"unknown sharding rule set {rules!r} (config mesh.rules); known: "
+                             f"{sorted(PARAM_RULES)}.")
+        return PARAM_RULES[rules]
+    return list(rules)
+
+
+def logical_to_spec(names: Sequence[str | None] | P, axes: str | dict = "default") -> P:
+    """("vocab", "embed") -> P("tensor", "fsdp") through the logical table. A PartitionSpec is
+    returned unchanged (a rule may name mesh axes directly)."""
+    if isinstance(names, P):
+        return names
+    table = logical_table(axes)
+    out = []
+    for n in names:
+        if n is None:
+            out.append(None)
+            continue
+        if n not in table:
+            raise ValueError(f"logical axis {n!r} is not in the logical-axis table; known: "
+                             f"{sorted(table)}; add it to brorl_jax/parallel/rules.py "
+                             "LOGICAL_AXES.")
+        out.append(table[n])
+    # A mesh axis may shard only one dimension of an array: later uses are dropped.
+    used: set = set()
+    final = []
+    for a in out:
+        names_a = a if isinstance(a, tuple) else (a,) if a else ()
+        keep = tuple(x for x in names_a if x not in used)
+        used.update(keep)
+        final.append(None if not keep else keep[0] if len(keep) == 1 else keep)
+    return P(*final)
+
+
+def spec_for(path: str, ndim: int, rules: Sequence, axes: str | dict = "default") -> P:
+    """The PartitionSpec of the parameter at `path` (first matching rule)."""
     for pattern, spec in rules:
         if re.search(pattern, path):
+            spec = logical_to_spec(spec, axes)
             if len(spec) > ndim:
                 raise ValueError(f"sharding rule {pattern!r} gives {spec} ({len(spec)} axes) for "
                                  f"parameter '{path}' of rank {ndim}; fix the rule.")
             return spec
-    raise ValueError(f"parameter '{path}' matches no sharding rule; add a (pattern, "
-                     "PartitionSpec) entry for it in brorl_jax/parallel/rules.py RULES.")
+    raise ValueError(f"parameter '{path}' matches no sharding rule; add a (pattern, logical "
+                     "axes) entry for it in brorl_jax/parallel/rules.py PARAM_RULES.")
 
 
-def param_specs(params: Any, rules: str | list = "default") -> Any:
-    """A pytree of PartitionSpecs with the structure of `params`."""
-    table = RULES[rules] if isinstance(rules, str) else rules
+def param_specs(params: Any, rules: str | Sequence = "default",
+                axes: str | dict | None = None) -> Any:
+    """A pytree of PartitionSpecs with the structure of `params` (raises for unmatched leaves).
+
+    `axes` defaults to the logical table with the same name as `rules` (or "default")."""
+    table = param_rule_table(rules)
+    axes = axes if axes is not None else (rules if isinstance(rules, str) and rules in LOGICAL_AXES
+                                          else "default")
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: spec_for(path_str(path), leaf.ndim, table), params)
+        lambda path, leaf: spec_for(path_str(path), len(leaf.shape), table, axes), params)
 
 
-def _fits(spec: P, shape, mesh) -> P:
-    """Drops mesh axes that do not divide a dimension (tiny test models), keeping the rest."""
+def unmatched_params(params: Any, rules: str | Sequence = "default") -> list[str]:
+    """Paths of the parameters that match no rule (empty when the rules cover everything)."""
+    table = param_rule_table(rules)
     out = []
-    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+        p = path_str(path)
+        if not any(re.search(pattern, p) for pattern, _ in table):
+            out.append(p)
+    return out
+
+
+def fit_spec(spec: P, shape: Sequence[int], mesh, *, check_divisible: bool = False,
+             name: str = "array") -> P:
+    """Drops mesh axes that do not divide a dimension (or raises with check_divisible)."""
+    out = []
+    for i, (dim, axes) in enumerate(zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)))):
         names = axes if isinstance(axes, tuple) else (axes,) if axes else ()
         size = 1
         for n in names:
             size *= mesh.shape[n]
-        out.append(axes if size and dim % size == 0 else None)
+        if names and dim % size:
+            if check_divisible:
+                raise ValueError(f"{name}: dimension {i} of size {dim} is not divisible by mesh "
+                                 f"axes {names} (size {size}); change the mesh or the rule.")
+            out.append(None)
+        else:
+            out.append(axes)
     return P(*out)
 
 
-def param_shardings(params: Any, mesh, rules: str | list = "default") -> Any:
-    """NamedShardings for `params` on `mesh` (axes that do not divide a dim are dropped)."""
-    specs = param_specs(params, rules)
-    return jax.tree.map(lambda leaf, s: NamedSharding(mesh, _fits(s, leaf.shape, mesh)),
-                        params, specs)
+# Back-compatible private name.
+_fits = fit_spec
+
+
+def param_shardings(params: Any, mesh, rules: str | Sequence = "default",
+                    axes: str | dict | None = None, *, check_divisible: bool = False) -> Any:
+    """NamedShardings for `params` (arrays or ShapeDtypeStructs) on `mesh`."""
+    specs = param_specs(params, rules, axes)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    out = [NamedSharding(mesh, fit_spec(s, leaf.shape, mesh, check_divisible=check_divisible,
+                                        name=path_str(path)))
+           for (path, leaf), s in zip(leaves, spec_leaves)]
+    return jax.tree.unflatten(treedef, out)
+
+
+def shaped_spec(logical: Sequence[str | None], shape: Sequence[int], mesh,
+                axes: str | dict = "default") -> P:
+    """Like logical_to_spec, but each dimension takes, in order, the mesh axes of its logical
+    name that are still unused and keep it divisible; an axis a dimension cannot use stays
+    free for the later dimensions (e.g. 2 prompts on fsdp=4: the samples take fsdp instead)."""
+    table = logical_table(axes)
+    used: set = set()
+    out = []
+    for n, dim in zip(logical, shape):
+        want = table.get(n) if n is not None else None
+        if n is not None and n not in table:
+            raise ValueError(f"logical axis {n!r} is not in the logical-axis table; known: "
+                             f"{sorted(table)}.")
+        names = want if isinstance(want, tuple) else (want,) if want else ()
+        keep, size = [], 1
+        for a in names:
+            if a in used or dim % (size * mesh.shape[a]):
+                continue
+            keep.append(a)
+            size *= mesh.shape[a]
+        used.update(keep)
+        out.append(None if not keep else keep[0] if len(keep) == 1 else tuple(keep))
+    return P(*out)
+
+
+def array_sharding(name: str, shape: Sequence[int], mesh, axes: str | dict = "default", *,
+                   check_divisible: bool = False) -> NamedSharding:
+    """Sharding of a named step array (ARRAY_AXES), e.g. array_sharding("suffix_kv", shape, mesh).
+
+    With check_divisible=True every mesh axis the logical names ask for must be used."""
+    if name not in ARRAY_AXES:
+        raise ValueError(f"unknown array name {name!r}; known: {sorted(ARRAY_AXES)}.")
+    logical = ARRAY_AXES[name]
+    if len(logical) != len(shape):
+        raise ValueError(f"array {name!r} has logical axes {logical} but shape {tuple(shape)}.")
+    spec = shaped_spec(logical, shape, mesh, axes)
+    if check_divisible:
+        wanted = {a for part in logical_to_spec(logical, axes) if part
+                  for a in (part if isinstance(part, tuple) else (part,)) if mesh.shape[a] > 1}
+        got = {a for part in spec if part for a in (part if isinstance(part, tuple) else (part,))}
+        if wanted - got:
+            raise ValueError(f"{name} {tuple(shape)}: mesh axes {sorted(wanted - got)} cannot "
+                             f"split it ({spec}); change the mesh or the shapes.")
+    return NamedSharding(mesh, spec)
+
+
+def batch_shardings(batch: Any, mesh, axes: str | dict = "default") -> Any:
+    """Update/log-prob batch: every leaf [B, ...] split over the "batch" logical axis."""
+    def one(x):
+        name = "rows" if len(x.shape) == 1 else "tokens"
+        spec = logical_to_spec(ARRAY_AXES[name], axes)
+        full = P(*(tuple(spec) + (None,) * (len(x.shape) - len(spec))))
+        return NamedSharding(mesh, fit_spec(full, x.shape, mesh))
+    return jax.tree.map(one, batch)
 
 
 def state_shardings(state: Any, params_sharding: Any, mesh) -> Any:
-    """Shardings for an optimizer-state pytree: leaves shaped like a param share its sharding.
+    """Shardings for an optimizer-state (or TrainState) pytree: subtrees with the structure of the
+    params share the params' shardings; everything else (step counts, scalars) is replicated.
 
-    Optax states hold copies of the param tree (mu, nu); we match subtrees by structure and give
-    everything else (step counts, scalars) a replicated sharding.
+    Optax states hold copies of the param tree (mu, nu); flax.struct dataclasses (TrainState) and
+    NamedTuples are walked field by field.
     """
     param_struct = jax.tree.structure(params_sharding)
     replicated = NamedSharding(mesh, P())
 
-    def assign(node):
+    def walk(node):
+        if node is None:
+            return None
         if jax.tree.structure(node) == param_struct:
             return params_sharding
-        return None
-
-    def walk(node):
-        got = assign(node)
-        if got is not None:
-            return got
-        if isinstance(node, (tuple, list)) and not hasattr(node, "_fields"):
-            return type(node)(walk(n) for n in node)
         if hasattr(node, "_fields"):      # NamedTuple optax states
             return type(node)(*(walk(n) for n in node))
+        if isinstance(node, (tuple, list)):
+            return type(node)(walk(n) for n in node)
         if isinstance(node, dict):
             return {k: walk(v) for k, v in node.items()}
+        if hasattr(node, "__dataclass_fields__") and hasattr(node, "replace"):  # flax.struct
+            return node.replace(**{f: walk(getattr(node, f)) for f in node.__dataclass_fields__})
         return replicated
 
     return walk(state)

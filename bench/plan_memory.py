@@ -1,0 +1,246 @@
+"""The paper-scale plan checked by the compiler: per-device memory of every step on 64 devices.
+
+Compiles, ahead of time and on CPU with 64 simulated devices, the steps of configs/brorl_64gpu.py
+(Qwen2-1.5B shape, N=1024, 16k context, mesh data=8 x fsdp=8) from abstract inputs
+(jax.eval_shape params and optimizer state, jax.ShapeDtypeStruct batches; nothing is allocated),
+and prints compiled.memory_analysis() per device next to the hand calculation of docs/scale.md:
+
+  update_micro   the update on ONE micro-batch per device (64 rows x 16384 tokens: 1 sequence per
+                 device), the peak of the gradient-accumulation loop
+  update_full    the whole step: 65,536 rows, 4 PPO mini-batches, 256 micro-batches each
+  logprob        reference / pi_old log-probs of the whole step's batch
+  decode         one rollout decode chunk: the 128 (96 bucketed) prompts of a generation round
+                 x 32 of their 1024 samples, 15,360 new tokens, bf16 params replicated,
+                 prompts over fsdp and samples over data (64 per device), prompt KV shared
+
+Each update/log-prob step is compiled with the model's plain [B, H, T, T] attention and with
+query-chunked attention (brorl_jax/parallel/attention.py) to show what the T x T scores cost,
+and with the log-prob as the unsharded code runs it ("algo": pallas_kernels.fused_logprob under
+plain jit) and through the update's hooks as parallel.sharded sets them ("shard_map": per-device
+fused log-prob, rows kept sharded after every split).
+The XLA CPU compiler's buffer assignment is not the GPU compiler's (different fusion and
+scheduling), so its numbers are an estimate of the same program, not a GPU measurement.
+
+    python bench/plan_memory.py                      # all steps (~3-5 minutes on 2 cores)
+    python bench/plan_memory.py --steps=update_micro --attention=chunked --json=plan.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+NUM_DEVICES = 64
+if "jax" in sys.modules:
+    raise RuntimeError("bench/plan_memory.py must set XLA_FLAGS before jax is imported")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           f" --xla_force_host_platform_device_count={NUM_DEVICES}").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from brorl_jax.algo import AlgoConfig  # noqa: E402
+from brorl_jax.algo.optimizer import OptimizerConfig, make_optimizer  # noqa: E402
+from brorl_jax.models import init_params  # noqa: E402
+from brorl_jax.parallel import sharded  # noqa: E402
+from brorl_jax.parallel.mesh import make_mesh  # noqa: E402
+from configs import brorl_64gpu  # noqa: E402
+
+GIB = 2**30
+STEPS = ("update_micro", "update_full", "logprob", "decode")
+
+
+def abstract_batch(rows: int, seq: int) -> dict:
+    i32 = lambda: jax.ShapeDtypeStruct((rows, seq), jnp.int32)
+    f32 = lambda: jax.ShapeDtypeStruct((rows, seq), jnp.float32)
+    return {"input_tokens": i32(), "positions": i32(),
+            "loss_mask": jax.ShapeDtypeStruct((rows, seq), jnp.bool_), "targets": i32(),
+            "old_logprobs": f32(), "ref_logprobs": f32(),
+            "advantages": jax.ShapeDtypeStruct((rows,), jnp.float32)}
+
+
+# -------------------------------------------------------------------------------------------------
+# Hand calculation (docs/scale.md): bytes per device
+# -------------------------------------------------------------------------------------------------
+def hand_calculation(mc, *, fsdp: int, devices: int, seq: int, rows_per_step: int,
+                     q_chunk: int) -> dict:
+    n_params = sum(x.size for x in jax.tree.leaves(
+        jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0)))))
+    d, i, l, h, hkv, dh, v = (mc.hidden_size, mc.intermediate_size, mc.num_hidden_layers,
+                              mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
+                              mc.vocab_size)
+    shard = n_params * 4 / fsdp
+    layer_params = (n_params - v * d - d) / l
+    out = {
+        "n_params": n_params,
+        "params_f32": shard,
+        "ref_params_f32": shard,
+        "adam_mu_nu_f32": 2 * shard,
+        "grad_accumulator_f32": shard,
+        "micro_step_grads_f32": shard,
+        "remat_layer_inputs_bf16": l * seq * d * 2,
+        # f32 scores, bf16 probs, f32 score gradients of the layer being recomputed
+        "attention_scores_plain": h * seq * seq * (4 + 2 + 4),
+        "attention_scores_chunked": h * q_chunk * seq * (4 + 2 + 4),
+        "mlp_activations_bf16": seq * i * 2 * 4,
+        "gathered_layer_weights_f32": 2 * layer_params * 4,          # current + prefetched layer
+        "gathered_embedding_f32_and_bf16": v * d * (4 + 2),
+        "fused_logprob_tiles_and_dlm_head": 4096 * 16384 * 4 * 3 + v * d * 4,
+        "batch_per_device_full_step": rows_per_step / devices * seq * (4 + 4 + 1 + 4 + 4 + 4 + 4),
+    }
+    return out
+
+
+def rollout_hand(mc, *, g: int, n_chunk: int, prompt_len: int, new_tokens: int, fsdp: int,
+                 devices: int) -> dict:
+    """Rollout decode, per device: G prompts over fsdp, n_chunk samples per prompt over data."""
+    kv_per_token = mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * 2  # bf16
+    n_params = sum(x.size for x in jax.tree.leaves(
+        jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0)))))
+    per_device = g * n_chunk / devices
+    return {
+        "rollout_params_bf16_replicated": n_params * 2,
+        "rollout_prompt_kv (G/fsdp prompts)": g / fsdp * prompt_len * kv_per_token,
+        "rollout_suffix_kv (samples/device)": per_device * new_tokens * kv_per_token,
+        "rollout_logits_f32 (x4 sampling temps)": per_device * mc.vocab_size * 4 * 4,
+        "kv_per_sample": new_tokens * kv_per_token,
+    }
+
+
+def _fmt(b: float) -> str:
+    return f"{b / GIB:8.2f} GiB"
+
+
+def memory_row(compiled) -> dict:
+    m = compiled.memory_analysis()
+    row = {k: int(getattr(m, k + "_in_bytes", 0) or 0) for k in
+           ("argument_size", "output_size", "alias_size", "temp_size", "generated_code_size")}
+    row["peak_estimate"] = (row["argument_size"] + row["output_size"] - row["alias_size"]
+                            + row["temp_size"])
+    return row
+
+
+# -------------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--steps", default=",".join(STEPS))
+    ap.add_argument("--attention", default="plain,chunked")
+    ap.add_argument("--q_chunk", type=int, default=512)
+    ap.add_argument("--json", default="")
+    ap.add_argument("--logprob", default="algo,shard_map",
+                    help="algo: pallas_kernels.fused_logprob under plain jit (update default)\n"
+                         "shard_map: the update's logprob_fn / shard_rows hooks set by\n"
+                         "parallel.sharded (per-device fused log-prob, rows kept sharded)")
+    args = ap.parse_args(argv)
+    steps = [s for s in args.steps.split(",") if s]
+    bad = [s for s in steps if s not in STEPS]
+    if bad:
+        raise SystemExit(f"--steps: unknown {bad}; choose from {STEPS}")
+
+    cfg = brorl_64gpu.get_config()
+    mc = brorl_64gpu.qwen2_1p5b()
+    mesh = make_mesh(brorl_64gpu.MESH)
+    seq = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens           # 16384
+    n, prompts = cfg.rollout.rollouts_per_prompt, cfg.algo.prompts_per_step
+    rows = n * prompts                                                   # 65,536
+    micro = cfg.algo.micro_batch_size                                    # 64 = 1 per device
+    print(f"plan: {mc.num_hidden_layers} layers, hidden {mc.hidden_size}, vocab {mc.vocab_size}, "
+          f"N={n}, {prompts} prompts/step = {rows} rows x {seq} tokens; mesh "
+          f"{dict(mesh.shape)} on {len(jax.devices())} simulated CPU devices", flush=True)
+
+    params = jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0)))
+    optimizer = make_optimizer(OptimizerConfig(learning_rate=2.83e-6))
+    state = sharded.abstract_train_state(params, optimizer, with_reference=True)
+    rng = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    hand = hand_calculation(mc, fsdp=mesh.shape["fsdp"], devices=NUM_DEVICES, seq=seq,
+                            rows_per_step=rows, q_chunk=args.q_chunk)
+    results = {"hand": hand, "compiled": {}}
+
+    def record(name, jitted, *abstract):
+        t0 = time.perf_counter()
+        compiled = jitted.lower(*abstract).compile()
+        row = memory_row(compiled)
+        row["compile_seconds"] = round(time.perf_counter() - t0, 1)
+        results["compiled"][name] = row
+        print(f"{name:32s} args {_fmt(row['argument_size'])} out {_fmt(row['output_size'])} "
+              f"alias {_fmt(row['alias_size'])} temp {_fmt(row['temp_size'])} code "
+              f"{row['generated_code_size'] / 2**20:6.1f} MiB | peak~ {_fmt(row['peak_estimate'])}"
+              f" ({row['compile_seconds']} s)", flush=True)
+
+    attentions = [a for a in args.attention.split(",") if a]
+    for attention in attentions:
+        for lp in [x for x in args.logprob.split(",") if x]:
+            tag = f"{attention},{lp}"
+            if "update_micro" in steps:
+                algo = AlgoConfig(rollouts_per_prompt=n, prompts_per_step=1, ppo_mini_batches=1,
+                                  micro_batch_size=micro, kl_coef=1e-4, remat=True)
+                batch = abstract_batch(micro, seq)
+                fn, _ = sharded.make_sharded_update(mc, algo, optimizer, mesh, state, batch,
+                                                    attention=attention, q_chunk=args.q_chunk,
+                                                    logprob=lp)
+                record(f"update_micro[{tag}]", fn, state, batch, rng)
+            if "update_full" in steps:
+                algo = AlgoConfig(rollouts_per_prompt=n, prompts_per_step=prompts,
+                                  ppo_mini_batches=cfg.algo.ppo_mini_batches,
+                                  micro_batch_size=micro, kl_coef=1e-4, remat=True)
+                batch = abstract_batch(rows, seq)
+                fn, _ = sharded.make_sharded_update(mc, algo, optimizer, mesh, state, batch,
+                                                    attention=attention, q_chunk=args.q_chunk,
+                                                    logprob=lp)
+                record(f"update_full[{tag}]", fn, state, batch, rng)
+            if "logprob" in steps:
+                algo = AlgoConfig(rollouts_per_prompt=n, prompts_per_step=prompts,
+                                  micro_batch_size=micro)
+                batch = abstract_batch(rows, seq)
+                batch = {k: batch[k] for k in ("input_tokens", "positions", "targets")}
+                fn, _ = sharded.make_sharded_logprob(mc, algo, mesh, params, batch,
+                                                     micro_batch_size=micro, attention=attention,
+                                                     q_chunk=args.q_chunk, logprob=lp)
+                record(f"logprob[{tag}]", fn, params, batch)
+
+    if "decode" in steps:
+        from brorl_jax.rollout import engine
+        rmc = brorl_64gpu.qwen2_1p5b(param_dtype="bfloat16")   # the rollout's bf16 copy
+        p, s = cfg.data.max_prompt_len, cfg.rollout.max_new_tokens
+        g = engine.bucket_num_prompts(math.ceil(prompts * cfg.algo.generation_batch_multiplier))
+        chunks, nc = engine.plan_chunks(rmc, g, p, n, s, int(cfg.rollout.memory_budget_gb * GIB))
+        chunks, nc = sharded.round_chunk_to_mesh(chunks, nc, n, mesh)
+        print(f"rollout: {g} prompts per generation round (bucketed), N={n} decoded in {chunks} "
+              f"chunks of {nc} samples per prompt -> {g * nc // NUM_DEVICES} samples per device",
+              flush=True)
+        rparams = jax.eval_shape(lambda: init_params(rmc, jax.random.PRNGKey(0)))
+        sh = sharded.rollout_shardings(rmc, mesh, rparams, num_prompts=g, prompt_len=p,
+                                       samples=nc, max_new_tokens=s, check_divisible=True)
+        dec = sharded.make_sharded_decode(rmc, sh, max_new_tokens=s, temperature=1.0, top_k=0,
+                                          top_p=1.0, eos_ids=rmc.eos_token_ids, impl="reference")
+        kv = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+        l, hkv, dh = rmc.num_hidden_layers, rmc.num_key_value_heads, rmc.head_dim
+        record(f"decode_chunk[G={g},n={nc}]", dec, rparams, kv((l, g, p, hkv, dh)),
+               kv((l, g, p, hkv, dh)), jax.ShapeDtypeStruct((g,), jnp.int32),
+               jax.ShapeDtypeStruct((g, rmc.vocab_size), jnp.float32),
+               jax.ShapeDtypeStruct((g, nc), jnp.int32), jax.ShapeDtypeStruct((g,), jnp.bool_),
+               jax.ShapeDtypeStruct((2,), jnp.uint32), kv((l, g, nc, s, hkv, dh)),
+               kv((l, g, nc, s, hkv, dh)))
+        hand.update(rollout_hand(rmc, g=g, n_chunk=nc, prompt_len=p, new_tokens=s,
+                                 fsdp=mesh.shape["fsdp"], devices=NUM_DEVICES))
+
+    print("\nhand calculation, per device:")
+    for k, b in hand.items():
+        if k == "n_params":
+            print(f"  {k:40s} {b:,}")
+        else:
+            print(f"  {k:40s} {_fmt(b)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,386 @@
+"""Sharded step builders: the rollout, log-prob and update steps compiled for a mesh with
+explicit in/out shardings and buffer donation.
+
+Every builder takes the arrays (or jax.ShapeDtypeStructs, for ahead-of-time compilation without
+allocating: bench/plan_memory.py) whose shapes fix the compiled program, looks their shardings up
+in brorl_jax.parallel.rules, and returns a jax.jit-ed function. The math is the unsharded step's:
+the update is algo.make_update_step, the log-probs algo.make_logprob_fn, the rollout the engine's
+prefill and decode loop. Only the placement differs, which is why the tests can compare every
+sharded result with the single-device one.
+
+Placement (logical names -> mesh axes in rules.LOGICAL_AXES):
+  update / log-probs  params, Adam mu/nu and the reference params by PARAM_RULES (FSDP over
+                      `fsdp`, heads / MLP / vocabulary over `tensor`); batch rows over
+                      ("data", "fsdp"); every micro-batch's rows and hidden states are
+                      constrained to the same split (sharded_policy_fns), so each device runs its
+                      own rows of every micro-batch. The train state is donated.
+  rollout             prompt KV [L, G, P, Hkv, Dh] without a "samples" dimension (shared by the
+                      N samples of a prompt); per-sample suffix KV [L, G, N, S, Hkv, Dh] and the
+                      sampled tokens with N over "samples" (data, or data x fsdp in the
+                      "rollout" table); suffix buffers donated and reused across chunks.
+  vocab-parallel      log-probs with lm_head columns over `tensor` under shard_map
+                      (vocab_parallel.py).
+"""
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from brorl_jax.algo.update import (PolicyFns, TrainState, make_logprob_fn, make_update_step,
+                                   model_policy_fns)
+from brorl_jax.parallel import rules as R
+from brorl_jax.parallel.attention import forward_hidden
+from brorl_jax.parallel.vocab_parallel import sharded_fused_logprob, vocab_parallel_logprob
+
+
+def _replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def _rows_sharding(mesh: Mesh, ndim: int, axes: str | dict = "default") -> NamedSharding:
+    spec = R.logical_to_spec(R.ARRAY_AXES["rows"], axes)
+    return NamedSharding(mesh, P(*(tuple(spec) + (None,) * (ndim - 1))))
+
+
+def constrain_rows(x: jax.Array, mesh: Mesh, axes: str | dict = "default") -> jax.Array:
+    """with_sharding_constraint: x's leading (row) axis over the batch axes, the rest replicated
+    (axes that do not divide the rows are dropped)."""
+    s = _rows_sharding(mesh, x.ndim, axes)
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh, R.fit_spec(s.spec, x.shape, mesh)))
+
+
+def sharded_policy_fns(model_cfg, mesh: Mesh, axes: str | dict = "default", *,
+                       attention: str = "plain", q_chunk: int = 512) -> PolicyFns:
+    """PolicyFns for algo.make_update_step / make_logprob_fn that keep every micro-batch split
+    over the batch axes: the update slices micro-batches out of the mini-batch with a lax.scan,
+    and without these constraints XLA may gather a micro-batch onto every device.
+
+    attention: "plain" (the model's reference [B, H, T, T] attention, via transformer.forward) or
+    "chunked" (parallel/attention.py, bounded score memory for long contexts)."""
+    if attention not in ("plain", "chunked"):
+        raise ValueError(f"attention must be 'plain' or 'chunked', got {attention!r}")
+    base = model_policy_fns(model_cfg)
+    fix = functools.partial(constrain_rows, mesh=mesh, axes=axes)
+
+    def hidden(params, tokens, positions, attention_mask, remat):
+        tokens = fix(tokens)
+        positions = None if positions is None else fix(positions)
+        mask = None if attention_mask is None else fix(attention_mask)
+        if attention == "chunked":
+            h = forward_hidden(params, model_cfg, tokens, positions=positions,
+                               attention_mask=mask, remat=remat, q_chunk=q_chunk, constrain=fix)
+        else:
+            h = base.hidden(params, tokens, positions, mask, remat)
+        return fix(h)
+
+    return PolicyFns(hidden=hidden, lm_head=base.lm_head)
+
+
+def row_constraint(mesh: Mesh, axes: str | dict = "default"):
+    """The update's `shard_rows` hook: after a split [R] -> [n, R / n], keep the second (row)
+    axis over the batch axes (the reshape alone would put the split on the scanned axis, which
+    XLA then gathers)."""
+    spec = R.logical_to_spec(R.ARRAY_AXES["rows"], axes)
+
+    def one(x):
+        want = P(None, *(tuple(spec) + (None,) * (x.ndim - 2)))
+        return jax.lax.with_sharding_constraint(
+            x, NamedSharding(mesh, R.fit_spec(want, x.shape, mesh)))
+
+    return lambda tree: jax.tree.map(one, tree)
+
+
+def _logprob_hooks(mesh: Mesh, axes, logprob: str) -> dict:
+    """make_update_step / make_logprob_fn keyword arguments for `logprob`:
+    "shard_map" = per-device fused log-prob (vocab split over tensor) + row constraints;
+    "algo" = the unsharded-code path (pallas_kernels.fused_logprob under plain jit)."""
+    if logprob == "algo":
+        return {}
+    if logprob != "shard_map":
+        raise ValueError(f"logprob must be 'shard_map' or 'algo', got {logprob!r}")
+    token_axes = R.logical_to_spec(R.ARRAY_AXES["rows"], axes)[0]
+    token_axes = (token_axes,) if isinstance(token_axes, str) else tuple(token_axes or ())
+    return {"logprob_fn": sharded_fused_logprob(mesh, token_axes=token_axes),
+            "shard_rows": row_constraint(mesh, axes)}
+
+
+# -------------------------------------------------------------------------------------------------
+# Shardings of the training state and batches
+# -------------------------------------------------------------------------------------------------
+def train_state_shardings(state: TrainState, mesh: Mesh, rules: str | Sequence = "default",
+                          *, check_divisible: bool = False) -> TrainState:
+    """NamedShardings for a TrainState (arrays or ShapeDtypeStructs): params and ref_params by
+    the rules, optimizer moments like their params, counters replicated."""
+    p_sh = R.param_shardings(state.params, mesh, rules, check_divisible=check_divisible)
+    return TrainState(step=_replicated(mesh), params=p_sh,
+                      opt_state=R.state_shardings(state.opt_state, p_sh, mesh),
+                      ref_params=None if state.ref_params is None else p_sh)
+
+
+def abstract_train_state(params: Any, optimizer, *, with_reference: bool = True) -> TrainState:
+    """TrainState of ShapeDtypeStructs (jax.eval_shape: nothing is allocated)."""
+    from brorl_jax.algo.update import create_train_state
+    return jax.eval_shape(
+        lambda p: create_train_state(p, optimizer, with_reference=with_reference), params)
+
+
+def place(tree: Any, shardings: Any) -> Any:
+    """device_put every leaf with its sharding (single-controller; multi-host: rules +
+    distributed.global_batch). The result may share buffers with device-resident inputs, so a
+    step that donates it also deletes them: place host (numpy) copies when the inputs are kept.
+
+    With several processes every process passes the same full value and keeps only the shards
+    of its own devices (jax.make_array_from_callback)."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def one(x, s):
+        if s.is_fully_addressable:
+            return jax.device_put(x, s)
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
+
+    return jax.tree.map(one, tree, shardings)
+
+
+# -------------------------------------------------------------------------------------------------
+# Update and log-prob steps
+# -------------------------------------------------------------------------------------------------
+def make_sharded_update(model_cfg, algo_cfg, optimizer, mesh: Mesh, state: TrainState,
+                        batch: dict, *, rules: str | Sequence = "default",
+                        axes: str | dict = "default", attention: str = "plain",
+                        q_chunk: int = 512, logprob: str = "shard_map", donate: bool = True,
+                        **update_kwargs):
+    """algo.make_update_step compiled for `mesh`.
+
+    state, batch: arrays or ShapeDtypeStructs with the shapes of the real ones.
+    logprob: "shard_map" (default) passes the per-device fused log-prob and the row constraints
+      to the update (its logprob_fn / shard_rows hooks); "algo" leaves them out.
+    update_kwargs: passed to make_update_step (e.g. diagnostics_n).
+    -> (update(state, batch, rng) -> (state, metrics), shardings dict with "state" and "batch").
+    The state is donated (its buffers are reused for the new state); metrics are replicated.
+    `rng` must be a key array (jax.random.key / PRNGKey), replicated."""
+    policy = sharded_policy_fns(model_cfg, mesh, axes, attention=attention, q_chunk=q_chunk)
+    update = make_update_step(model_cfg, algo_cfg, optimizer, policy=policy,
+                              **_logprob_hooks(mesh, axes, logprob), **update_kwargs)
+    state_sh = train_state_shardings(state, mesh, rules)
+    batch_sh = R.batch_shardings(batch, mesh, axes)
+    repl = _replicated(mesh)
+    fn = jax.jit(update, in_shardings=(state_sh, batch_sh, repl), out_shardings=(state_sh, repl),
+                 donate_argnums=(0,) if donate else ())
+    return fn, {"state": state_sh, "batch": batch_sh}
+
+
+def make_sharded_logprob(model_cfg, algo_cfg, mesh: Mesh, params: Any, batch: dict, *,
+                         rules: str | Sequence = "default", axes: str | dict = "default",
+                         micro_batch_size: int | None = None, with_stats: bool = False,
+                         attention: str = "plain", q_chunk: int = 512,
+                         logprob: str = "shard_map"):
+    """algo.make_logprob_fn compiled for `mesh` (reference / pi_old log-probs); `logprob` as in
+    make_sharded_update (with_stats uses the kernel's stats path, without the shard_map hook).
+
+    -> (logprobs(params, batch) -> (logp [B, T], entropy [B, T], stats), shardings dict)."""
+    policy = sharded_policy_fns(model_cfg, mesh, axes, attention=attention, q_chunk=q_chunk)
+    fn = make_logprob_fn(algo_cfg=algo_cfg, policy=policy, micro_batch_size=micro_batch_size,
+                         with_stats=with_stats, **_logprob_hooks(mesh, axes, logprob))
+    params_sh = R.param_shardings(params, mesh, rules)
+    batch_sh = R.batch_shardings(batch, mesh, axes)
+    tok_sh = batch_sh["input_tokens"]
+    stats_sh = {"sum_p2": tok_sh} if with_stats else {}
+    jitted = jax.jit(fn, in_shardings=(params_sh, batch_sh),
+                     out_shardings=(tok_sh, tok_sh, stats_sh))
+    return jitted, {"params": params_sh, "batch": batch_sh}
+
+
+def make_vocab_parallel_logprob(model_cfg, mesh: Mesh, params: Any, batch: dict, *,
+                                temperature: float = 1.0, micro_batch_size: int | None = None,
+                                rules: str | Sequence = "default", axes: str | dict = "default",
+                                attention: str = "plain", q_chunk: int = 512,
+                                block_t: int = 1024):
+    """Log-probs whose fused log-softmax runs with the vocabulary split over `tensor`
+    (vocab_parallel.vocab_parallel_logprob under shard_map), micro-batched with lax.map.
+
+    -> (logprobs(params, batch) -> (logp [B, T], entropy [B, T]), shardings dict).
+    Differentiable wrt params (jax.grad through it gives the unsharded reference's gradients)."""
+    policy = sharded_policy_fns(model_cfg, mesh, axes, attention=attention, q_chunk=q_chunk)
+    token_axes = R.logical_to_spec(R.ARRAY_AXES["rows"], axes)[0]
+    token_axes = (token_axes,) if isinstance(token_axes, str) else tuple(token_axes or ())
+
+    def logprobs(params, batch):
+        rows, t = batch["input_tokens"].shape
+        micro = min(micro_batch_size or rows, rows)
+        if rows % micro:
+            raise ValueError(f"batch rows {rows} not divisible by micro_batch_size={micro}")
+        keys = ["input_tokens", "positions", "targets"] + (
+            ["attention_mask"] if "attention_mask" in batch else [])
+        parts = {k: batch[k].reshape((rows // micro, micro) + batch[k].shape[1:]) for k in keys}
+
+        def one(mb):
+            h = policy.hidden(params, mb["input_tokens"], mb["positions"],
+                              mb.get("attention_mask"), False)
+            w = policy.lm_head(params).astype(h.dtype)
+            logp, ent = vocab_parallel_logprob(
+                h.reshape(micro * t, -1), w, mb["targets"].reshape(micro * t), mesh=mesh,
+                token_axes=token_axes, temperature=temperature, block_t=block_t)
+            return logp.reshape(micro, t), ent.reshape(micro, t)
+
+        logp, ent = jax.lax.map(one, parts)
+        return logp.reshape(rows, t), ent.reshape(rows, t)
+
+    params_sh = R.param_shardings(params, mesh, rules)
+    batch_sh = R.batch_shardings(batch, mesh, axes)
+    tok_sh = batch_sh["input_tokens"]
+    jitted = jax.jit(logprobs, in_shardings=(params_sh, batch_sh), out_shardings=(tok_sh, tok_sh))
+    return jitted, {"params": params_sh, "batch": batch_sh}
+
+
+# -------------------------------------------------------------------------------------------------
+# Rollout: prefill once per prompt, N samples spread over the data axis
+# -------------------------------------------------------------------------------------------------
+def rollout_shardings(model_cfg, mesh: Mesh, params: Any, *, num_prompts: int, prompt_len: int,
+                      samples: int, max_new_tokens: int, rules: str | Sequence = "rollout",
+                      axes: str | dict = "rollout", check_divisible: bool = False) -> dict:
+    """Shardings of every array of the rollout's prefill and decode (rules.ARRAY_AXES names)."""
+    c = model_cfg
+    g, p, n, s = num_prompts, prompt_len, samples, max_new_tokens
+    arr = functools.partial(R.array_sharding, mesh=mesh, axes=axes,
+                            check_divisible=check_divisible)
+    suffix = arr("suffix_kv", (c.num_hidden_layers, g, n, s, c.num_key_value_heads, c.head_dim))
+    toks = arr("sample_tokens", (g, n, s))
+    rows = arr("sample_rows", (g, n))
+    return {
+        "params": R.param_shardings(params, mesh, rules, check_divisible=check_divisible),
+        "prompt_tokens": arr("prompt_tokens", (g, p)),
+        "prompt_rows": arr("prompt_rows", (g,)),
+        "prefix_kv": arr("prefix_kv", (c.num_hidden_layers, g, p, c.num_key_value_heads,
+                                       c.head_dim)),
+        "prompt_logits": arr("prompt_logits", (g, c.vocab_size)),
+        "suffix_kv": suffix,
+        "sample_rows": rows,
+        "decode_out": {"tokens": toks, "logprobs": toks, "lengths": rows, "finished": rows,
+                       "steps": _replicated(mesh)},
+        "replicated": _replicated(mesh),
+    }
+
+
+def make_sharded_prefill(model_cfg, shardings: dict):
+    """engine.prefill_prompts compiled with the rollout shardings:
+    (params, tokens [G, P], lengths [G]) -> (prefix_k, prefix_v, last_logits)."""
+    from brorl_jax.rollout import engine
+    sh = shardings
+    fn = functools.partial(engine.prefill_prompts.__wrapped__, cfg=model_cfg)
+    return jax.jit(lambda params, tokens, lengths: fn(params, tokens=tokens, lengths=lengths),
+                   in_shardings=(sh["params"], sh["prompt_tokens"], sh["prompt_rows"]),
+                   out_shardings=(sh["prefix_kv"], sh["prefix_kv"], sh["prompt_logits"]))
+
+
+def make_sharded_decode(model_cfg, shardings: dict, *, max_new_tokens: int, temperature: float,
+                        top_k: int, top_p: float, eos_ids: tuple[int, ...], impl: str = "auto",
+                        donate: bool = True):
+    """engine.decode_chunk (the whole decode while_loop of one chunk) compiled with the rollout
+    shardings; the suffix KV buffers (args 8, 9) are donated and returned for the next chunk."""
+    from brorl_jax.rollout import engine
+    from pallas_kernels.decode_attention import resolve_impl as attention_impl
+    from pallas_kernels.sampling import resolve_impl as sampling_impl
+    sh = shardings
+    fn = functools.partial(
+        engine.decode_chunk.__wrapped__, cfg=model_cfg, max_new_tokens=int(max_new_tokens),
+        temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+        eos_ids=tuple(eos_ids), attention_impl=attention_impl(impl),
+        sampling_impl=sampling_impl(impl))
+    repl = sh["replicated"]
+    return jax.jit(
+        fn,
+        in_shardings=(sh["params"], sh["prefix_kv"], sh["prefix_kv"], sh["prompt_rows"],
+                      sh["prompt_logits"], sh["sample_rows"], sh["prompt_rows"], repl,
+                      sh["suffix_kv"], sh["suffix_kv"]),
+        out_shardings=(sh["decode_out"], sh["suffix_kv"], sh["suffix_kv"]),
+        donate_argnums=(8, 9) if donate else ())
+
+
+def round_chunk_to_mesh(num_chunks: int, samples_per_chunk: int, rollouts_per_prompt: int,
+                        mesh: Mesh, axes: str | dict = "rollout") -> tuple[int, int]:
+    """Rounds the engine's samples-per-chunk (from its memory budget) down to a multiple of the
+    devices the samples are split over, so every chunk divides evenly (more, smaller chunks)."""
+    want = R.logical_table(axes).get("samples")
+    names = want if isinstance(want, tuple) else (want,) if want else ()
+    split = 1
+    for a in names:
+        split *= mesh.shape[a]
+    if num_chunks == 1 or samples_per_chunk <= split or samples_per_chunk % split == 0:
+        return num_chunks, samples_per_chunk
+    n = samples_per_chunk // split * split
+    return -(-rollouts_per_prompt // n), n
+
+
+def _to_host(tree):
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        return multihost_utils.process_allgather(tree, tiled=True)
+    return jax.device_get(tree)
+
+
+def sharded_generate(model: Any, prompts: Sequence[Sequence[int]], *, mesh: Mesh,
+                     rollouts_per_prompt: int, max_new_tokens: int, temperature: float = 1.0,
+                     top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+                     eos_ids: Sequence[int] | None = None, memory_budget_bytes: int | None = None,
+                     params: dict | None = None, impl: str = "auto",
+                     rules: str | Sequence = "rollout", axes: str | dict = "rollout"):
+    """rollout.generate on a mesh: same arguments, same RolloutResult, same tokens for a seed
+    (each sample's random stream is keyed by its global index, not by where it runs).
+
+    The prompts are prefilled once; each prompt's KV is replicated over the sample axes while its
+    N samples (and their own KV) are split over them. Memory chunking as in generate."""
+    from brorl_jax.rollout import engine
+    cfg = model.config
+    prompts = engine._validate(cfg, prompts, rollouts_per_prompt, max_new_tokens, temperature,
+                               top_p, top_k)
+    params = model.params if params is None else params
+    eos = engine.resolve_eos_ids(model, eos_ids)
+    g_real, n_real, s = len(prompts), int(rollouts_per_prompt), int(max_new_tokens)
+    g = engine.bucket_num_prompts(g_real)
+    p = engine.bucket_prompt_length(max(len(x) for x in prompts))
+    tokens, lengths = engine.pad_prompts(prompts, g, p)
+    num_chunks, n = engine.plan_chunks(cfg, g, p, n_real, s, memory_budget_bytes)
+    num_chunks, n = round_chunk_to_mesh(num_chunks, n, n_real, mesh, axes)
+    sh = rollout_shardings(cfg, mesh, params, num_prompts=g, prompt_len=p, samples=n,
+                           max_new_tokens=s, rules=rules, axes=axes)
+    params = place(params, sh["params"])
+    t0 = time.perf_counter()
+    prefill = make_sharded_prefill(cfg, sh)
+    lengths_dev = place(lengths, sh["prompt_rows"])
+    prefix_k, prefix_v, first_logits = prefill(params, place(tokens, sh["prompt_tokens"]),
+                                               lengths_dev)
+    jax.block_until_ready(first_logits)
+    t1 = time.perf_counter()
+    decode = make_sharded_decode(cfg, sh, max_new_tokens=s, temperature=temperature, top_k=top_k,
+                                 top_p=top_p, eos_ids=eos, impl=impl)
+    shape = (cfg.num_hidden_layers, g, n, s, cfg.num_key_value_heads, cfg.head_dim)
+    dt = engine.dtype_of(cfg.dtype)
+    zeros = jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sh["suffix_kv"])
+    suffix_k, suffix_v = zeros(), zeros()
+    seed_key = jax.random.PRNGKey(seed)
+    live = place(np.arange(g) < g_real, sh["prompt_rows"])
+    seed_key = place(np.asarray(seed_key), sh["replicated"])
+    outs = []
+    for c in range(num_chunks):
+        ids = (np.arange(g)[:, None] * n_real + c * n + np.arange(n)[None, :]).astype(np.int32)
+        out, suffix_k, suffix_v = decode(params, prefix_k, prefix_v, lengths_dev, first_logits,
+                                         place(ids, sh["sample_rows"]), live, seed_key,
+                                         suffix_k, suffix_v)
+        outs.append(_to_host(out))
+    t2 = time.perf_counter()
+    cat = {k: np.concatenate([o[k] for o in outs], axis=1)[:g_real, :n_real]
+           for k in ("tokens", "logprobs", "lengths", "finished")}
+    result = engine.finalize(cat["tokens"], cat["logprobs"], cat["lengths"], cat["finished"],
+                             lengths[:g_real], num_chunks)
+    result.stats.update(prefill_seconds=t1 - t0, decode_seconds=t2 - t1,
+                        padded_num_prompts=g, padded_prompt_len=p, samples_per_chunk=n)
+    return result

@@ -1,0 +1,115 @@
+"""Sharding rules as data: coverage of every parameter, logical-axis resolution, mesh sizes,
+the launch-environment detection. Runs in the main (1-device) process."""
+from __future__ import annotations
+
+import jax
+import pytest
+from jax.sharding import AbstractMesh, PartitionSpec as P
+
+from brorl_jax.models import ModelConfig, init_params
+from brorl_jax.parallel import rules as R
+from brorl_jax.parallel.distributed import detect_environment
+from brorl_jax.parallel.mesh import mesh_shape
+
+
+def _cfg(**kw) -> ModelConfig:
+    base = dict(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                rope_theta=1e4, rope_scaling=None, rms_norm_eps=1e-6, attention_bias=True,
+                qk_norm=False, tie_word_embeddings=False, max_position_embeddings=64,
+                bos_token_id=None, eos_token_ids=(3,))
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+ALL_FAMILIES = {
+    "qwen2": _cfg(),
+    "qwen2_tied": _cfg(tie_word_embeddings=True),
+    "qwen3": _cfg(model_type="qwen3", qk_norm=True, attention_bias=False),
+    "llama_bias": _cfg(model_type="llama", attention_bias=True),
+}
+
+
+@pytest.mark.parametrize("family", sorted(ALL_FAMILIES))
+@pytest.mark.parametrize("rule_set", sorted(R.PARAM_RULES))
+def test_rules_cover_every_parameter(family, rule_set):
+    params = jax.eval_shape(lambda: init_params(ALL_FAMILIES[family], jax.random.PRNGKey(0)))
+    assert R.unmatched_params(params, rule_set) == []
+    specs = R.param_specs(params, rule_set)
+    assert jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, P)) == \
+        jax.tree.structure(params)
+
+
+def test_parameter_matching_no_rule_is_an_error():
+    params = jax.eval_shape(lambda: init_params(ALL_FAMILIES["qwen2"], jax.random.PRNGKey(0)))
+    params["layers"]["new_adapter"] = {"kernel": jax.ShapeDtypeStruct((2, 64, 8), "float32")}
+    assert R.unmatched_params(params) == ["layers/new_adapter/kernel"]
+    with pytest.raises(ValueError, match="layers/new_adapter/kernel.*matches no sharding rule"):
+        R.param_specs(params)
+
+
+def test_logical_names_map_to_mesh_axes():
+    params = jax.eval_shape(lambda: init_params(ALL_FAMILIES["qwen2"], jax.random.PRNGKey(0)))
+    specs = R.param_specs(params)
+    assert specs["embed"]["embedding"] == P("tensor", "fsdp")
+    assert specs["layers"]["q_proj"]["kernel"] == P(None, "fsdp", "tensor")
+    assert specs["layers"]["down_proj"]["kernel"] == P(None, "tensor", "fsdp")
+    assert specs["lm_head"]["kernel"] == P("fsdp", "tensor")
+    assert R.param_specs(params, "rollout")["layers"]["q_proj"]["kernel"] == P(None, None, "tensor")
+    # the N samples of a prompt over data; the prompt KV has no samples axis, so it is shared
+    assert R.logical_to_spec(R.ARRAY_AXES["suffix_kv"]) == P(None, "fsdp", "data", None,
+                                                             "tensor", None)
+    assert "data" not in str(R.logical_to_spec(R.ARRAY_AXES["prefix_kv"]))
+    assert R.logical_to_spec(R.ARRAY_AXES["tokens"]) == P(("data", "fsdp"), None)
+
+
+def test_shape_aware_spec_gives_unusable_axes_to_later_dimensions():
+    mesh = AbstractMesh((2, 4, 1), ("data", "fsdp", "tensor"))
+    # 2 prompts cannot use fsdp=4, so each prompt's 8 samples take data x fsdp
+    spec = R.array_sharding("sample_rows", (2, 8), mesh, "rollout").spec
+    assert spec == P(None, ("data", "fsdp"))
+    # 8 prompts over fsdp, their samples over data; the prompt KV is not split over data
+    assert R.array_sharding("sample_rows", (8, 16), mesh, "rollout").spec == P("fsdp", "data")
+    assert "data" not in str(R.array_sharding("prefix_kv", (2, 8, 16, 2, 4), mesh,
+                                              "rollout").spec)
+    with pytest.raises(ValueError, match="cannot split"):
+        R.array_sharding("sample_rows", (3, 3), mesh, "rollout", check_divisible=True)
+
+
+def test_mesh_axis_used_once_per_array():
+    # "batch" takes data and fsdp; "prompts" (fsdp) on the same array must not reuse fsdp
+    assert R.logical_to_spec(("batch", "prompts")) == P(("data", "fsdp"), None)
+
+
+def test_axes_that_do_not_divide_are_dropped_or_rejected():
+    mesh = AbstractMesh((2, 4, 2), ("data", "fsdp", "tensor"))
+    assert R.fit_spec(P("tensor", "fsdp"), (256, 6), mesh) == P("tensor", None)
+    with pytest.raises(ValueError, match="not divisible"):
+        R.fit_spec(P("tensor", "fsdp"), (256, 6), mesh, check_divisible=True, name="embed")
+
+
+def test_unknown_rule_set_and_logical_axis_are_named():
+    with pytest.raises(ValueError, match="unknown sharding rule set 'nope'"):
+        R.param_rule_table("nope")
+    with pytest.raises(ValueError, match="logical axis 'nope'"):
+        R.logical_to_spec(("nope",))
+
+
+def test_mesh_shape_minus_one_is_the_rest():
+    assert mesh_shape({"data": -1, "fsdp": 4, "tensor": 2}, 64) == (8, 4, 2)
+    assert mesh_shape({"data": 8, "fsdp": 8, "tensor": 1}, 64) == (8, 8, 1)
+    with pytest.raises(ValueError, match="cannot be split"):
+        mesh_shape({"data": -1, "fsdp": 3, "tensor": 1}, 8)
+    with pytest.raises(ValueError, match="use 4 devices but 8"):
+        mesh_shape({"data": 2, "fsdp": 2, "tensor": 1}, 8)
+
+
+def test_launch_environment_detection():
+    assert detect_environment({}) == "single"
+    assert detect_environment({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2",
+                               "JAX_PROCESS_ID": "1"}) == "explicit"
+    assert detect_environment({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2",
+                               "JOB_COMPLETION_INDEX": "1"}) == "kubernetes"
+    assert detect_environment({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8"}) == "slurm"
+    assert detect_environment({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}) == "single"
+    assert detect_environment({"TPU_WORKER_HOSTNAMES": "a,b,c,d"}) == "tpu"

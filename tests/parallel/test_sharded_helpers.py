@@ -1,0 +1,41 @@
+"""Pure helpers of brorl_jax.parallel.sharded (main process, abstract meshes: no devices)."""
+from __future__ import annotations
+
+import jax
+import optax
+from jax.sharding import AbstractMesh, PartitionSpec as P
+
+from brorl_jax.models import ModelConfig, init_params
+from brorl_jax.parallel import sharded
+
+MESH = AbstractMesh((2, 4, 1), ("data", "fsdp", "tensor"))
+
+
+def _params():
+    cfg = ModelConfig(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, rope_theta=1e4, rope_scaling=None, rms_norm_eps=1e-6,
+                      attention_bias=True, qk_norm=False, tie_word_embeddings=False,
+                      max_position_embeddings=64, bos_token_id=None, eos_token_ids=(3,))
+    return jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
+
+
+def test_train_state_shardings_adam_moments_follow_params_and_counters_replicate():
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    state = sharded.abstract_train_state(_params(), opt)
+    sh = sharded.train_state_shardings(state, MESH)
+    q = sh.params["layers"]["q_proj"]["kernel"].spec
+    assert q == P(None, "fsdp", "tensor")      # D over fsdp, heads over tensor (size 1 here)
+    adam = sh.opt_state[1][0]
+    assert adam.mu["layers"]["q_proj"]["kernel"].spec == q
+    assert adam.nu["embed"]["embedding"].spec == sh.params["embed"]["embedding"].spec
+    assert adam.count.spec == P()
+    assert sh.step.spec == P()
+    assert sh.ref_params["lm_head"]["kernel"].spec == sh.params["lm_head"]["kernel"].spec
+
+
+def test_rollout_chunk_rounded_to_the_sample_axes():
+    # 8 sample devices (data=2 x fsdp=4): 34 samples per chunk -> 32, and one more chunk
+    assert sharded.round_chunk_to_mesh(31, 34, 1024, MESH) == (32, 32)
+    assert sharded.round_chunk_to_mesh(1, 1024, 1024, MESH) == (1, 1024)   # no chunking
+    assert sharded.round_chunk_to_mesh(4, 5, 20, MESH) == (4, 5)           # fewer than devices
