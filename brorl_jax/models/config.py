@@ -12,6 +12,7 @@ from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+ATTENTION_IMPLS = ("reference", "xla", "cudnn")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 
 # HF's RotaryEmbeddingConfigMixin.default_theta: used when a config.json names no theta.
@@ -61,6 +62,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     param_dtype: str = "float32"
     dtype: str = "float32"
+    # Full-sequence attention in forward(): "reference" (plain masked softmax, materialises the
+    # [B, H, T, T] scores), "xla" or "cudnn" (jax.nn.dot_product_attention; cuDNN flash attention
+    # on GPU, no T x T buffer). Not part of the checkpoint: set it with dataclasses.replace.
+    attention_impl: str = "reference"
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -68,6 +73,9 @@ class ModelConfig:
                 f"ModelConfig.model_type={self.model_type!r} is not supported; "
                 f"supported model_type values: {SUPPORTED_MODEL_TYPES}"
             )
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"ModelConfig.attention_impl={self.attention_impl!r}; use one of "
+                             f"{ATTENTION_IMPLS}")
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in SUPPORTED_DTYPES:
                 raise ValueError(

@@ -287,9 +287,22 @@ def forward(
     causal = jnp.tril(jnp.ones((t, t), bool))
     allowed = causal[None] & mask[:, None, :]  # [B,T,T]
 
+    def attend(q, k, v):
+        if cfg.attention_impl == "reference":
+            return attention(q, k, v, allowed)
+        if cfg.attention_impl == "cudnn":
+            # Flash attention: causal by index plus key padding given as lengths, so the mask
+            # must be right padding (the update batch's layout). Rows past a length are garbage
+            # and masked by the caller, as with the reference.
+            lengths = mask.sum(-1).astype(jnp.int32)
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                key_value_seq_lengths=lengths,
+                                                implementation="cudnn")
+        return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], implementation="xla")
+
     def layer(x: jax.Array, layer_params: dict) -> tuple[jax.Array, None]:
         q, k, v = layer_qkv(layer_params, cfg, x, positions)
-        return layer_finish(layer_params, cfg, x, attention(q, k, v, allowed)), None
+        return layer_finish(layer_params, cfg, x, attend(q, k, v)), None
 
     if remat:
         layer = jax.checkpoint(layer)

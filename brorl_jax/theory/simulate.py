@@ -257,14 +257,14 @@ def read_csv(path: str) -> dict[int, dict[str, np.ndarray]]:
     return {n: {c: np.asarray(v) for c, v in r.items()} for n, r in rows.items()}
 
 
-def plot(path: str, results: dict[int, dict[str, np.ndarray]], title: str = "") -> None:
-    """The three panels of Fig. 3 (correct mass, % correct tokens improved, worst drop)."""
-    import matplotlib
+def plot_figure(results: dict[int, dict[str, np.ndarray]], title: str = ""):
+    """The three panels of Fig. 3 (correct mass, % correct tokens improved, worst drop) as a
+    matplotlib Figure that is not attached to pyplot (so no backend is switched: notebooks can
+    display it, scripts can save it)."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig = Figure(figsize=(16, 4.5))
+    axes = fig.subplots(1, 3)
     panels = (("q_pos", 1.0, "correct mass $Q_{pos}$"),
               ("frac_improved", 100.0, "% correct tokens with $p_i > p_i^0$"),
               ("worst_drop", 1.0, r"worst $\Delta p$ among correct tokens"))
@@ -279,8 +279,12 @@ def plot(path: str, results: dict[int, dict[str, np.ndarray]], title: str = "") 
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
+
+
+def plot(path: str, results: dict[int, dict[str, np.ndarray]], title: str = "") -> None:
+    """Writes plot_figure(...) to a PNG."""
+    plot_figure(results, title).savefig(path, dpi=120)
 
 
 def summary_table(results: dict[int, dict[str, np.ndarray]], at_steps: Sequence[int]) -> str:

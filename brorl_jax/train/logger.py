@@ -96,13 +96,11 @@ PLOTTED = (
 )
 
 
-def plot_metrics(path: str, out_png: str, keys: Iterable[tuple[str, str]] = PLOTTED) -> str | None:
-    """Draws the main curves of a metrics.jsonl into one PNG; returns its path (None if empty)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot_metrics_figure(records: list[dict], keys: Iterable[tuple[str, str]] = PLOTTED):
+    """The main curves of a run as a matplotlib Figure (not attached to pyplot, so no backend is
+    switched; a notebook displays it as is). None when no key has data."""
+    from matplotlib.figure import Figure
 
-    records = read_metrics(path)
     series = []
     for key, title in keys:
         pts = [(r["step"], r[key]) for r in records if r.get(key) is not None]
@@ -112,7 +110,8 @@ def plot_metrics(path: str, out_png: str, keys: Iterable[tuple[str, str]] = PLOT
         return None
     cols = 3
     rows = math.ceil(len(series) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+    fig = Figure(figsize=(4.2 * cols, 3.0 * rows))
+    axes = fig.subplots(rows, cols, squeeze=False)
     for ax, (title, pts) in zip(axes.flat, series):
         ax.plot(pts[:, 0], pts[:, 1], marker="o" if len(pts) < 30 else None, ms=3)
         ax.set_title(title)
@@ -121,6 +120,13 @@ def plot_metrics(path: str, out_png: str, keys: Iterable[tuple[str, str]] = PLOT
     for ax in list(axes.flat)[len(series):]:
         ax.axis("off")
     fig.tight_layout()
+    return fig
+
+
+def plot_metrics(path: str, out_png: str, keys: Iterable[tuple[str, str]] = PLOTTED) -> str | None:
+    """Draws the main curves of a metrics.jsonl into one PNG; returns its path (None if empty)."""
+    fig = plot_metrics_figure(read_metrics(path), keys)
+    if fig is None:
+        return None
     fig.savefig(out_png, dpi=110)
-    plt.close(fig)
     return out_png

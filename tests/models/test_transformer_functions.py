@@ -221,3 +221,29 @@ def test_bad_inputs_raise_clear_errors():
         forward(params, cfg, jnp.ones((2, 5), jnp.int32), attention_mask=jnp.ones((2, 4), bool))
     with pytest.raises(ValueError, match="positions shape"):
         forward(params, cfg, jnp.ones((2, 5), jnp.int32), positions=jnp.zeros((2, 4), jnp.int32))
+
+
+def test_xla_attention_impl_matches_reference_with_padding():
+    """forward(attention_impl="xla") (jax.nn.dot_product_attention) == the plain reference,
+    right padding included (the "cudnn" variant needs a GPU and is checked by the device script)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from brorl_jax.models import ModelConfig, forward, init_params
+
+    cfg = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-6,
+                      attention_bias=True, qk_norm=False, tie_word_embeddings=True,
+                      max_position_embeddings=64, bos_token_id=None, eos_token_ids=(1,))
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (3, 10)), jnp.int32)
+    mask = jnp.arange(10)[None, :] < jnp.array([[10], [6], [3]])
+    ref = forward(params, cfg, tokens, attention_mask=mask)
+    xla = forward(params, dataclasses.replace(cfg, attention_impl="xla"), tokens,
+                  attention_mask=mask)
+    np.testing.assert_allclose(np.asarray(xla)[np.asarray(mask)], np.asarray(ref)[np.asarray(mask)],
+                               atol=1e-5)
