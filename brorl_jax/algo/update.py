@@ -179,6 +179,8 @@ def make_logprob_fn(model_cfg=None, algo_cfg: AlgoConfig | None = None, *, polic
             return logp, ent, (p2 if with_stats else zero), zero
 
         logp, ent, p2, u2 = lax.map(one, parts)
+        if shard_rows is not None:   # keep the stacked [n_micro, micro, T] outputs row-sharded
+            logp, ent, p2, u2 = shard_rows((logp, ent, p2, u2))
         merge = lambda x: lax.stop_gradient(x.reshape((rows,) + x.shape[2:]))
         stats = {}
         if with_stats or unsampled_n is not None:
