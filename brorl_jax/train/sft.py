@@ -21,14 +21,23 @@ from brorl_jax import models
 from pallas_kernels import fused_logprob
 
 
-def answer_text(record: dict) -> str:
+def noisy_answer(truth: str, rng: np.random.Generator) -> str:
+    """An imperfect reference: an integer answer moved by +-1 (other answers are kept)."""
+    try:
+        value = int(str(truth).strip())
+    except ValueError:
+        return str(truth)
+    return str(value + (1 if rng.random() < 0.5 else -1))
+
+
+def answer_text(record: dict, truth=None) -> str:
     """The completion a perfect model writes for `record`, in the verifier's answer format.
 
     Reasoning Gym's verifier reads the last <answer>...</answer> span; the math verifier the last
     \\boxed{...}. Code has no single reference completion, so it cannot be warm-started here.
     """
     source = str(record.get("data_source", ""))
-    truth = record.get("ground_truth")
+    truth = record.get("ground_truth") if truth is None else truth
     if source.startswith("reasoning_gym"):
         return f"<answer>{truth}</answer>"
     if source == "math" or source.startswith("math/"):
@@ -88,6 +97,10 @@ def warm_start(trainer, params) -> tuple[dict, dict]:
     params = jax.tree.map(jnp.array, params)     # a copy: the model's own params stay intact
     opt_state = optimizer.init(params)
     answers: dict[int, list[int]] = {}
+    # sft.label_noise: the fraction of prompts whose reference answer is off by one, fixed per
+    # prompt. The demo uses it to stand for imperfect supervised data that RL with an exact
+    # verifier then corrects; 0 (the default) is plain supervised learning.
+    noise_rng = np.random.default_rng(cfg.train.seed + 23)
     losses = []
     for _ in range(cfg.sft.steps):
         idx = rng.integers(0, len(prompts), cfg.sft.batch_size)
@@ -95,7 +108,10 @@ def warm_start(trainer, params) -> tuple[dict, dict]:
         for i in idx:
             pr = prompts[int(i)]
             if pr.index not in answers:
-                text = answer_text(pr.record)
+                truth = pr.record.get("ground_truth")
+                if cfg.sft.label_noise > 0 and noise_rng.random() < cfg.sft.label_noise:
+                    truth = noisy_answer(truth, noise_rng)
+                text = answer_text(pr.record, truth)
                 answers[pr.index] = tok.encode(text, add_special_tokens=False) + [eos]
             p_ids.append(list(pr.ids))
             a_ids.append(answers[pr.index])
