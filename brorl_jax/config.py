@@ -27,6 +27,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.dtype = "float32"         # compute dtype: float32 | bfloat16
     c.model.param_dtype = "float32"   # parameter dtype: float32 | bfloat16
     c.model.remat = True              # rematerialise each layer in the update's backward pass
+    c.model.attention_impl = "reference"  # reference | xla | cudnn (flash attention on GPU)
 
     # --- data ------------------------------------------------------------------------------
     c.data = ml_collections.ConfigDict()
@@ -51,6 +52,14 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.top_k = 0
     c.rollout.memory_budget_gb = 0.0      # 0 = no chunking of the N samples of a prompt
     c.rollout.impl = "auto"               # auto | pallas | reference (auto: Pallas on GPU/TPU)
+    # Options NOT in the paper (docs/options.md), all off by default:
+    c.rollout.temperature_schedule = ""   # "step:T,step:T", e.g. "0:1.3,100:0.9,200:0.7"; "" = off
+    c.rollout.adaptive_n = False          # N per prompt from its EMA pass rate, bucketed
+    c.rollout.adaptive_n_buckets = "256,512,768"   # N for easy ... hard prompts (ascending)
+    c.rollout.adaptive_n_thresholds = "0.7,0.3"    # pass-rate boundaries (descending)
+    c.rollout.adaptive_n_ema_decay = 0.5  # weight of the old pass-rate estimate per visit
+    c.rollout.overgenerate_factor = 1.0   # > 1: generate ceil(factor * N), keep N by select_rule
+    c.rollout.select_rule = "dedup_then_balanced"  # | dedup | balanced
 
     # --- the update (algorithm) ------------------------------------------------------------
     c.algo = ml_collections.ConfigDict()
@@ -75,6 +84,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.algo.ref_reset_every = 0                 # steps between reference resets; 0 = never
     c.algo.reset_optimizer_on_ref_reset = False  # ProRL v1: True, ProRLv2: False
     c.algo.entropy_coef = 0.0                  # entropy bonus, off (not in the paper)
+    c.algo.reward_clip_low = -math.inf         # clip the shaped reward (not in the paper; off)
+    c.algo.reward_clip_high = math.inf
+    c.algo.advantage_normalizer = "batch"      # | ema: EMA of the batch std (not in the paper)
+    c.algo.advantage_ema_decay = 0.99
     c.algo.length_penalty = False              # scheduled cosine length penalty [ProRLv2], off
     c.algo.length_penalty_coef = 0.0
     c.algo.length_penalty_eta_min = -0.5
@@ -109,6 +122,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.sft.steps = 0
     c.sft.batch_size = 64
     c.sft.lr = 1e-3
+    c.sft.label_noise = 0.0           # fraction of warm-start answers made off by one (demo)
 
     # --- evaluation ------------------------------------------------------------------------
     c.eval = ml_collections.ConfigDict()
@@ -142,6 +156,7 @@ def default_config() -> ml_collections.ConfigDict:
 ALLOWED = {
     "model.dtype": ("float32", "bfloat16"),
     "model.param_dtype": ("float32", "bfloat16"),
+    "model.attention_impl": ("reference", "xla", "cudnn"),
     "rollout.impl": ("auto", "pallas", "reference"),
     "algo.advantage": ("reinforce_pp_baseline", "grpo", "rloo"),
     "algo.dynamic_sampling_cap_policy": ("error", "pad"),
@@ -150,6 +165,8 @@ ALLOWED = {
     "algo.logprob_impl": ("auto", "pallas", "chunked", "naive"),
     "optim.name": ("adamw", "lion"),
     "optim.schedule": ("constant", "warmup_cosine"),
+    "rollout.select_rule": ("dedup_then_balanced", "dedup", "balanced"),
+    "algo.advantage_normalizer": ("batch", "ema"),
 }
 
 POSITIVE = (
@@ -249,6 +266,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         errors.append(f"each PPO mini-batch has {samples // a.ppo_mini_batches} samples, which "
                       f"'algo.micro_batch_size'={a.micro_batch_size} does not divide; pick a "
                       "divisor.")
+    errors += _validate_options(cfg)
     if cfg.eval.samples_per_prompt < 1:
         errors.append("config key 'eval.samples_per_prompt' must be >= 1.")
     if not 0.0 < cfg.eval.top_p <= 1.0:
@@ -263,6 +281,56 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     return cfg
+
+
+def _validate_options(cfg: ml_collections.ConfigDict) -> list[str]:
+    """Checks of the opt-in options that are not in the paper (brorl_jax/train/options.py)."""
+    from brorl_jax.train.options import parse_adaptive_n, parse_temperature_schedule
+    errors = []
+    a, r, o = cfg.algo, cfg.rollout, cfg.optim
+    try:
+        parse_temperature_schedule(r.temperature_schedule)
+    except ValueError as e:
+        errors.append(str(e))
+    try:
+        buckets, _ = parse_adaptive_n(r.adaptive_n_buckets, r.adaptive_n_thresholds)
+    except ValueError as e:
+        errors.append(str(e))
+        buckets = ()
+    rows = a.prompts_per_step * r.rollouts_per_prompt
+    if r.adaptive_n and buckets:
+        if min(buckets) < 2:
+            errors.append(f"config key 'rollout.adaptive_n_buckets' = {r.adaptive_n_buckets!r}: "
+                          "every N must be >= 2 (the group baseline needs two samples).")
+        if max(buckets) > rows:
+            errors.append(f"config key 'rollout.adaptive_n_buckets' = {r.adaptive_n_buckets!r}: "
+                          f"the largest N ({max(buckets)}) must fit the update batch of "
+                          f"algo.prompts_per_step * rollout.rollouts_per_prompt = {rows} rows.")
+        if cfg.train.mass_balance_diagnostics:
+            errors.append("train.mass_balance_diagnostics needs one N for all prompts; turn off "
+                          "rollout.adaptive_n or the diagnostics.")
+    if not 0.0 <= r.adaptive_n_ema_decay < 1.0:
+        errors.append("config key 'rollout.adaptive_n_ema_decay' must be in [0, 1), got "
+                      f"{r.adaptive_n_ema_decay}.")
+    if not r.overgenerate_factor >= 1.0 or not math.isfinite(r.overgenerate_factor):
+        errors.append("config key 'rollout.overgenerate_factor' must be >= 1.0 (1.0 = off), got "
+                      f"{r.overgenerate_factor}.")
+    if not a.reward_clip_low < a.reward_clip_high:
+        errors.append(f"config keys 'algo.reward_clip_low' < 'algo.reward_clip_high' required, "
+                      f"got {a.reward_clip_low}, {a.reward_clip_high} (-inf, inf = no clipping).")
+    if a.advantage_normalizer == "ema" and a.advantage != "reinforce_pp_baseline":
+        errors.append("config key 'algo.advantage_normalizer'='ema' replaces the batch whitening "
+                      "of algo.advantage='reinforce_pp_baseline'; got algo.advantage="
+                      f"{a.advantage!r}.")
+    if not 0.0 <= a.advantage_ema_decay < 1.0:
+        errors.append("config key 'algo.advantage_ema_decay' must be in [0, 1), got "
+                      f"{a.advantage_ema_decay}.")
+    if o.warmup_steps < 0:
+        errors.append(f"config key 'optim.warmup_steps' must be >= 0, got {o.warmup_steps}.")
+    if not 0.0 <= o.final_lr_ratio <= 1.0:
+        errors.append(f"config key 'optim.final_lr_ratio' must be in [0, 1], got "
+                      f"{o.final_lr_ratio}.")
+    return errors
 
 
 def samples_per_step(cfg: ml_collections.ConfigDict) -> int:

@@ -16,6 +16,7 @@ uninterrupted one would have done.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -33,6 +34,7 @@ from brorl_jax.train import evaluation
 from brorl_jax.train.checkpoint import Checkpointer
 from brorl_jax.train.logger import MetricsLogger, plot_metrics
 from brorl_jax.train.monitoring import effective_update_ratio, rollout_monitoring
+from brorl_jax.train.options import Options, scheduled_lr
 
 
 def _log(msg: str) -> None:
@@ -45,7 +47,10 @@ def _log(msg: str) -> None:
 # ------------------------------------------------------------------------------------------------
 def load_model(cfg) -> models.Model:
     path = cfg.model.path or models.ensure_demo_model()
-    return models.from_pretrained(path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+    model = models.from_pretrained(path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+    if cfg.model.attention_impl != model.config.attention_impl:
+        model.config = dataclasses.replace(model.config, attention_impl=cfg.model.attention_impl)
+    return model
 
 
 def load_records(cfg, spec: str, size: int, seed: int) -> list[dict]:
@@ -119,9 +124,16 @@ class Trainer:
         self.lr, self.lr_note = derived_learning_rate(cfg)
         self.optimizer = algo.make_optimizer(optimizer_config(cfg, self.lr))
         self.algo_cfg = algo_config(cfg)
-        self.update_fn = jax.jit(algo.make_update_step(self.mcfg, self.algo_cfg, self.optimizer),
+        # Mass-balance diagnostics (BroRL Lemma 2) come from the update's pi_old pass over the
+        # vocabulary, at the run's N; no extra pass.
+        diag_n = self.n if cfg.train.mass_balance_diagnostics else None
+        self.update_fn = jax.jit(algo.make_update_step(self.mcfg, self.algo_cfg, self.optimizer,
+                                                       diagnostics_n=diag_n),
                                  donate_argnums=(0,))
         self.logprob_fn = jax.jit(algo.make_logprob_fn(self.mcfg, self.algo_cfg))
+        # --- opt-in options, not in the paper (brorl_jax/train/options.py; all off by default) --
+        self.options = Options(cfg)
+        self._fns_by_temperature: dict[float, tuple] = {}
         self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
                                          keep=cfg.train.keep_checkpoints)
         from brorl_jax.rewards import ScoringService
@@ -179,6 +191,8 @@ class Trainer:
         Returns the fixed-shape update batch (numpy) and the step's rollout metrics.
         """
         cfg = self.cfg
+        if self.options.custom_collect:     # adaptive N / over-generation / reward clip / EMA
+            return self.options.collect(self, params, data_iter, step, _round_seed)
         sampler = algo.DynamicSampler.from_config(self.algo_cfg)
         t_roll = t_score = 0.0
         gen_tokens = gen_samples = 0
@@ -187,7 +201,8 @@ class Trainer:
             batch = next(data_iter)
             t0 = time.perf_counter()
             res = self.generate(params, batch["prompt_ids"], n=self.n,
-                                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                temperature=self.options.rollout_temperature(step),
+                                top_p=cfg.rollout.top_p,
                                 top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
                                 seed=_round_seed(cfg.train.seed, step, sampler.rounds))
             t1 = time.perf_counter()
@@ -204,7 +219,7 @@ class Trainer:
             shaped = rewards
             if self.algo_cfg.length_penalty:
                 shaped = algo.apply_length_penalty(rewards, res.lengths, step=step,
-                                                   max_len=cfg.rollout.max_new_tokens,
+                                                   max_length=cfg.rollout.max_new_tokens,
                                                    cfg=self.algo_cfg)
             prompt_arr = np.empty(len(batch["prompt_ids"]), object)
             prompt_arr[:] = [list(p) for p in batch["prompt_ids"]]
@@ -249,6 +264,8 @@ class Trainer:
 
     # --------------------------------------------------------------------------------------
     def run(self) -> dict:
+        """Trains to cfg.train.steps (resuming from the latest checkpoint in the workdir) and
+        returns the last step's metrics; the final TrainState is then `self.state`."""
         cfg = self.cfg
         ckpt_step = self.checkpointer.latest_step()
         state = self.new_state(self.model.params)
@@ -259,6 +276,7 @@ class Trainer:
             state, meta = self.checkpointer.restore(ckpt_step, state)
             data_iter.set_state(meta["data"])
             counters = meta["counters"]
+            self.options.load_state_dict(meta.get("options"))
             _log(f"[resume] from checkpoint step {ckpt_step} in {self.workdir}")
             logger = MetricsLogger(self.workdir, tensorboard=cfg.train.tensorboard,
                                    enabled=jax.process_index() == 0, resume_step=ckpt_step)
@@ -273,6 +291,11 @@ class Trainer:
                 state = self.new_state(params)
                 _log(f"[sft] {cfg.sft.steps} supervised steps in {time.perf_counter() - t0:.0f}s, "
                      f"final loss {sft_metrics['sft/loss']:.3f}")
+                if jax.process_index() == 0:
+                    # The warm-started model as a HF directory: the common starting point of
+                    # comparisons (experiments/compare_n) and a checkpoint users can load.
+                    models.save_pretrained(self.model.with_params(params),
+                                           os.path.join(self.workdir, "warm_start_model"))
             ev = self.evaluate(state.params, 0)
             logger.write(0, ev)
             _log(f"[eval] before RL: pass@1 = {ev['eval/pass@1']:.3f}")
@@ -289,11 +312,13 @@ class Trainer:
             batch, metrics = self.collect(state.params, data_iter, step)
             batch = jax.tree.map(jnp.asarray, batch)
             t1 = time.perf_counter()
+            update_fn, logprob_fn = self.update_fns(step)
             if self.algo_cfg.kl_coef > 0:
-                batch["ref_logprobs"], _, _ = self.logprob_fn(state.ref_params, batch)
+                batch["ref_logprobs"], _, _ = logprob_fn(state.ref_params, batch)
             rng = jax.random.fold_in(jax.random.key(cfg.train.seed), step)
-            state, upd = self.update_fn(state, batch, rng)
-            upd = {f"loss/{k}" if k in LOSS_KEYS else f"update/{k}": float(v)
+            state, upd = update_fn(state, batch, rng)
+            upd = {k if k.startswith("mass_balance/") else
+                   f"loss/{k}" if k in LOSS_KEYS else f"update/{k}": float(v)
                    for k, v in jax.device_get(upd).items()}
             t2 = time.perf_counter()
             if upd["update/skipped"]:
@@ -318,6 +343,11 @@ class Trainer:
                 "counters/generated_samples": counters["generated_samples"],
                 "optim/lr": self.lr,
             })
+            if cfg.optim.schedule != "constant":     # option: log the scheduled LR
+                metrics["optim/lr"] = scheduled_lr(optimizer_config(cfg, self.lr),
+                                                   (step + 1) * cfg.algo.ppo_mini_batches - 1)
+            if self.options.schedule:                # option: temperature schedule
+                metrics["rollout/temperature"] = self.options.rollout_temperature(step)
             done = step + 1
             if cfg.eval.every and done % cfg.eval.every == 0 and done != cfg.train.steps:
                 metrics.update(self.evaluate(state.params, done))
@@ -327,8 +357,10 @@ class Trainer:
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
                             pass_rate=f"{metrics['dynamic_sampling/pass_rate']:.2f}")
             if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps:
-                self.checkpointer.save(done, state, {"data": data_iter.get_state(),
-                                                     "counters": counters})
+                meta = {"data": data_iter.get_state(), "counters": counters}
+                if self.options.stateful:            # option state (pass rates, advantage EMA)
+                    meta["options"] = self.options.state_dict()
+                self.checkpointer.save(done, state, meta)
             last = metrics
         bar.close()
         self.checkpointer.wait()
@@ -343,8 +375,24 @@ class Trainer:
             if png:
                 _log(f"[plots] {png}")
         logger.close()
-        self.state = state
+        self.state = state      # the final TrainState (params, opt_state, ref_params, step)
         return last
+
+    def update_fns(self, step: int):
+        """(update_fn, logprob_fn) for RL step `step`: the default pair unless a temperature
+        schedule (an option, not in the paper) sets another temperature; one compiled pair per
+        distinct temperature, so a schedule recompiles only at its phase boundaries."""
+        temperature = self.options.update_temperature(step)
+        if temperature is None:
+            return self.update_fn, self.logprob_fn
+        if temperature not in self._fns_by_temperature:
+            acfg = dataclasses.replace(self.algo_cfg, temperature=temperature)
+            diag_n = self.n if self.cfg.train.mass_balance_diagnostics else None
+            self._fns_by_temperature[temperature] = (
+                jax.jit(algo.make_update_step(self.mcfg, acfg, self.optimizer,
+                                              diagnostics_n=diag_n), donate_argnums=(0,)),
+                jax.jit(algo.make_logprob_fn(self.mcfg, acfg)))
+        return self._fns_by_temperature[temperature]
 
     def new_state(self, params) -> algo.TrainState:
         return algo.create_train_state(params, self.optimizer,
@@ -360,11 +408,15 @@ LOSS_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "clip_frac_low", "
 
 
 def optimizer_config(cfg, lr: float) -> algo.OptimizerConfig:
+    """optax counts optimizer updates (ppo_mini_batches per RL step); optim.warmup_steps and
+    the decay length (train.steps) count RL steps, so both are converted here."""
     o = cfg.optim
+    per_step = cfg.algo.ppo_mini_batches
     return algo.OptimizerConfig(
         name=o.name, learning_rate=lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
         max_grad_norm=o.grad_clip if o.grad_clip > 0 else None, schedule=o.schedule,
-        warmup_steps=o.warmup_steps, decay_steps=max(cfg.train.steps, o.warmup_steps + 1),
+        warmup_steps=o.warmup_steps * per_step,
+        decay_steps=max(cfg.train.steps, o.warmup_steps + 1) * per_step,
         end_lr_fraction=o.final_lr_ratio)
 
 
