@@ -123,6 +123,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.sft.batch_size = 64
     c.sft.lr = 1e-3
     c.sft.label_noise = 0.0           # fraction of warm-start answers made off by one (demo)
+    c.sft.untagged_frac = 0.0         # fraction of warm-start answers without <answer> tags (demo)
 
     # --- evaluation ------------------------------------------------------------------------
     c.eval = ml_collections.ConfigDict()

@@ -97,9 +97,10 @@ def warm_start(trainer, params) -> tuple[dict, dict]:
     params = jax.tree.map(jnp.array, params)     # a copy: the model's own params stay intact
     opt_state = optimizer.init(params)
     answers: dict[int, list[int]] = {}
-    # sft.label_noise: the fraction of prompts whose reference answer is off by one, fixed per
-    # prompt. The demo uses it to stand for imperfect supervised data that RL with an exact
-    # verifier then corrects; 0 (the default) is plain supervised learning.
+    # Imperfect supervised data, for the demo: sft.label_noise is the fraction of prompts whose
+    # reference answer is off by one, sft.untagged_frac the fraction written without the answer
+    # tags the verifier requires (a format the verifier rejects), both fixed per prompt. RL with
+    # the exact verifier then has something to correct; 0 (the default) is plain SFT.
     noise_rng = np.random.default_rng(cfg.train.seed + 23)
     losses = []
     for _ in range(cfg.sft.steps):
@@ -112,6 +113,8 @@ def warm_start(trainer, params) -> tuple[dict, dict]:
                 if cfg.sft.label_noise > 0 and noise_rng.random() < cfg.sft.label_noise:
                     truth = noisy_answer(truth, noise_rng)
                 text = answer_text(pr.record, truth)
+                if cfg.sft.untagged_frac > 0 and noise_rng.random() < cfg.sft.untagged_frac:
+                    text = str(truth)      # the bare answer: no <answer> tags, so it scores 0
                 answers[pr.index] = tok.encode(text, add_special_tokens=False) + [eos]
             p_ids.append(list(pr.ids))
             a_ids.append(answers[pr.index])
