@@ -25,6 +25,7 @@ def get_config(arg: str | None = None):
     c.algo.max_generation_rounds = 2
     c.sft.steps = 60
     c.sft.batch_size = 16
+    c.sft.untagged_frac = 0.0           # plain references: the tests want mixed groups at once
     c.eval.num_prompts = 8
     c.eval.samples_per_prompt = 2
     c.eval.every = 0
