@@ -43,6 +43,8 @@ def evaluate(cfg, workdir: str | None = None, step: int | None = None) -> dict:
 
 def main(argv):
     del argv
+    from absl import logging
+    logging.set_verbosity(logging.WARNING)
     print(json.dumps(evaluate(_CONFIG.value, _WORKDIR.value, _STEP.value), indent=1))
 
 

@@ -30,6 +30,8 @@ def export(cfg, workdir: str, out: str, step: int | None = None) -> int:
 
 def main(argv):
     del argv
+    from absl import logging
+    logging.set_verbosity(logging.WARNING)
     step = export(_CONFIG.value, _WORKDIR.value, _OUT.value, _STEP.value)
     print(f"exported step {step} of {_WORKDIR.value} to {_OUT.value}")
 

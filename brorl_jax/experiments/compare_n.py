@@ -123,6 +123,8 @@ def plot(results: dict, path: str) -> None:
 
 def main(argv):
     del argv
+    from absl import logging
+    logging.set_verbosity(logging.WARNING)
     results = run(_CONFIG.value, _OUT.value, [int(n) for n in _NS.value], _SAMPLES.value,
                   _EVALS.value)
     for n, r in results.items():
