@@ -1,0 +1,27 @@
+"""The N=16 vs N=512 experiment's arms: equal samples per update, equal budget, same start."""
+from brorl_jax.config import derived_learning_rate, validate
+from brorl_jax.experiments.compare_n import arm_config, summarize_arm
+from configs import demo
+
+
+def test_arms_share_batch_budget_and_learning_rate():
+    base = demo.get_config()
+    rows = base.algo.prompts_per_step * base.rollout.rollouts_per_prompt
+    arms = [arm_config(base, n, rows, samples=16384, evals=3, model_path="/warm") for n in (16, 512)]
+    for n, cfg in zip((16, 512), arms):
+        validate(cfg)
+        assert cfg.rollout.rollouts_per_prompt == n
+        assert cfg.algo.prompts_per_step * n == rows
+        assert cfg.model.path == "/warm" and cfg.sft.steps == 0
+    assert arms[0].train.steps == arms[1].train.steps
+    assert derived_learning_rate(arms[0])[0] == derived_learning_rate(arms[1])[0]
+
+
+def test_summarize_arm_reads_eval_points_and_pass_rates():
+    records = [{"step": 0, "eval/pass@1": 0.2},
+               {"step": 1, "counters/generated_samples": 100, "dynamic_sampling/pass_rate": 0.5},
+               {"step": 2, "counters/generated_samples": 200, "dynamic_sampling/pass_rate": 0.7,
+                "eval/pass@1": 0.3}]
+    out = summarize_arm(records)
+    assert out["eval"] == [(0, 0.2), (200, 0.3)]
+    assert out["mean_pass_rate"] == (0.5 + 0.7) / 2
