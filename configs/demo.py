@@ -2,7 +2,7 @@
 
 A tiny Qwen2-shaped model with a character tokenizer is built locally (brorl_jax.models.
 demo_model), warm-started by a short supervised phase on Reasoning Gym's basic_arithmetic (sums of
-two 1-2 digit numbers), then trained with the BroRL recipe at N=128. Held-out pass@1 (T=0.6,
+two 1-2 digit numbers), then trained with the BroRL recipe at N=64 (4x ProRL's 16; 16 prompts per step). Held-out pass@1 (T=0.6,
 top-p 0.95) is printed before and after.
 
 The warm-start data is deliberately imperfect: half of its reference answers are written without
@@ -32,15 +32,15 @@ def get_config(arg: str | None = None):
     c.data.eval_size = 200
     c.data.max_prompt_len = 24
     c.data.use_chat_template = True
-    c.rollout.rollouts_per_prompt = opts.get("n", 128)
+    c.rollout.rollouts_per_prompt = opts.get("n", 64)
     c.rollout.max_new_tokens = 8
     c.rollout.temperature = 1.0
-    c.algo.prompts_per_step = opts.get("prompts", 8)
+    c.algo.prompts_per_step = opts.get("prompts", 16)
     c.algo.micro_batch_size = 256
     c.algo.ppo_mini_batches = 1
     c.algo.kl_coef = 1e-4
     c.optim.base_lr = 1.5e-4
-    c.optim.base_batch = 8 * 128
+    c.optim.base_batch = 16 * 64
     c.optim.weight_decay = 0.0
     c.sft.steps = 800
     c.sft.batch_size = 32
@@ -50,7 +50,7 @@ def get_config(arg: str | None = None):
     c.eval.num_prompts = 200
     c.eval.samples_per_prompt = 4
     c.eval.max_new_tokens = 8
-    c.train.steps = opts.get("steps", 40)
+    c.train.steps = opts.get("steps", 30)
     c.train.checkpoint_every = 10
     c.rewards.num_workers = 2
     return c
