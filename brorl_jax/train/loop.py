@@ -33,7 +33,7 @@ from brorl_jax.config import derived_learning_rate, validate
 from brorl_jax.train import evaluation
 from brorl_jax.train.checkpoint import Checkpointer
 from brorl_jax.train.logger import MetricsLogger, plot_metrics
-from brorl_jax.train.monitoring import effective_update_ratio, rollout_monitoring
+from brorl_jax.train.monitoring import rollout_monitoring, step_rollout_stats
 from brorl_jax.train.options import Options, scheduled_lr
 
 
@@ -234,25 +234,13 @@ class Trainer:
         update_batch = algo.assemble_update_batch(
             prompts, kept["tokens"], kept["logprobs"], kept["mask"], advantages, group_valid,
             seq_len=self.seq_len, pad_id=self.pad_id)
+        stats = step_rollout_stats(
+            rewards_all, lengths_all, truncated_all, correct_threshold=cfg.algo.correct_threshold,
+            pass_rate=ds_stats["pass_rate"], rounds=ds_stats["generation_rounds"],
+            kept_groups=ds_stats["kept_groups"], padded_groups=ds_stats["padded_groups"],
+            update_batch=update_batch, t_rollout=t_roll, t_scoring=t_score,
+            generated_samples=gen_samples, generated_tokens=gen_tokens)
         rewards_all = np.concatenate(rewards_all)
-        lengths_all = np.concatenate(lengths_all)
-        stats = {
-            "reward/mean": float(rewards_all.mean()),
-            "reward/correct_frac": float((rewards_all >= cfg.algo.correct_threshold).mean()),
-            "dynamic_sampling/pass_rate": ds_stats["pass_rate"],
-            "dynamic_sampling/rounds": ds_stats["generation_rounds"],
-            "dynamic_sampling/kept_groups": ds_stats["kept_groups"],
-            "dynamic_sampling/padded_groups": ds_stats["padded_groups"],
-            "response/length_mean": float(lengths_all.mean()),
-            "response/length_max": int(lengths_all.max()),
-            "response/truncated_frac": float(np.concatenate(truncated_all).mean()),
-            "monitor/effective_update_ratio": effective_update_ratio(
-                update_batch["advantages"], update_batch["loss_mask"].any(axis=1)),
-            "time/rollout_s": t_roll,
-            "time/scoring_s": t_score,
-            "perf/generated_samples": gen_samples,
-            "perf/generated_tokens": gen_tokens,
-        }
         for key in monitor[0]:
             stats[key] = float(np.mean([m[key] for m in monitor]))
         if self.cfg.train.mass_balance_diagnostics:

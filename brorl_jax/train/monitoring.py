@@ -63,3 +63,31 @@ def rollout_monitoring(tokens: np.ndarray, lengths: np.ndarray, rewards: np.ndar
         "monitor/ngram3_diversity": float(ngram_diversity(tokens, lengths, 3).mean()),
         "monitor/reward_entropy": reward_entropy(rewards),
     }
+
+
+def step_rollout_stats(rewards: list, lengths: list, truncated: list, *, correct_threshold: float,
+                       pass_rate: float, rounds: float, kept_groups: float, padded_groups: float,
+                       update_batch: dict, t_rollout: float, t_scoring: float,
+                       generated_samples: int, generated_tokens: int) -> dict:
+    """The per-step rollout metrics the loop logs (shared by the default and option paths).
+
+    rewards / lengths / truncated: per generation round arrays [G, N] (or ragged rows)."""
+    rewards_all = np.concatenate([np.ravel(r) for r in rewards])
+    lengths_all = np.concatenate([np.ravel(x) for x in lengths])
+    return {
+        "reward/mean": float(rewards_all.mean()),
+        "reward/correct_frac": float((rewards_all >= correct_threshold).mean()),
+        "dynamic_sampling/pass_rate": pass_rate,
+        "dynamic_sampling/rounds": rounds,
+        "dynamic_sampling/kept_groups": kept_groups,
+        "dynamic_sampling/padded_groups": padded_groups,
+        "response/length_mean": float(lengths_all.mean()),
+        "response/length_max": int(lengths_all.max()),
+        "response/truncated_frac": float(np.concatenate([np.ravel(t) for t in truncated]).mean()),
+        "monitor/effective_update_ratio": effective_update_ratio(
+            update_batch["advantages"], update_batch["loss_mask"].any(axis=1)),
+        "time/rollout_s": t_rollout,
+        "time/scoring_s": t_scoring,
+        "perf/generated_samples": generated_samples,
+        "perf/generated_tokens": generated_tokens,
+    }

@@ -609,29 +609,17 @@ class Options:
             advantages = []
         update_batch = assemble_ragged_batch(kept, advantages, rows=row_budget,
                                              seq_len=trainer.seq_len, pad_id=trainer.pad_id)
-        from brorl_jax.train.monitoring import effective_update_ratio
-        rewards_all = np.concatenate(rewards_all)
-        lengths_all = np.concatenate(lengths_all)
+        from brorl_jax.train.monitoring import step_rollout_stats
         ds = sampler.stats()
-        stats = {
-            "reward/mean": float(rewards_all.mean()),
-            "reward/correct_frac": float((rewards_all >= thr).mean()),
-            "dynamic_sampling/pass_rate": ds["pass_rate"],
-            "dynamic_sampling/rounds": ds["generation_rounds"],
-            "dynamic_sampling/kept_groups": ds["kept_groups"],
+        stats = step_rollout_stats(
+            rewards_all, lengths_all, truncated_all, correct_threshold=thr,
+            pass_rate=ds["pass_rate"], rounds=ds["generation_rounds"],
+            kept_groups=ds["kept_groups"],
             # in units of nominal groups (rollouts_per_prompt rows), as the default path reports
-            "dynamic_sampling/padded_groups": ds["padded_rows"] / cfg.rollout.rollouts_per_prompt,
-            "response/length_mean": float(lengths_all.mean()),
-            "response/length_max": int(lengths_all.max()),
-            "response/truncated_frac": float(np.concatenate(truncated_all).mean()),
-            "monitor/effective_update_ratio": effective_update_ratio(
-                update_batch["advantages"], update_batch["loss_mask"].any(axis=1)),
-            "time/rollout_s": t_roll,
-            "time/scoring_s": t_score,
-            "perf/generated_samples": gen_samples,
-            "perf/generated_tokens": gen_tokens,
-            "rollout/temperature": temperature,
-        }
+            padded_groups=ds["padded_rows"] / cfg.rollout.rollouts_per_prompt,
+            update_batch=update_batch, t_rollout=t_roll, t_scoring=t_score,
+            generated_samples=gen_samples, generated_tokens=gen_tokens)
+        stats["rollout/temperature"] = temperature
         stats.update(ragged_rollout_monitoring(selected_all))
         if self.adaptive_n:
             ns_arr = np.asarray(n_chosen)
