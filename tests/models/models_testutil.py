@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch  # noqa: E402  (a declared test dependency: missing it must fail, not skip)
+import transformers  # noqa: E402
 
 VOCAB = 97
 

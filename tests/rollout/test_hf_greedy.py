@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch  # noqa: E402  (a declared test dependency: missing it must fail, not skip)
+import transformers  # noqa: E402
 
 from brorl_jax.models import from_pretrained  # noqa: E402
 from brorl_jax.rollout import generate  # noqa: E402
