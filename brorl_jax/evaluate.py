@@ -17,11 +17,15 @@ from ml_collections import config_flags
 
 import configs
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(configs.__file__), "demo.py"), "Config.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Evaluate this run's checkpoint (else the "
-                               "model at config.model.path).")
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+_FLAGS: dict = {}  # defined when run as a command, not at import (see brorl_jax/main.py)
+
+
+def _define_flags() -> None:
+    _FLAGS["config"] = config_flags.DEFINE_config_file(
+        "config", os.path.join(os.path.dirname(configs.__file__), "demo.py"), "Config.")
+    _FLAGS["workdir"] = flags.DEFINE_string("workdir", None, "Evaluate this run's checkpoint "
+                                            "(else the model at config.model.path).")
+    _FLAGS["step"] = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
 
 
 def evaluate(cfg, workdir: str | None = None, step: int | None = None) -> dict:
@@ -45,8 +49,9 @@ def main(argv):
     del argv
     from absl import logging
     logging.set_verbosity(logging.WARNING)
-    print(json.dumps(evaluate(_CONFIG.value, _WORKDIR.value, _STEP.value), indent=1))
+    print(json.dumps(evaluate(_FLAGS["config"].value, _FLAGS["workdir"].value, _FLAGS["step"].value), indent=1))
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)

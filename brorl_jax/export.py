@@ -13,11 +13,17 @@ from ml_collections import config_flags
 
 import configs
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(configs.__file__), "demo.py"), "Config of the run.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "The run's work directory.", required=True)
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
-_OUT = flags.DEFINE_string("out", None, "Output Hugging Face directory.", required=True)
+_FLAGS: dict = {}  # defined when run as a command, not at import (see brorl_jax/main.py)
+
+
+def _define_flags() -> None:
+    _FLAGS["config"] = config_flags.DEFINE_config_file(
+        "config", os.path.join(os.path.dirname(configs.__file__), "demo.py"), "Config of the run.")
+    _FLAGS["workdir"] = flags.DEFINE_string("workdir", None, "The run's work directory.",
+                                            required=True)
+    _FLAGS["step"] = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+    _FLAGS["out"] = flags.DEFINE_string("out", None, "Output Hugging Face directory.",
+                                        required=True)
 
 
 def export(cfg, workdir: str, out: str, step: int | None = None) -> int:
@@ -32,9 +38,11 @@ def main(argv):
     del argv
     from absl import logging
     logging.set_verbosity(logging.WARNING)
-    step = export(_CONFIG.value, _WORKDIR.value, _OUT.value, _STEP.value)
-    print(f"exported step {step} of {_WORKDIR.value} to {_OUT.value}")
+    f = {k: v.value for k, v in _FLAGS.items()}
+    step = export(f["config"], f["workdir"], f["out"], f["step"])
+    print(f"exported step {step} of {f['workdir']} to {f['out']}")
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)

@@ -17,11 +17,20 @@ import configs
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(configs.__file__), "demo.py")
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", _DEFAULT_CONFIG, "Config file (configs/NAME.py), optionally with ':preset'.")
-_WORKDIR = flags.DEFINE_string(
-    "workdir", None, "Where checkpoints, metrics.jsonl, TensorBoard events and plots go. "
-    "Default: runs/<config name>.")
+# Flags are defined when the command runs, not at import: several CLI modules (main, evaluate,
+# export, experiments) define --config, and importing two of them into one process (a test, a
+# notebook) must not collide in absl's global flag registry.
+_FLAGS: dict = {}
+
+
+def _define_flags() -> None:
+    if _FLAGS:
+        return
+    _FLAGS["config"] = config_flags.DEFINE_config_file(
+        "config", _DEFAULT_CONFIG, "Config file (configs/NAME.py), optionally with ':preset'.")
+    _FLAGS["workdir"] = flags.DEFINE_string(
+        "workdir", None, "Where checkpoints, metrics.jsonl, TensorBoard events and plots go. "
+        "Default: runs/<config name>.")
 
 
 def main(argv) -> int:
@@ -29,7 +38,7 @@ def main(argv) -> int:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from brorl_jax.config import ConfigError, validate
 
-    cfg = _CONFIG.value
+    cfg = _FLAGS["config"].value
     try:
         validate(cfg)
     except ConfigError as e:
@@ -39,7 +48,7 @@ def main(argv) -> int:
     from brorl_jax.parallel.distributed import maybe_initialize_distributed
     from brorl_jax.train.loop import train
     maybe_initialize_distributed()
-    workdir = _WORKDIR.value or os.path.join("runs", cfg.name)
+    workdir = _FLAGS["workdir"].value or os.path.join("runs", cfg.name)
     logging.set_verbosity(logging.WARNING)
     train(cfg, workdir)
     return 0
@@ -47,6 +56,7 @@ def main(argv) -> int:
 
 def run() -> None:
     """Console-script entry (`brorl-jax`)."""
+    _define_flags()
     app.run(lambda argv: sys.exit(main(argv)))
 
 

@@ -79,3 +79,24 @@ def test_command_line_bad_value_stops_main_with_message(tmp_path):
         capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "'algo.advantage' is 'ppo'" in out.stderr
+
+
+CLI_MODULES = ["brorl_jax.main", "brorl_jax.evaluate", "brorl_jax.export",
+               "brorl_jax.experiments.compare_n"]
+
+
+def test_command_modules_import_together():
+    # Each command defines --config; importing several into one process (a test session, a
+    # notebook) must not collide in absl's global flag registry.
+    code = "import importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in CLI_MODULES)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("module", CLI_MODULES)
+def test_command_help_lists_its_flags(module):
+    out = subprocess.run([sys.executable, "-m", module, "--helpshort"], capture_output=True,
+                         text=True, timeout=120)
+    # absl's help flags print and exit 1; the flags must have been defined when run as a command.
+    assert "Traceback" not in out.stderr, out.stderr
+    assert "--config:" in out.stdout, out.stdout

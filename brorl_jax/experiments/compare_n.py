@@ -25,12 +25,17 @@ from ml_collections import config_flags
 
 import configs
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(configs.__file__), "demo.py"), "Base config.")
-_OUT = flags.DEFINE_string("out", "runs/compare_n", "Output directory.")
-_NS = flags.DEFINE_list("n", ["16", "512"], "Rollouts per prompt of the arms.")
-_SAMPLES = flags.DEFINE_integer("samples", 65536, "Generated samples per arm (before filtering).")
-_EVALS = flags.DEFINE_integer("evals", 4, "Evaluations per arm after the start.")
+_FLAGS: dict = {}  # defined when run as a command, not at import (see brorl_jax/main.py)
+
+
+def _define_flags() -> None:
+    _FLAGS["config"] = config_flags.DEFINE_config_file(
+        "config", os.path.join(os.path.dirname(configs.__file__), "demo.py"), "Base config.")
+    _FLAGS["out"] = flags.DEFINE_string("out", "runs/compare_n", "Output directory.")
+    _FLAGS["n"] = flags.DEFINE_list("n", ["16", "512"], "Rollouts per prompt of the arms.")
+    _FLAGS["samples"] = flags.DEFINE_integer("samples", 65536,
+                                             "Generated samples per arm (before filtering).")
+    _FLAGS["evals"] = flags.DEFINE_integer("evals", 4, "Evaluations per arm after the start.")
 
 
 def arm_config(base, n: int, rows: int, samples: int, evals: int, model_path: str):
@@ -125,8 +130,8 @@ def main(argv):
     del argv
     from absl import logging
     logging.set_verbosity(logging.WARNING)
-    results = run(_CONFIG.value, _OUT.value, [int(n) for n in _NS.value], _SAMPLES.value,
-                  _EVALS.value)
+    f = {k: v.value for k, v in _FLAGS.items()}
+    results = run(f["config"], f["out"], [int(n) for n in f["n"]], f["samples"], f["evals"])
     for n, r in results.items():
         first, last = r["eval"][0][1], r["eval"][-1][1]
         print(f"N={n}: pass@1 {first:.3f} -> {last:.3f}, mean dynamic-sampling pass rate "
@@ -134,4 +139,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)
