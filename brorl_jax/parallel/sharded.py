@@ -321,10 +321,13 @@ def round_chunk_to_mesh(num_chunks: int, samples_per_chunk: int, rollouts_per_pr
 
 
 def _to_host(tree):
-    if jax.process_count() > 1:
+    if jax.process_count() > 1 and not all(x.is_fully_addressable for x in jax.tree.leaves(tree)):
         from jax.experimental import multihost_utils
         return multihost_utils.process_allgather(tree, tiled=True)
     return jax.device_get(tree)
+
+
+_ROLLOUT_CACHE: dict = {}
 
 
 def sharded_generate(model: Any, prompts: Sequence[Sequence[int]], *, mesh: Mesh,
@@ -350,21 +353,29 @@ def sharded_generate(model: Any, prompts: Sequence[Sequence[int]], *, mesh: Mesh
     tokens, lengths = engine.pad_prompts(prompts, g, p)
     num_chunks, n = engine.plan_chunks(cfg, g, p, n_real, s, memory_budget_bytes)
     num_chunks, n = round_chunk_to_mesh(num_chunks, n, n_real, mesh, axes)
-    sh = rollout_shardings(cfg, mesh, params, num_prompts=g, prompt_len=p, samples=n,
-                           max_new_tokens=s, rules=rules, axes=axes)
+    key = (cfg, mesh, g, p, n, s, str(rules), str(axes), jax.tree.structure(params))
+    if key not in _ROLLOUT_CACHE:      # the loop calls this every step: compile once per shape
+        sh = rollout_shardings(cfg, mesh, params, num_prompts=g, prompt_len=p, samples=n,
+                               max_new_tokens=s, rules=rules, axes=axes)
+        _ROLLOUT_CACHE[key] = (sh, make_sharded_prefill(cfg, sh), {})
+    sh, prefill, decoders = _ROLLOUT_CACHE[key]
     params = place(params, sh["params"])
     t0 = time.perf_counter()
-    prefill = make_sharded_prefill(cfg, sh)
     lengths_dev = place(lengths, sh["prompt_rows"])
     prefix_k, prefix_v, first_logits = prefill(params, place(tokens, sh["prompt_tokens"]),
                                                lengths_dev)
     jax.block_until_ready(first_logits)
     t1 = time.perf_counter()
-    decode = make_sharded_decode(cfg, sh, max_new_tokens=s, temperature=temperature, top_k=top_k,
-                                 top_p=top_p, eos_ids=eos, impl=impl)
+    dkey = (float(temperature), int(top_k), float(top_p), tuple(eos), impl)
+    if dkey not in decoders:
+        decoders[dkey] = make_sharded_decode(cfg, sh, max_new_tokens=s, temperature=temperature,
+                                             top_k=top_k, top_p=top_p, eos_ids=eos, impl=impl)
+    decode = decoders[dkey]
     shape = (cfg.num_hidden_layers, g, n, s, cfg.num_key_value_heads, cfg.head_dim)
     dt = engine.dtype_of(cfg.dtype)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sh["suffix_kv"])
+    if "zeros" not in decoders:
+        decoders["zeros"] = jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sh["suffix_kv"])
+    zeros = decoders["zeros"]
     suffix_k, suffix_v = zeros(), zeros()
     seed_key = jax.random.PRNGKey(seed)
     live = place(np.arange(g) < g_real, sh["prompt_rows"])

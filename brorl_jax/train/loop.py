@@ -35,6 +35,7 @@ from brorl_jax.train.checkpoint import Checkpointer
 from brorl_jax.train.logger import MetricsLogger, plot_metrics
 from brorl_jax.train.monitoring import rollout_monitoring, step_rollout_stats
 from brorl_jax.train.options import Options, scheduled_lr
+from brorl_jax.train.runtime import MeshRuntime, global_advantages, use_mesh_for
 
 
 def _log(msg: str) -> None:
@@ -110,6 +111,9 @@ class Trainer:
         train_records, eval_records = build_datasets(cfg)
         self.gen_batch = math.ceil(cfg.algo.prompts_per_step
                                    * cfg.algo.generation_batch_multiplier)
+        # Several processes: each takes an equal share of every generation round.
+        procs = jax.process_count()
+        self.gen_batch = -(-self.gen_batch // procs) * procs
         self.loader = data.make_prompt_loader(
             train_records, self.prompt_tokenizer, batch_size=self.gen_batch, seed=cfg.data.seed)
         if self.loader.num_too_long:
@@ -133,6 +137,14 @@ class Trainer:
         self.logprob_fn = jax.jit(algo.make_logprob_fn(self.mcfg, self.algo_cfg))
         # --- opt-in options, not in the paper (brorl_jax/train/options.py; all off by default) --
         self.options = Options(cfg)
+        # Several devices: the mesh path (train/runtime.py); one device: the plain jit above.
+        self.runtime = (MeshRuntime(cfg, self.mcfg, self.optimizer, diagnostics_n=diag_n)
+                        if use_mesh_for(cfg) else None)
+        self.num_processes = jax.process_count()
+        if self.num_processes > 1 and (self.options.custom_collect or self.options.stateful):
+            raise ValueError("the rollout options (adaptive N, over-generation, reward clipping, "
+                             "advantage EMA) run in one process only; turn them off for a "
+                             "multi-process run.")
         self._fns_by_temperature: dict[float, tuple] = {}
         self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
                                          keep=cfg.train.keep_checkpoints)
@@ -157,8 +169,18 @@ class Trainer:
         results = self.scorer.score_batch(flat_records, texts)
         return np.array([r.score for r in results], np.float32).reshape(g, n)
 
+    def rollout_params(self, params):
+        """Parameters in the form the rollout takes (a host copy when sharded over processes)."""
+        return self.runtime.host_params(params) if self.runtime is not None else params
+
     def generate(self, params, prompt_ids, *, n, temperature, top_p, top_k, max_new_tokens,
                  seed):
+        if self.runtime is not None:
+            return self.runtime.generate(
+                self.model, params, prompt_ids, rollouts_per_prompt=n,
+                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                seed=seed, eos_ids=self.eos_ids, impl=self.cfg.rollout.impl,
+                memory_budget_bytes=int(self.cfg.rollout.memory_budget_gb * 2**30) or None)
         res = rollout.generate(
             self.model, prompt_ids, rollouts_per_prompt=n, max_new_tokens=max_new_tokens,
             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, eos_ids=self.eos_ids,
@@ -172,15 +194,27 @@ class Trainer:
         c = self.cfg.eval
         k = c.samples_per_prompt
         max_new = c.max_new_tokens if c.max_new_tokens > 0 else self.cfg.rollout.max_new_tokens
+        params = self.rollout_params(params)
+        prompts, first = self.eval_prompts, 0
+        if self.num_processes > 1:      # each process evaluates an equal block of the prompts
+            per = -(-len(prompts) // self.num_processes)
+            first = per * jax.process_index()
+            prompts = prompts[first:first + per]
+            real = len(prompts)
+            prompts = prompts + [self.eval_prompts[0]] * (per - real)
         rewards = []
         chunk = max(1, 4096 // k)
-        for start in range(0, len(self.eval_prompts), chunk):
-            part = self.eval_prompts[start:start + chunk]
+        for start in range(0, len(prompts), chunk):
+            part = prompts[start:start + chunk]
             res = self.generate(params, [ids for ids, _ in part], n=k,
                                 temperature=c.temperature, top_p=c.top_p, top_k=0,
-                                max_new_tokens=max_new, seed=10_000_019 + start)
+                                max_new_tokens=max_new, seed=10_000_019 + first + start)
             rewards.append(self.score([r for _, r in part], res.tokens, res.lengths))
         rewards = np.concatenate(rewards)
+        if self.num_processes > 1:
+            reals = self.runtime.allgather_rows(np.asarray([real]))
+            every = self.runtime.allgather_rows(rewards[None])
+            rewards = np.concatenate([every[i][:reals[i]] for i in range(self.num_processes)])
         ks = tuple(sorted({1, k}))
         return evaluation.summarize(rewards, ks, self.cfg.algo.correct_threshold)
 
@@ -193,7 +227,12 @@ class Trainer:
         cfg = self.cfg
         if self.options.custom_collect:     # adaptive N / over-generation / reward clip / EMA
             return self.options.collect(self, params, data_iter, step, _round_seed)
-        sampler = algo.DynamicSampler.from_config(self.algo_cfg)
+        params = self.rollout_params(params)
+        acfg = self.algo_cfg
+        if self.num_processes > 1:      # each process fills its share of the update batch
+            acfg = dataclasses.replace(
+                acfg, prompts_per_step=acfg.prompts_per_step // self.num_processes)
+        sampler = algo.DynamicSampler.from_config(acfg)
         t_roll = t_score = 0.0
         gen_tokens = gen_samples = 0
         rewards_all, lengths_all, truncated_all, monitor = [], [], [], []
@@ -228,9 +267,9 @@ class Trainer:
                                   "lengths": res.lengths, "shaped": np.asarray(shaped)})
         kept, group_valid, ds_stats = sampler.finalize()
         prompts = [p if isinstance(p, list) else [self.pad_id] for p in kept["prompt_ids"]]
-        advantages = np.asarray(algo.compute_advantages(
-            self.algo_cfg.advantage_estimator, kept["shaped"], group_valid,
-            eps=self.algo_cfg.advantage_eps))
+        advantages = global_advantages(self.runtime, self.algo_cfg.advantage_estimator,
+                                       np.asarray(kept["shaped"]), np.asarray(group_valid),
+                                       eps=self.algo_cfg.advantage_eps)
         update_batch = algo.assemble_update_batch(
             prompts, kept["tokens"], kept["logprobs"], kept["mask"], advantages, group_valid,
             seq_len=self.seq_len, pad_id=self.pad_id)
@@ -261,8 +300,9 @@ class Trainer:
         counters = {"skipped_steps": 0, "generated_samples": 0}
         logger = None
         if ckpt_step is not None:
-            state, meta = self.checkpointer.restore(ckpt_step, state)
-            data_iter.set_state(meta["data"])
+            state, meta = self.checkpointer.restore(ckpt_step, self.place(state))
+            per_process = meta.get("data_per_process")
+            data_iter.set_state(per_process[jax.process_index()] if per_process else meta["data"])
             counters = meta["counters"]
             self.options.load_state_dict(meta.get("options"))
             _log(f"[resume] from checkpoint step {ckpt_step} in {self.workdir}")
@@ -276,6 +316,9 @@ class Trainer:
                 from brorl_jax.train.sft import warm_start
                 t0 = time.perf_counter()
                 params, sft_metrics = warm_start(self, state.params)
+                if self.num_processes > 1:   # each process saw its own prompt shard: take one
+                    from jax.experimental import multihost_utils
+                    params = multihost_utils.broadcast_one_to_all(jax.device_get(params))
                 state = self.new_state(params)
                 _log(f"[sft] {cfg.sft.steps} supervised steps in {time.perf_counter() - t0:.0f}s, "
                      f"final loss {sft_metrics['sft/loss']:.3f}")
@@ -284,6 +327,7 @@ class Trainer:
                     # comparisons (experiments/compare_n) and a checkpoint users can load.
                     models.save_pretrained(self.model.with_params(params),
                                            os.path.join(self.workdir, "warm_start_model"))
+            state = self.place(state)
             ev = self.evaluate(state.params, 0)
             logger.write(0, ev)
             _log(f"[eval] before RL: pass@1 = {ev['eval/pass@1']:.3f}")
@@ -298,13 +342,12 @@ class Trainer:
         for step in bar:
             t0 = time.perf_counter()
             batch, metrics = self.collect(state.params, data_iter, step)
-            batch = jax.tree.map(jnp.asarray, batch)
+            if self.runtime is not None:
+                metrics = self.runtime.reduce_metrics(metrics, sums=SUMMED_METRICS,
+                                                      maxes=("response/length_max",))
             t1 = time.perf_counter()
-            update_fn, logprob_fn = self.update_fns(step)
-            if self.algo_cfg.kl_coef > 0:
-                batch["ref_logprobs"], _, _ = logprob_fn(state.ref_params, batch)
             rng = jax.random.fold_in(jax.random.key(cfg.train.seed), step)
-            state, upd = update_fn(state, batch, rng)
+            state, upd = self.update(state, batch, step, rng)
             upd = {k if k.startswith("mass_balance/") else
                    f"loss/{k}" if k in LOSS_KEYS else f"update/{k}": float(v)
                    for k, v in jax.device_get(upd).items()}
@@ -316,6 +359,9 @@ class Trainer:
                     and self.algo_cfg.kl_coef > 0:
                 state = algo.reset_reference(state, self.optimizer,
                                              reset_optimizer=cfg.algo.reset_optimizer_on_ref_reset)
+                if self.runtime is not None:     # keep the mesh layout of the new copies
+                    from brorl_jax.parallel.sharded import place
+                    state = place(state, self.runtime.state_sharding(state))
                 _log(f"[reference] reset at step {step + 1}"
                      + (" (optimizer state cleared)" if cfg.algo.reset_optimizer_on_ref_reset
                         else ""))
@@ -346,6 +392,8 @@ class Trainer:
                             pass_rate=f"{metrics['dynamic_sampling/pass_rate']:.2f}")
             if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps:
                 meta = {"data": data_iter.get_state(), "counters": counters}
+                if self.num_processes > 1:   # every process's own position in its data shard
+                    meta["data_per_process"] = self.runtime.allgather_json(meta["data"])
                 if self.options.stateful:            # option state (pass rates, advantage EMA)
                     meta["options"] = self.options.state_dict()
                 self.checkpointer.save(done, state, meta)
@@ -365,6 +413,24 @@ class Trainer:
         logger.close()
         self.state = state      # the final TrainState (params, opt_state, ref_params, step)
         return last
+
+    def place(self, state: algo.TrainState) -> algo.TrainState:
+        """The state laid out for the update: on the mesh when there is one."""
+        return self.runtime.place_state(state) if self.runtime is not None else state
+
+    def update(self, state, batch: dict, step: int, rng):
+        """Reference log-probs (KL on) and the PPO update of RL step `step` on host `batch`
+        (this process's rows)."""
+        if self.runtime is not None:
+            temperature = self.options.update_temperature(step)
+            acfg = (self.algo_cfg if temperature is None else
+                    dataclasses.replace(self.algo_cfg, temperature=temperature))
+            return self.runtime.update(acfg, state, batch, rng)
+        batch = jax.tree.map(jnp.asarray, batch)
+        update_fn, logprob_fn = self.update_fns(step)
+        if self.algo_cfg.kl_coef > 0:
+            batch["ref_logprobs"], _, _ = logprob_fn(state.ref_params, batch)
+        return update_fn(state, batch, rng)
 
     def update_fns(self, step: int):
         """(update_fn, logprob_fn) for RL step `step`: the default pair unless a temperature
@@ -390,6 +456,10 @@ class Trainer:
         self.scorer.close()
         self.checkpointer.close()
 
+
+# Rollout metrics that add up over processes (the others are averaged).
+SUMMED_METRICS = ("perf/generated_samples", "perf/generated_tokens",
+                  "dynamic_sampling/kept_groups", "dynamic_sampling/padded_groups")
 
 LOSS_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "clip_frac_low", "clip_frac_high",
              "ratio_mean", "tis_dropped_frac", "tis_weight_mean")
