@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -22,25 +21,14 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 WORKER = os.path.join(HERE, "_mesh_worker.py")
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "parallel"))
+from parallel_testutil import device_env, free_port  # noqa: E402
 
 
 def _env(num_devices: int, **extra) -> dict:
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={num_devices}"])
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in [env.get("PYTHONPATH")] if p])
-    for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
-        env.pop(k, None)
+    env = device_env(num_devices)
     env.update({k: str(v) for k, v in extra.items()})
     return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(num_devices, workdir, out, *overrides, timeout=600):
@@ -78,7 +66,7 @@ def test_mesh_run_matches_single_device(tmp_path):
 
 
 def _two_processes(workdir, outs, overrides, timeout=600):
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen(
         [sys.executable, WORKER, str(workdir), str(outs[i]), *overrides],
         env=_env(2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=2,
