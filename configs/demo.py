@@ -2,14 +2,15 @@
 
 A tiny Qwen2-shaped model with a character tokenizer is built locally (brorl_jax.models.
 demo_model), warm-started by a short supervised phase on Reasoning Gym's basic_arithmetic (sums of
-two 1-2 digit numbers), then trained with the BroRL recipe at N=64 (4x ProRL's 16; 16 prompts per step). Held-out pass@1 (T=0.6,
-top-p 0.95) is printed before and after.
+two 1-2 digit numbers), then trained with the BroRL recipe at N=64 (4x ProRL's 16; 16 prompts per
+step). Held-out pass@1 (T=0.6, top-p 0.95) is printed before and after.
 
-The warm-start data is deliberately imperfect: half of its reference answers are written without
+The warm-start data is deliberately imperfect: 70% of its reference answers are written without
 the <answer> tags the Reasoning Gym verifier requires (sft.untagged_frac). Imitation learns both
 formats; RL with the exact verifier learns that only one of them is rewarded, which a few dozen
-steps can show on a CPU (arithmetic skill itself improves far more slowly at this scale). BroRL
-itself continues a strong checkpoint; this setup only makes the loop's effect visible in minutes.
+steps can show on a CPU (arithmetic skill itself improves far more slowly at this scale: the
+README reports both parts of the gain). BroRL itself continues a strong checkpoint; this setup
+only makes the loop's effect visible in minutes.
 Preset argument: configs/demo.py:n=16,steps=40 (used by the N=16 vs N=512 comparison).
 """
 import json
@@ -45,7 +46,7 @@ def get_config(arg: str | None = None):
     c.sft.steps = 800
     c.sft.batch_size = 32
     c.sft.lr = 2e-3
-    c.sft.untagged_frac = 0.5
+    c.sft.untagged_frac = 0.7
     c.eval.every = 10
     c.eval.num_prompts = 200
     c.eval.samples_per_prompt = 4
