@@ -275,7 +275,7 @@ def make_sharded_prefill(model_cfg, shardings: dict):
     (params, tokens [G, P], lengths [G]) -> (prefix_k, prefix_v, last_logits)."""
     from brorl_jax.rollout import engine
     sh = shardings
-    fn = functools.partial(engine.prefill_prompts.__wrapped__, cfg=model_cfg)
+    fn = functools.partial(engine.prefill_prompts_fn, cfg=model_cfg)
     return jax.jit(lambda params, tokens, lengths: fn(params, tokens=tokens, lengths=lengths),
                    in_shardings=(sh["params"], sh["prompt_tokens"], sh["prompt_rows"]),
                    out_shardings=(sh["prefix_kv"], sh["prefix_kv"], sh["prompt_logits"]))
@@ -291,7 +291,7 @@ def make_sharded_decode(model_cfg, shardings: dict, *, max_new_tokens: int, temp
     from pallas_kernels.sampling import resolve_impl as sampling_impl
     sh = shardings
     fn = functools.partial(
-        engine.decode_chunk.__wrapped__, cfg=model_cfg, max_new_tokens=int(max_new_tokens),
+        engine.decode_chunk_fn, cfg=model_cfg, max_new_tokens=int(max_new_tokens),
         temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
         eos_ids=tuple(eos_ids), attention_impl=attention_impl(impl),
         sampling_impl=sampling_impl(impl))
@@ -343,7 +343,7 @@ def sharded_generate(model: Any, prompts: Sequence[Sequence[int]], *, mesh: Mesh
     N samples (and their own KV) are split over them. Memory chunking as in generate."""
     from brorl_jax.rollout import engine
     cfg = model.config
-    prompts = engine._validate(cfg, prompts, rollouts_per_prompt, max_new_tokens, temperature,
+    prompts = engine.validate_inputs(cfg, prompts, rollouts_per_prompt, max_new_tokens, temperature,
                                top_p, top_k)
     params = model.params if params is None else params
     eos = engine.resolve_eos_ids(model, eos_ids)

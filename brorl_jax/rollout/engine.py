@@ -199,7 +199,6 @@ def validate_inputs(
     return out
 
 
-_validate = validate_inputs  # old private name, used by brorl_jax.parallel.sharded
 
 
 def resolve_eos_ids(model: Any, eos_ids: Sequence[int] | None) -> tuple[int, ...]:
@@ -463,6 +462,7 @@ def generate(
     memory_budget_bytes: int | None = None,
     params: dict | None = None,
     impl: str = "auto",
+    mesh: Any = None,
 ) -> RolloutResult:
     """Sample ``rollouts_per_prompt`` continuations of each prompt, prefilling each prompt once.
 
@@ -477,10 +477,20 @@ def generate(
         the prefill when G*N samples do not fit (see :func:`plan_chunks`).
       params: overrides ``model.params`` (the trainer's current policy).
       impl: kernels: "auto" (Pallas on GPU/TPU, jnp reference on CPU), "pallas" or "reference".
+      mesh: a ``jax.sharding.Mesh`` (brorl_jax.parallel.make_mesh): run on it, each prompt's KV
+        replicated over the sample axes and its N samples split over them
+        (``brorl_jax.parallel.sharded.sharded_generate``; same tokens for a seed as without).
 
     Returns:
       :class:`RolloutResult` with tokens/logprobs [G, N, S], lengths/finished/truncated [G, N].
     """
+    if mesh is not None:
+        from brorl_jax.parallel.sharded import sharded_generate
+        return sharded_generate(
+            model, prompts, mesh=mesh, rollouts_per_prompt=rollouts_per_prompt,
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            seed=seed, eos_ids=eos_ids, memory_budget_bytes=memory_budget_bytes, params=params,
+            impl=impl)
     cfg: ModelConfig = model.config
     prompts = validate_inputs(cfg, prompts, rollouts_per_prompt, max_new_tokens, temperature, top_p, top_k)
     params = model.params if params is None else params

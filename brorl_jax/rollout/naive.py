@@ -19,7 +19,7 @@ from brorl_jax.models import ModelConfig, attention, embed, final_norm, layer_fi
 from brorl_jax.models import lm_logits
 from brorl_jax.models.transformer import dtype_of
 from brorl_jax.rollout.engine import (
-    RolloutResult, _validate, bucket_num_prompts, bucket_prompt_length, finalize, pad_prompts,
+    RolloutResult, validate_inputs, bucket_num_prompts, bucket_prompt_length, finalize, pad_prompts,
     prefill_in_batches, resolve_eos_ids, sample_keys_for, sample_step,
 )
 from pallas_kernels.sampling import resolve_impl as _resolve_sampling_impl
@@ -107,7 +107,7 @@ def generate_naive(
     """Same contract and same RNG streams as :func:`brorl_jax.rollout.generate`, computed the
     naive way: every prompt repeated N times, prefilled N times, N private KV caches."""
     cfg: ModelConfig = model.config
-    prompts = _validate(cfg, prompts, rollouts_per_prompt, max_new_tokens, temperature, top_p, top_k)
+    prompts = validate_inputs(cfg, prompts, rollouts_per_prompt, max_new_tokens, temperature, top_p, top_k)
     params = model.params if params is None else params
     eos = resolve_eos_ids(model, eos_ids)
     g_real, n, s = len(prompts), int(rollouts_per_prompt), int(max_new_tokens)

@@ -142,9 +142,15 @@ class MeshRuntime:
         return steps.update(state, batch, rng)
 
     # ------------------------------------------------------------------ rollout
-    def generate(self, model, params, prompts, **kwargs):
+    def generate(self, model, params, prompts, *, impl: str = "auto", **kwargs):
         from brorl_jax.parallel.sharded import sharded_generate
-        return sharded_generate(model, prompts, mesh=self.rollout_mesh, params=params, **kwargs)
+        if impl == "auto" and self.rollout_mesh.size > 1:
+            # The SPMD partitioner cannot split a Pallas call (it would run whole on every
+            # device); the jnp reference kernels partition over the sample axes. Pallas under
+            # shard_map is docs/REQUESTS.md #3.
+            impl = "reference"
+        return sharded_generate(model, prompts, mesh=self.rollout_mesh, params=params,
+                                impl=impl, **kwargs)
 
     # ------------------------------------------------------------------ cross-process helpers
     def allgather_rows(self, x: np.ndarray) -> np.ndarray:

@@ -146,6 +146,8 @@ def main(out_path: str, layouts: str) -> None:
         roll = sharded.sharded_generate(model, prompts, mesh=mesh, **gen_kw)
         out[f"{tag}/tokens"], out[f"{tag}/rollout_logprobs"] = roll.tokens, roll.logprobs
         out[f"{tag}/lengths"] = roll.lengths
+        # the public entry: rollout.generate(mesh=...) routes to the same sharded engine
+        out[f"{tag}/tokens_via_generate"] = generate(model, prompts, mesh=mesh, **gen_kw).tokens
     np.savez(out_path, **out)
 
 

@@ -78,6 +78,7 @@ def test_vocab_parallel_gradients_match_reference(results, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_rollout_tokens_match_single_device(results, layout):
     np.testing.assert_array_equal(results[f"{layout}/tokens"], results["ref/tokens"])
+    np.testing.assert_array_equal(results[f"{layout}/tokens_via_generate"], results["ref/tokens"])
     np.testing.assert_array_equal(results[f"{layout}/lengths"], results["ref/lengths"])
     np.testing.assert_allclose(results[f"{layout}/rollout_logprobs"],
                                results["ref/rollout_logprobs"], atol=2e-5)
