@@ -50,7 +50,11 @@ def main(argv) -> int:
     maybe_initialize_distributed()
     workdir = _FLAGS["workdir"].value or os.path.join("runs", cfg.name)
     logging.set_verbosity(logging.WARNING)
-    train(cfg, workdir)
+    try:
+        train(cfg, workdir)
+    except ConfigError as e:     # a setting that only fails against the devices (mesh sizes)
+        print(str(e), file=sys.stderr)
+        return 2
     return 0
 
 

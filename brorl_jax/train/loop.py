@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from brorl_jax import algo, data, models, rollout
-from brorl_jax.config import derived_learning_rate, validate
+from brorl_jax.config import ConfigError, derived_learning_rate, validate
 from brorl_jax.train import evaluation
 from brorl_jax.train.checkpoint import Checkpointer
 from brorl_jax.train.logger import MetricsLogger, plot_metrics
@@ -142,7 +142,7 @@ class Trainer:
                         if use_mesh_for(cfg) else None)
         self.num_processes = jax.process_count()
         if self.num_processes > 1 and (self.options.custom_collect or self.options.stateful):
-            raise ValueError("the rollout options (adaptive N, over-generation, reward clipping, "
+            raise ConfigError("the rollout options (adaptive N, over-generation, reward clipping, "
                              "advantage EMA) run in one process only; turn them off for a "
                              "multi-process run.")
         self._fns_by_temperature: dict[float, tuple] = {}

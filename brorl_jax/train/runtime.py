@@ -36,6 +36,7 @@ import jax
 import numpy as np
 
 from brorl_jax import algo
+from brorl_jax.config import ConfigError
 
 
 def use_mesh_for(cfg) -> bool:
@@ -61,7 +62,10 @@ class MeshRuntime:
         self.optimizer = optimizer
         self.diagnostics_n = diagnostics_n
         self.rules = cfg.mesh.rules
-        self.mesh = mesh_from_config(cfg.mesh)
+        try:
+            self.mesh = mesh_from_config(cfg.mesh)
+        except ValueError as e:     # sizes that do not fit the devices JAX sees
+            raise ConfigError(str(e)) from None
         self.num_processes = jax.process_count()
         self.process_index = jax.process_index()
         # Rollouts: the global mesh in one process; each process's own devices otherwise.
@@ -70,12 +74,12 @@ class MeshRuntime:
         rows = cfg.algo.prompts_per_step * cfg.rollout.rollouts_per_prompt
         split = batch_axis_size(self.mesh)
         if rows % split:
-            raise ValueError(
+            raise ConfigError(
                 f"the update batch (algo.prompts_per_step x rollout.rollouts_per_prompt = {rows} "
                 f"rows) does not split over the mesh's data x fsdp = {split} devices; make it a "
                 f"multiple of {split} or change mesh.data / mesh.fsdp.")
         if self.num_processes > 1 and cfg.algo.prompts_per_step % self.num_processes:
-            raise ValueError(
+            raise ConfigError(
                 f"algo.prompts_per_step={cfg.algo.prompts_per_step} must be a multiple of the "
                 f"{self.num_processes} processes: each process fills an equal share of the "
                 "update batch with its own prompts.")

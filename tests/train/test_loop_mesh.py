@@ -116,3 +116,18 @@ def test_two_process_training_run_agrees_and_resumes(tmp_path):
         moved = max(moved, float(np.abs(q0[key] - p0[key]).max()))
     assert moved > 0          # the resumed step really trained
     assert [r["step"] for r in _metrics(work)][-1] == 3
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--config.mesh.fsdp=3"], "mesh: 4 devices cannot be split"),
+    (["--config.rollout.rollouts_per_prompt=3", "--config.algo.micro_batch_size=6"],
+     "algo.prompts_per_step x rollout.rollouts_per_prompt = 6"),
+])
+def test_mesh_that_does_not_fit_stops_main_with_message(tmp_path, overrides, message):
+    out = subprocess.run(
+        [sys.executable, "-m", "brorl_jax.main", "--config=configs/tiny.py",
+         f"--workdir={tmp_path}", *overrides],
+        env=_env(4), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
