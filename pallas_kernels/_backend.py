@@ -30,3 +30,13 @@ def jax_triton_available() -> bool:
     except Exception:  # pragma: no cover - depends on the install
         return False
     return True
+
+
+def resolve_impl(impl: str, impls: tuple[str, ...], *, on_cpu: str) -> str:
+    """A kernel's `impl` argument: "auto" -> "pallas" on GPU/TPU, `on_cpu` where Pallas only
+    interprets; anything else must be one of `impls`."""
+    if impl not in impls:
+        raise ValueError(f"impl must be one of {impls}, got {impl!r}")
+    if impl == "auto":
+        return on_cpu if interpret_mode() else "pallas"
+    return impl

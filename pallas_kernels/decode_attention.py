@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import _backend
 from pallas_kernels._backend import interpret_mode
 
 _IMPLS = ("auto", "reference", "pallas")
@@ -32,11 +33,7 @@ _NEG = -1e30  # finite "minus infinity": keeps exp() and max() NaN-free on fully
 
 def resolve_impl(impl: str) -> str:
     """"auto" -> the Pallas kernel on GPU/TPU, the jnp reference on CPU (interpreting is slow)."""
-    if impl not in _IMPLS:
-        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
-    if impl == "auto":
-        return "reference" if interpret_mode() else "pallas"
-    return impl
+    return _backend.resolve_impl(impl, _IMPLS, on_cpu="reference")
 
 
 def _check_shapes(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, suffix_len) -> None:

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import _backend
 from pallas_kernels._backend import backend, interpret_mode
 from pallas_kernels.fused_logprob_reference import fused_logprob_reference
 
@@ -413,9 +414,7 @@ _fused_core.defvjp(_fused_core_fwd, _fused_core_bwd)
 
 def resolve_impl(impl: str) -> str:
     """"auto" -> "chunked" on CPU (where Pallas only interprets), "pallas" on GPU/TPU."""
-    if impl == "auto":
-        return "chunked" if interpret_mode() else "pallas"
-    return impl
+    return _backend.resolve_impl(impl, IMPLS, on_cpu="chunked")
 
 
 def _opts(impl, hidden, lm_head, temperature, block_t, block_v, block_d) -> _Opts:

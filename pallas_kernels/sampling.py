@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import _backend
 from pallas_kernels._backend import interpret_mode
 
 _IMPLS = ("auto", "reference", "pallas")
@@ -56,11 +57,7 @@ def _check_args(logits: jax.Array, temperature: float, top_k: int, top_p: float)
 
 def resolve_impl(impl: str) -> str:
     """"auto" -> the Pallas kernel on GPU/TPU, the jnp reference on CPU (interpreting is slow)."""
-    if impl not in _IMPLS:
-        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
-    if impl == "auto":
-        return "reference" if interpret_mode() else "pallas"
-    return impl
+    return _backend.resolve_impl(impl, _IMPLS, on_cpu="reference")
 
 
 def sampling_uniforms(key: jax.Array, num_samples: int) -> jax.Array:

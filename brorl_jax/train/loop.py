@@ -35,7 +35,7 @@ from brorl_jax.train.checkpoint import Checkpointer
 from brorl_jax.train.logger import MetricsLogger, plot_metrics
 from brorl_jax.train.monitoring import rollout_monitoring, step_rollout_stats
 from brorl_jax.train.options import Options, scheduled_lr
-from brorl_jax.train.runtime import MeshRuntime, global_advantages, use_mesh_for
+from brorl_jax.train.runtime import MeshRuntime, global_advantages, use_mesh
 
 
 def _log(msg: str) -> None:
@@ -139,7 +139,7 @@ class Trainer:
         self.options = Options(cfg)
         # Several devices: the mesh path (train/runtime.py); one device: the plain jit above.
         self.runtime = (MeshRuntime(cfg, self.mcfg, self.optimizer, diagnostics_n=diag_n)
-                        if use_mesh_for(cfg) else None)
+                        if use_mesh() else None)
         self.num_processes = jax.process_count()
         if self.num_processes > 1 and (self.options.custom_collect or self.options.stateful):
             raise ConfigError("the rollout options (adaptive N, over-generation, reward clipping, "

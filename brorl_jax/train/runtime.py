@@ -39,9 +39,8 @@ from brorl_jax import algo
 from brorl_jax.config import ConfigError
 
 
-def use_mesh_for(cfg) -> bool:
+def use_mesh() -> bool:
     """The mesh path runs whenever JAX sees more than one device (over all processes)."""
-    del cfg
     return jax.device_count() > 1
 
 
@@ -57,7 +56,6 @@ class MeshRuntime:
 
     def __init__(self, cfg, model_cfg, optimizer, *, diagnostics_n: int | None):
         from brorl_jax.parallel.mesh import batch_axis_size, make_mesh, mesh_from_config
-        self.cfg = cfg
         self.model_cfg = model_cfg
         self.optimizer = optimizer
         self.diagnostics_n = diagnostics_n
