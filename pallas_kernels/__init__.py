@@ -1,11 +1,12 @@
 """Pallas kernels for brorl_jax's hot paths, each with a plain-jnp reference beside it.
 
 This package never imports brorl_jax. Kernels interpret on CPU and compile on GPU/TPU; the mode
-comes from the backend (`interpret_mode()`).
+comes from the backend (`interpret_mode()`), or from `compile_target("cuda" | "tpu")` when
+tracing for a device this machine does not have.
 """
-from pallas_kernels._backend import backend, interpret_mode, jax_triton_available
+from pallas_kernels._backend import backend, compile_target, interpret_mode, jax_triton_available
 
-__all__ = ["backend", "interpret_mode", "jax_triton_available"]
+__all__ = ["backend", "compile_target", "interpret_mode", "jax_triton_available"]
 
 # fused log-prob / entropy over vocab tiles (algo update); reference beside it.
 from pallas_kernels.fused_logprob import fused_logprob, fused_logprob_stats  # noqa: E402
