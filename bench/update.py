@@ -24,8 +24,8 @@ def child(a) -> None:
     import numpy as np
 
     from _measure import current_rss_bytes, device_peak_bytes, peak_rss_bytes
-    from brorl_jax.algo import (AlgoConfig, OptimizerConfig, create_train_state, make_optimizer,
-                                make_update_step)
+    from brorl_jax.algo import create_train_state, make_optimizer, make_update_step
+    from brorl_jax.config import algo_config, optimizer_config
     from brorl_jax.models import ModelConfig, init_params
 
     mc = ModelConfig(model_type="qwen2", vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=4 * a.hidden,
@@ -34,9 +34,9 @@ def child(a) -> None:
                      attention_bias=True, qk_norm=False, tie_word_embeddings=True,
                      max_position_embeddings=a.seq, bos_token_id=None, eos_token_ids=(1,))
     n = a.n
-    cfg = AlgoConfig(rollouts_per_prompt=n, prompts_per_step=a.prompts, micro_batch_size=a.micro,
-                     ppo_mini_batches=a.mini_batches)
-    opt = make_optimizer(OptimizerConfig(learning_rate=1e-6))
+    cfg = algo_config(rollouts_per_prompt=n, prompts_per_step=a.prompts, micro_batch_size=a.micro,
+                      ppo_mini_batches=a.mini_batches)
+    opt = make_optimizer(optimizer_config(lr=1e-6))
     state = create_train_state(init_params(mc, jax.random.PRNGKey(0)), opt)
     rows, t = cfg.batch_rows, a.seq
     rng = np.random.default_rng(0)

@@ -63,3 +63,29 @@ def assemble_update_batch(
         "ref_logprobs": np.zeros((g * n, seq_len), np.float32),
         "advantages": np.where(gv[:, None], adv, 0.0).reshape(g * n).astype(np.float32),
     }
+
+
+def assemble_groups(groups, advantages, *, rows: int, seq_len: int, pad_id: int = 0
+                    ) -> dict[str, np.ndarray]:
+    """The update batch from kept groups (algo.Group, any sizes): each group's rows as
+    assemble_update_batch builds them, concatenated in order, then padding rows (pad tokens,
+    loss_mask False, advantage 0) up to exactly `rows`, so the compiled update keeps one shape.
+    advantages[g]: float32 [n_g]."""
+    parts = [assemble_update_batch([grp.prompt_ids], grp.tokens[None], grp.logprobs[None],
+                                   grp.mask[None], np.asarray(adv, np.float32)[None],
+                                   seq_len=seq_len, pad_id=pad_id)
+             for grp, adv in zip(groups, advantages)]
+    used = sum(p["advantages"].shape[0] for p in parts)
+    if used > rows:
+        raise ValueError(f"groups hold {used} rows, more than the batch's {rows}")
+    pad = rows - used
+    filler = {
+        "input_tokens": np.full((pad, seq_len), pad_id, np.int32),
+        "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), (pad, seq_len)).copy(),
+        "loss_mask": np.zeros((pad, seq_len), bool),
+        "targets": np.full((pad, seq_len), pad_id, np.int32),
+        "old_logprobs": np.zeros((pad, seq_len), np.float32),
+        "ref_logprobs": np.zeros((pad, seq_len), np.float32),
+        "advantages": np.zeros((pad,), np.float32),
+    }
+    return {k: np.concatenate([p[k] for p in parts] + [filler[k]], axis=0) for k in filler}
