@@ -66,7 +66,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.algo = ml_collections.ConfigDict()
     c.algo.prompts_per_step = 128         # B after dynamic-sampling filtering [BroRL Table 1]
     c.algo.advantage = "reinforce_pp_baseline"  # algo.ADVANTAGES [BroRL 3.1]
-    c.algo.advantage_eps = 1e-6                # added to the std in the normalisations
+    c.algo.advantage_eps = 1e-6                # GRPO: (R - mean) / (std + eps) [veRL core_algos]
+    c.algo.whiten_eps = 1e-8                   # batch whitening: / sqrt(var + eps) [veRL masked_whiten]
     c.algo.dynamic_sampling = True        # keep only groups with a learning signal [BroRL 3.1]
     c.algo.dynamic_sampling_rule = "correct_count"  # algo.GROUP_FILTERS: 0 < #correct < N [BroRL 3.1]
     c.algo.correct_threshold = 1.0        # a sample counts as correct when reward >= this
@@ -75,19 +76,20 @@ def default_config() -> ml_collections.ConfigDict:
     c.algo.dynamic_sampling_cap_policy = "error"         # error | pad (train on what was kept, rest masked)
     c.algo.clip_eps_low = 0.2                  # [ProRLv2]
     c.algo.clip_eps_high = 0.28                # [ProRLv2]
+    c.algo.dual_clip_c = 3.0                   # A < 0: loss <= -c A; 0 = off [veRL default clip_ratio_c]
     c.algo.loss_agg = "token_mean"             # algo.LOSS_AGG (NeMo-RL token_level_loss)
     c.algo.ppo_mini_batches = 1                # optimizer steps per RL step (not stated)
     c.algo.ppo_epochs = 1                      # passes over the batch per RL step (not stated)
     c.algo.micro_batch_size = 64               # sequences per gradient-accumulation micro-batch
     c.algo.micro_batch_tokens = 0              # tokens per micro-batch of a packed batch; 0 = by rows
-    c.algo.tis_mode = "ice_pop"                # algo.TIS_MODES: truncated IS [BroRL 3.1]; NeMo-RL ICE-POP
-    c.algo.tis_low = 0.5
-    c.algo.tis_high = 5.0
+    c.algo.tis_mode = "truncate"               # algo.TIS_MODES: min(w, tis_high) [BroRL 3.1 cites Yao et al.]
+    c.algo.tis_low = 0.5                       # ICE-POP's lower bound (tis_mode="ice_pop")
+    c.algo.tis_high = 2.0                      # truncation C [veRL rollout_is_threshold, Yao et al.]
     c.algo.recompute_old_logprobs = True       # trainer-side pi_old at step start (veRL old_log_prob)
     c.algo.kl_coef = 1e-4                      # NeMo-RL / OpenRLHF ProRLv2 configs
     c.algo.kl_estimator = "k2"                 # algo.KL_ESTIMATORS [ProRLv2]
-    c.algo.kl_clamp = 10.0                     # clamp of the log ratio [ProRLv2]
-    c.algo.ref_reset_every = 0                 # steps between reference resets; 0 = never
+    c.algo.kl_clamp = 10.0                     # k2's log-ratio clamp [ProRLv2]; k1/k3 as veRL
+    c.algo.ref_reset_every = 200               # steps between reference resets [ProRLv2: 200-500]; 0 = never
     c.algo.reset_optimizer_on_ref_reset = False  # ProRL v1: True, ProRLv2: False
     c.algo.entropy_coef = 0.0                  # entropy bonus, off (not in the paper)
     c.algo.length_penalty = False              # scheduled cosine length penalty [ProRLv2], off
@@ -199,7 +201,7 @@ POSITIVE = (
 )
 NON_NEGATIVE = (
     "algo.kl_coef", "algo.clip_eps_high", "algo.ref_reset_every", "algo.micro_batch_tokens",
-    "algo.advantage_eps", "algo.entropy_coef", "algo.length_penalty_on_steps",
+    "algo.advantage_eps", "algo.whiten_eps", "algo.entropy_coef", "algo.length_penalty_on_steps",
     "algo.length_penalty_off_steps", "train.steps", "eval.every", "sft.steps",
     "optim.warmup_steps", "rollout.memory_budget_gb",
 )
@@ -271,6 +273,9 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     a, r = cfg.algo, cfg.rollout
     if not 0.0 <= a.clip_eps_low < 1.0:
         errors.append(f"config key 'algo.clip_eps_low' must be in [0, 1), got {a.clip_eps_low}.")
+    if a.dual_clip_c != 0 and not a.dual_clip_c > 1.0:
+        errors.append(f"config key 'algo.dual_clip_c' must be 0 (off) or > 1, got "
+                      f"{a.dual_clip_c}.")
     if a.tis_mode != "off" and not 0.0 <= a.tis_low < 1.0 < a.tis_high:
         errors.append(f"config keys 'algo.tis_low'/'algo.tis_high' must satisfy "
                       f"0 <= tis_low < 1 < tis_high, got {a.tis_low}, {a.tis_high}.")

@@ -7,14 +7,16 @@ N makes); masked entries enter no statistic and get advantage 0. Works on numpy 
 inside or outside jit. `ADVANTAGES` is the list of choices (`algo.advantage` reads it):
 
   reinforce_pp_baseline (BroRL / ProRLv2 default, veRL "reinforce_plus_plus_baseline"):
-      A = R - mean_group(R);  A_norm = (A - mean_batch(A)) / (std_batch(A) + eps)
-      where the batch statistics run over every response of every kept group.
+      A = R - mean_group(R);  A_norm = (A - mean_batch(A)) / sqrt(var_batch(A) + whiten_eps)
+      where the batch statistics run over every response token of every kept group (veRL's
+      masked_whiten, unbiased variance; the loop passes the response lengths).
   grpo:     A = (R - mean_group(R)) / (std_group(R) + eps)   (std with ddof=1, as veRL/torch.std)
   rloo:     A_i = R_i - mean_{j != i} R_j = N/(N-1) (R_i - mean_group(R))
   dr_grpo:  A = R - mean_group(R)   (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-Like
             Training": GRPO without the std division, which over-weights easy/hard prompts)
 
-Adding an estimator: write `fn(rewards, group_mask=None, *, sample_mask=None, eps, lengths=None)`
+Adding an estimator: write `fn(rewards, group_mask=None, *, sample_mask=None, eps, whiten_eps,
+lengths=None)`
 here, add it to ADVANTAGES, test it in tests/algo/test_advantages.py; config validation and
 `--help` read the registry.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 
 
@@ -54,43 +57,53 @@ def _group_centered(r, mask):
 
 
 def reinforce_pp_baseline(rewards, group_mask=None, *, sample_mask=None, eps: float = 1e-6,
-                          lengths=None):
+                          whiten_eps: float = 1e-8, lengths=None):
     """Group-mean baseline, then whitening over the whole (post-filter) batch. [G, N] -> [G, N].
 
-    `lengths` [G, N] (optional) weights the batch mean/std by response length, i.e. whitening over
-    tokens as veRL's masked_whiten does; without it every response counts once."""
+    With `lengths` [G, N] (response tokens; what the training loop passes) the whitening runs
+    over tokens exactly as veRL's masked_whiten does for REINFORCE++-baseline: with a = R -
+    mean_group(R) on each of the M response tokens,
+        mu = sum(a) / (M + 1e-8),  var = sum((a - mu)^2) / (M + 1e-8) * M / (M - 1),
+        A = (a - mu) / sqrt(var + whiten_eps)          (whiten_eps = 1e-8 in veRL)
+    Without `lengths` every response counts once (M = number of responses). `eps` is unused
+    (the group-std epsilon of GRPO)."""
+    del eps
     r, mask = _prep(rewards, group_mask, sample_mask)
     a, _ = _group_centered(r, mask)
     w = mask.astype(jnp.float32)
     if lengths is not None:
         w = w * jnp.asarray(lengths, jnp.float32)
-    total = jnp.maximum(jnp.sum(w), 1.0)
-    mean = jnp.sum(w * a) / total
-    var = jnp.sum(w * (a - mean) ** 2) / total
-    out = (a - mean) / (jnp.sqrt(var) + eps)
+    m = jnp.sum(w)
+    mean = jnp.sum(w * a) / (m + 1e-8)
+    var = jnp.sum(w * (a - mean) ** 2) / (m + 1e-8)
+    var = var * jnp.where(m > 1.0, m / jnp.maximum(m - 1.0, 1.0), 1.0)   # unbiased (Bessel)
+    out = (a - mean) * jax.lax.rsqrt(var + whiten_eps)
     return jnp.where(mask, out, 0.0)
 
 
-def grpo(rewards, group_mask=None, *, sample_mask=None, eps: float = 1e-6, lengths=None):
+def grpo(rewards, group_mask=None, *, sample_mask=None, eps: float = 1e-6,
+         whiten_eps: float = 1e-8, lengths=None):
     """(R - mean_group) / (std_group + eps), std with ddof=1. All-equal groups get 0."""
-    del lengths
+    del lengths, whiten_eps
     r, mask = _prep(rewards, group_mask, sample_mask)
     a, n_g = _group_centered(r, mask)
     std = jnp.sqrt(jnp.sum(a * a, axis=1, keepdims=True) / jnp.maximum(n_g - 1.0, 1.0))
     return jnp.where(mask, a / (std + eps), 0.0)
 
 
-def rloo(rewards, group_mask=None, *, sample_mask=None, eps: float = 1e-6, lengths=None):
+def rloo(rewards, group_mask=None, *, sample_mask=None, eps: float = 1e-6,
+         whiten_eps: float = 1e-8, lengths=None):
     """Leave-one-out baseline: R_i - mean of the other N_g - 1 responses of the group."""
-    del eps, lengths
+    del eps, whiten_eps, lengths
     r, mask = _prep(rewards, group_mask, sample_mask)
     a, n_g = _group_centered(r, mask)
     return jnp.where(mask, a * (n_g / jnp.maximum(n_g - 1.0, 1.0)), 0.0)
 
 
-def dr_grpo(rewards, group_mask=None, *, sample_mask=None, eps: float = 1e-6, lengths=None):
+def dr_grpo(rewards, group_mask=None, *, sample_mask=None, eps: float = 1e-6,
+            whiten_eps: float = 1e-8, lengths=None):
     """Dr. GRPO: the group-mean baseline alone, R - mean_group(R) (no std normalisation)."""
-    del eps, lengths
+    del eps, whiten_eps, lengths
     r, mask = _prep(rewards, group_mask, sample_mask)
     a, _ = _group_centered(r, mask)
     return a
@@ -113,7 +126,8 @@ def get_advantage_fn(name: str) -> Callable[..., jnp.ndarray]:
 
 
 def compute_advantages(name: str, rewards, group_mask=None, *, sample_mask=None, eps: float = 1e-6,
-                       lengths=None):
-    """get_advantage_fn(name)(rewards [G, N], group_mask [G], sample_mask [G, N]) -> [G, N] f32."""
+                       whiten_eps: float = 1e-8, lengths=None):
+    """get_advantage_fn(name)(rewards [G, N], group_mask [G], sample_mask [G, N], lengths [G, N])
+    -> [G, N] float32."""
     return get_advantage_fn(name)(rewards, group_mask, sample_mask=sample_mask, eps=eps,
-                                  lengths=lengths)
+                                  whiten_eps=whiten_eps, lengths=lengths)

@@ -32,6 +32,7 @@ class AlgoConfig:
     prompts_per_step: int
     advantage: str
     advantage_eps: float
+    whiten_eps: float
     advantage_normalizer: str
     advantage_ema_decay: float
     dynamic_sampling: bool
@@ -44,6 +45,7 @@ class AlgoConfig:
     reward_clip_high: float
     clip_eps_low: float
     clip_eps_high: float
+    dual_clip_c: float
     loss_agg: str
     ppo_mini_batches: int
     ppo_epochs: int

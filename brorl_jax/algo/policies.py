@@ -269,15 +269,16 @@ def pad_groups(values: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def batch_normalizer(estimator: str, rewards, sample_mask, state: dict, *, eps: float,
-                     decay: float, lengths=None) -> tuple[np.ndarray, dict]:
-    """The paper: the estimator's own normalisation (REINFORCE++-baseline whitens per batch)."""
+                     whiten_eps: float, decay: float, lengths=None) -> tuple[np.ndarray, dict]:
+    """The paper: the estimator's own normalisation (REINFORCE++-baseline whitens the batch)."""
     del decay
-    adv = compute_advantages(estimator, rewards, sample_mask=sample_mask, eps=eps, lengths=lengths)
+    adv = compute_advantages(estimator, rewards, sample_mask=sample_mask, eps=eps,
+                             whiten_eps=whiten_eps, lengths=lengths)
     return np.asarray(adv, np.float32), state
 
 
 def ema_normalizer(estimator: str, rewards, sample_mask, state: dict, *, eps: float,
-                   decay: float, lengths=None) -> tuple[np.ndarray, dict]:
+                   whiten_eps: float, decay: float, lengths=None) -> tuple[np.ndarray, dict]:
     """algo.advantage_normalizer = "ema" (not in the paper): A = R - mean_group(R), divided by an
     EMA of the batch std of A instead of this batch's std:
 
@@ -287,7 +288,7 @@ def ema_normalizer(estimator: str, rewards, sample_mask, state: dict, *, eps: fl
     (A has exact batch mean 0 because every group is centred, so only the scale differs from
     REINFORCE++-baseline; decay = 0 gives it back.) Pure: returns (advantages, new state); a batch
     without real samples leaves the state as is."""
-    del estimator, lengths
+    del estimator, lengths, whiten_eps
     mask = np.asarray(sample_mask, bool)
     a = np.asarray(compute_advantages("dr_grpo", rewards, sample_mask=mask), np.float64)
     if not mask.any():

@@ -196,7 +196,8 @@ def make_logprob_fn(model_cfg=None, algo_cfg: AlgoConfig | None = None, *, polic
     return logprobs
 
 
-_METRIC_SUMS = ("n_tokens", "kl_sum", "entropy_sum", "clip_low_sum", "clip_high_sum", "ratio_sum",
+_METRIC_SUMS = ("n_tokens", "kl_sum", "entropy_sum", "clip_low_sum", "clip_high_sum", "dual_clip_sum",
+                "ratio_sum",
                 "tis_dropped_sum", "tis_weight_sum", "pg_loss", "kl_loss", "entropy_loss")
 
 
@@ -207,7 +208,7 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
 
     batch: the INTERFACES.md "algo" dict, rows = prompts_per_step * N (padded rows have an all-False
     loss_mask). metrics (scalars): loss, pg_loss, kl, entropy, clip_frac, clip_frac_low,
-    clip_frac_high, ratio_mean, tis_dropped_frac, tis_weight_mean, grad_norm, grad_var, finite,
+    clip_frac_high, dual_clip_frac, ratio_mean, tis_dropped_frac, tis_weight_mean, grad_norm, grad_var, finite,
     skipped, n_tokens, optimizer_steps (+ mass_balance/* with diagnostics_n).
 
     grad_var estimates the trace of the covariance of the mini-batch gradient from the spread of
@@ -305,6 +306,7 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
             "clip_frac_low": frac("clip_low_sum"),
             "clip_frac_high": frac("clip_high_sum"),
             "clip_frac": jnp.mean((m["clip_low_sum"] + m["clip_high_sum"]) / n_tok),
+            "dual_clip_frac": frac("dual_clip_sum"),
             "ratio_mean": frac("ratio_sum"),
             "tis_dropped_frac": frac("tis_dropped_sum"),
             "tis_weight_mean": frac("tis_weight_sum"),

@@ -52,7 +52,6 @@ class Collector:
         r, a = cfg.rollout, cfg.algo
         self.samples_per_prompt = policies.samples_per_prompt_policy(r)
         self.schedule = policies.parse_temperature_schedule(r.temperature_schedule)
-        self.normalizer = policies.ADVANTAGE_NORMALIZERS[a.advantage_normalizer]
         self.normalizer_state: dict = {}
         # each process fills an equal share of the update batch
         self.row_budget = algo_cfg.batch_rows // runtime.num_processes
@@ -188,19 +187,31 @@ class Collector:
 
     def _advantages(self, kept: Sequence[algo.Group]) -> list[np.ndarray]:
         """Per kept group: advantages [n_g], normalised over the kept groups of all processes."""
-        shaped = [np.asarray(g.shaped, np.float32) for g in kept]
+        local = [(g.shaped.tolist(), g.lengths.tolist()) for g in kept]
         first = 0
         if self.runtime.num_processes > 1:       # normalise over the whole batch
-            every = self.runtime.allgather_json([s.tolist() for s in shaped])
+            every = self.runtime.allgather_json(local)
             first = sum(len(x) for x in every[:self.runtime.process_index])
-            shaped = [np.asarray(s, np.float32) for part in every for s in part]
-        if not shaped:
-            return []
-        rewards, mask = policies.pad_groups(shaped)
-        adv, self.normalizer_state = self.normalizer(
-            self.algo_cfg.advantage, rewards, mask, self.normalizer_state,
-            eps=self.algo_cfg.advantage_eps, decay=self.cfg.algo.advantage_ema_decay)
-        return [adv[first + i, :g.n] for i, g in enumerate(kept)]
+            local = [item for part in every for item in part]
+        adv, self.normalizer_state = batch_advantages(
+            self.algo_cfg, [s for s, _ in local], [n for _, n in local], self.normalizer_state)
+        return adv[first:first + len(kept)]
+
+
+def batch_advantages(acfg: algo.AlgoConfig, shaped: Sequence, lengths: Sequence,
+                     state: dict) -> tuple[list[np.ndarray], dict]:
+    """Advantages of the kept groups of a step (shaped rewards [n_g] and response lengths [n_g]
+    per group) by the configured estimator and normaliser: (per-group advantages, new normaliser
+    state). Whitening is token-weighted by the response lengths, as veRL's masked_whiten is."""
+    if not shaped:
+        return [], state
+    rewards, mask = policies.pad_groups([np.asarray(s, np.float32) for s in shaped])
+    lens, _ = policies.pad_groups([np.asarray(n, np.float32) for n in lengths])
+    normalizer = policies.ADVANTAGE_NORMALIZERS[acfg.advantage_normalizer]
+    adv, state = normalizer(acfg.advantage, rewards, mask, state, eps=acfg.advantage_eps,
+                            whiten_eps=acfg.whiten_eps, decay=acfg.advantage_ema_decay,
+                            lengths=lens)
+    return [adv[i, :len(s)] for i, s in enumerate(shaped)], state
 
 
 def step_metrics(groups: Sequence[algo.Group], truncated: Sequence[np.ndarray], ds: dict,

@@ -39,7 +39,7 @@ SUMMED_METRICS = ("perf/generated_samples", "perf/generated_tokens",
                   "dynamic_sampling/kept_groups", "dynamic_sampling/padded_groups")
 # Update metrics logged under loss/ (the rest under update/).
 LOSS_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "clip_frac_low", "clip_frac_high",
-             "ratio_mean", "tis_dropped_frac", "tis_weight_mean")
+             "dual_clip_frac", "ratio_mean", "tis_dropped_frac", "tis_weight_mean")
 
 
 def _log(msg: str) -> None:

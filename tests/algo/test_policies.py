@@ -129,11 +129,11 @@ def test_ema_normalizer_uses_the_running_std_and_is_pure():
     r2 = np.array([[1.0, 0, 1, 0], [0, 0, 0, 1]]) * 3.0
     full = np.ones(r1.shape, bool)
     ema = pol.ADVANTAGE_NORMALIZERS["ema"]
-    kw = dict(eps=1e-6, decay=0.5)
+    kw = dict(eps=1e-6, whiten_eps=1e-8, decay=0.5)
     # decay 0 = this batch's std: REINFORCE++-baseline
-    got, _ = ema("reinforce_pp_baseline", r1, full, {}, eps=1e-6, decay=0.0)
-    np.testing.assert_allclose(got, algo.compute_advantages("reinforce_pp_baseline", r1),
-                               atol=1e-5)
+    got, _ = ema("reinforce_pp_baseline", r1, full, {}, eps=1e-6, whiten_eps=1e-8, decay=0.0)
+    c1 = r1 - r1.mean(1, keepdims=True)
+    np.testing.assert_allclose(got, c1 / (c1.std() + 1e-6), atol=1e-5)   # population std
     _, state = ema("reinforce_pp_baseline", r1, full, {}, **kw)
     s1 = np.std(r1 - r1.mean(1, keepdims=True))
     s2 = np.std(r2 - r2.mean(1, keepdims=True))

@@ -16,7 +16,7 @@ from brorl_jax.config import algo_config, optimizer_config
 
 def _cfg(**kw):
     base = dict(rollouts_per_prompt=4, prompts_per_step=2, micro_batch_size=2, ppo_mini_batches=1,
-                kl_coef=0.05, temperature=0.8, entropy_coef=0.01)
+                kl_coef=0.05, temperature=0.8, entropy_coef=0.01, tis_mode="ice_pop", tis_high=5.0)
     base.update(kw)
     return algo_config(**base)
 

@@ -9,8 +9,9 @@ scores, a 1-token and full-length responses, an empty (padding) loss row, ratios
 bound 3, log-ratios beyond +-10 and +-20, and a copy of the scores x 1e-3 whose variances sit near
 the epsilons (so the epsilon's value and place, inside or outside the square root, matter).
 
-Test functions named test_verl_mismatch_* compare behaviours where our code differs from veRL
-TODAY (issue 18, item 1); they fail until the code is changed, on purpose (not xfail, not skipped).
+Every test compares a default of ours with veRL's, except k2's log-ratio clamp: ProRLv2 states
+it (c = 10, our default), so veRL's unclamped "mse" is compared with kl_clamp = inf and the clamp
+is checked against its formula. docs/algo.md's choices table gives each default's source.
 """
 import os
 
@@ -18,8 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from brorl_jax.algo import AlgoConfig, LOSS_AGG, compute_advantages, kl_penalty, policy_loss, tis_weights
+from brorl_jax.algo import LOSS_AGG, compute_advantages, kl_penalty, policy_loss, tis_weights
 from brorl_jax.algo.dynamic_sampling import select_groups
+from brorl_jax.config import algo_config
+from brorl_jax.train.collect import batch_advantages
 
 NPZ = os.path.join(os.path.dirname(__file__), "verl_reference", "verl_core_algos.npz")
 RTOL = ATOL = 1e-5
@@ -63,9 +66,9 @@ def run_policy_loss(ref, logp_key, cfg, rollout_logp=None, ref_logp=None):
                        agg_weights=LOSS_AGG[cfg.loss_agg](mask), cfg=cfg)
 
 
-def plain_pg_cfg(agg, **kw):
-    return AlgoConfig(clip_eps_low=0.2, clip_eps_high=0.28, tis_mode="off", kl_coef=0.0, entropy_coef=0.0,
-                      loss_agg=agg, **kw)
+def plain_pg_cfg(agg, dual_clip_c=0.0):
+    return algo_config(clip_eps_low=0.2, clip_eps_high=0.28, tis_mode="off", kl_coef=0.0,
+                       entropy_coef=0.0, loss_agg=agg, dual_clip_c=dual_clip_c)
 
 
 AGGS = ("token_mean", "seq_mean_token_mean")
@@ -111,17 +114,35 @@ def test_ppo_clip_higher_loss_and_clipfrac_match_verl_without_dual_clip(ref, agg
 def test_clip_fraction_matches_verl_pg_clipfrac(ref, logp, dual):
     """veRL's actor/pg_clipfrac = token-mean of (clipped branch > unclipped) = our clip_low + clip_high,
     whatever the dual-clip setting or aggregation."""
-    _, s = run_policy_loss(ref, f"in_pg_logp_{logp}", plain_pg_cfg("token_mean"))
+    _, s = run_policy_loss(ref, f"in_pg_logp_{logp}",
+                           plain_pg_cfg("token_mean", 3.0 if dual == "dual3" else 0.0))
     close((s["clip_low_sum"] + s["clip_high_sum"]) / s["n_tokens"],
           ref[f"out_pg_{logp}_{dual}_token_mean_clipfrac"], "clip fraction")
+    # veRL's pg_clipfrac_lower: where the dual-clip bound is the loss
+    close(s["dual_clip_sum"] / s["n_tokens"], ref[f"out_pg_{logp}_{dual}_token_mean_clipfrac_lower"],
+          "dual-clip fraction")
 
 
+@pytest.mark.parametrize("logp", ["moderate", "extreme"])
 @pytest.mark.parametrize("ours,theirs", [("k1", "kl"), ("k2", "mse"), ("k3", "low_var_kl")])
-def test_kl_estimators_match_verl_where_no_clamp_binds(ref, ours, theirs):
-    """|log pi - log pi_ref| <= 2: no clamp of either side binds (veRL's k3 output clamp binds
-    only below -2.61 and above 11.0)."""
-    k = kl_penalty(jnp.asarray(ref["in_kl_logp_moderate"]), jnp.asarray(ref["in_kl_ref_logp"]), ours)
-    close(k, ref[f"out_kl_moderate_{theirs}"], f"kl {ours}", ref["in_loss_mask"] > 0)
+def test_kl_estimators_match_verl(ref, logp, ours, theirs):
+    """Log-ratios up to +-25: k1 unclamped, k3 with veRL's input (+-20) and value (+-10) clamps,
+    k2 unclamped when kl_clamp = inf (veRL's "mse")."""
+    clamp = np.inf if ours == "k2" else algo_config().kl_clamp
+    k = kl_penalty(jnp.asarray(ref[f"in_kl_logp_{logp}"]), jnp.asarray(ref["in_kl_ref_logp"]), ours,
+                   clamp)
+    close(k, ref[f"out_kl_{logp}_{theirs}"], f"kl {ours}", ref["in_loss_mask"] > 0)
+
+
+def test_k2_default_clamp_is_prorlv2s_log_ratio_clamp(ref):
+    """ProRLv2: k2 = clamp(x, -10, 10)^2 / 2 (x = log pi - log pi_ref): equal to veRL's mse where
+    |x| <= 10, 50 beyond."""
+    x = ref["in_kl_logp_extreme"] - ref["in_kl_ref_logp"]
+    k = kl_penalty(jnp.asarray(ref["in_kl_logp_extreme"]), jnp.asarray(ref["in_kl_ref_logp"]), "k2",
+                   algo_config().kl_clamp)
+    close(k, 0.5 * np.clip(x, -10, 10) ** 2, "k2 with the ProRLv2 clamp")
+    inside = (np.abs(x) <= 10) & (ref["in_loss_mask"] > 0)
+    close(k, ref["out_kl_extreme_mse"], "k2 where the clamp does not bind", inside)
 
 
 @pytest.mark.parametrize("agg", AGGS)
@@ -142,56 +163,61 @@ def test_tis_weights_match_verl_token_rollout_correction(ref, mode, low, high, k
 def test_total_loss_icepop_k2_matches_verl_actor_composition(ref, agg):
     """pg x ICE-POP weight + 1e-4 k2 KL, aggregated, as veRL's actor adds them (moderate inputs:
     |log pi - log pi_ref| < 10, so our KL clamp does not bind)."""
-    cfg = AlgoConfig(clip_eps_low=0.2, clip_eps_high=0.28, tis_mode="ice_pop", tis_low=0.5, tis_high=5.0,
-                     kl_coef=1e-4, kl_estimator="k2", entropy_coef=0.0, loss_agg=agg)
+    cfg = algo_config(clip_eps_low=0.2, clip_eps_high=0.28, tis_mode="ice_pop", tis_low=0.5,
+                      tis_high=5.0, kl_coef=1e-4, kl_estimator="k2", entropy_coef=0.0, loss_agg=agg,
+                      dual_clip_c=0.0)
     loss, _ = run_policy_loss(ref, "in_pg_logp_moderate", cfg, rollout_logp=ref["in_tis_rollout_logp"],
                               ref_logp=ref["in_kl_ref_logp"])
     close(loss, ref[f"out_total_icepop_k2_{agg}"], f"total loss {agg}")
 
 
-# ------------------------------------------------------------------------- differ from veRL today (issue 18)
+# ------------------------------------------------------------------------- veRL's conventions (issue 18)
 
 @pytest.mark.parametrize("scores", ["in_scores", "in_scores_small"])
-def test_verl_mismatch_reinforce_pp_baseline_token_whitening(ref, scores):
+def test_reinforce_pp_baseline_token_whitening_matches_verl(ref, scores):
     """veRL masked_whiten: token-weighted mean, variance x M/(M-1) (M = valid tokens), divided by
-    sqrt(var + 1e-8). Ours today (lengths=): plain variance, divided by (std + 1e-6)."""
+    sqrt(var + 1e-8); the small scores put the variance near the epsilon."""
     key = "out_adv_reinforce_pp_baseline" if scores == "in_scores" else "out_adv_small_reinforce_pp_baseline"
-    ours = compute_advantages("reinforce_pp_baseline", ref[scores], lengths=lengths_gn(ref))
+    ours = compute_advantages("reinforce_pp_baseline", ref[scores], lengths=lengths_gn(ref),
+                              whiten_eps=algo_config().whiten_eps)
     close(per_token(ref, ours), ref[key], f"reinforce_pp_baseline on {scores}")
 
 
+def test_the_loops_advantages_are_veRLs(ref):
+    """collect.batch_advantages (what the loop calls, with the config's defaults) on groups with
+    their response lengths gives veRL's token-whitened advantages."""
+    cfg = algo_config()
+    shaped = [row for row in ref["in_scores"]]
+    lengths = [row for row in lengths_gn(ref)]
+    adv, _ = batch_advantages(cfg, shaped, lengths, {})
+    close(per_token(ref, np.stack(adv)), ref["out_adv_reinforce_pp_baseline"], "loop advantages")
+
+
+def test_dr_grpo_matches_verl(ref):
+    close(per_token(ref, compute_advantages("dr_grpo", ref["in_scores"])), ref["out_adv_dr_grpo"],
+          "dr_grpo")
+
+
+@pytest.mark.parametrize("logp", ["moderate", "extreme"])
 @pytest.mark.parametrize("agg", AGGS)
-def test_verl_mismatch_dual_clip(ref, agg):
-    """veRL's vanilla loss with clip_ratio_c = 3 (its default): for A < 0 the token loss is
-    min(max(-A r, -A clip(r)), -3 A). Today AlgoConfig has no dual_clip_c."""
-    loss, _ = run_policy_loss(ref, "in_pg_logp_moderate", plain_pg_cfg(agg, dual_clip_c=3.0))
-    close(loss, ref[f"out_pg_moderate_dual3_{agg}_loss"], f"dual-clip pg loss {agg}")
+def test_dual_clip_loss_matches_verl(ref, logp, agg):
+    """veRL's vanilla loss with clip_ratio_c = 3 (its default, ours too): for A < 0 the token loss
+    is min(max(-A r, -A clip(r)), -3 A); log-ratios clamped to +-20 first."""
+    assert algo_config().dual_clip_c == 3.0
+    loss, _ = run_policy_loss(ref, f"in_pg_logp_{logp}", plain_pg_cfg(agg, dual_clip_c=3.0))
+    close(loss, ref[f"out_pg_{logp}_dual3_{agg}_loss"], f"dual-clip pg loss {agg}")
 
 
 @pytest.mark.parametrize("agg", AGGS)
-def test_verl_mismatch_ppo_log_ratio_clamp_20(ref, agg):
-    """veRL clamps log pi - log pi_old to [-20, 20] before exp (dual-clip off here); ours does not:
-    a token with A < 0 and log-ratio 25 costs |A| e^25 in ours, |A| e^20 in veRL."""
+def test_ppo_log_ratio_clamp_20_matches_verl(ref, agg):
+    """veRL clamps log pi - log pi_old to [-20, 20] before exp (dual-clip off here): a token with
+    A < 0 and log-ratio 25 costs |A| e^20."""
     loss, _ = run_policy_loss(ref, "in_pg_logp_extreme", plain_pg_cfg(agg))
     close(loss, ref[f"out_pg_extreme_nodual_{agg}_loss"], f"pg loss with |log-ratio| > 20, {agg}")
 
 
-@pytest.mark.parametrize("agg", AGGS)
-def test_verl_mismatch_dual_clip_with_extreme_ratios(ref, agg):
-    loss, _ = run_policy_loss(ref, "in_pg_logp_extreme", plain_pg_cfg(agg, dual_clip_c=3.0))
-    close(loss, ref[f"out_pg_extreme_dual3_{agg}_loss"], f"dual-clip pg loss with extreme ratios, {agg}")
-
-
-@pytest.mark.parametrize("ours,theirs", [("k1", "kl"), ("k2", "mse"), ("k3", "low_var_kl")])
-def test_verl_mismatch_kl_clamps(ref, ours, theirs):
-    """veRL: k1 and k2 unclamped; k3 = min(e^-x + x - 1, 10) (x clamped to +-20 first). Ours today
-    (default clamp): x clamped to +-10 for every estimator, no clamp on the k3 value."""
-    k = kl_penalty(jnp.asarray(ref["in_kl_logp_extreme"]), jnp.asarray(ref["in_kl_ref_logp"]), ours)
-    close(k, ref[f"out_kl_extreme_{theirs}"], f"kl {ours} with |x| up to 25", ref["in_loss_mask"] > 0)
-
-
-def test_verl_mismatch_dynamic_sampling_reward_std_rule(ref):
-    """veRL DAPO recipe keeps a group iff np.std(scores) > 0 (or it has one response). Group 4 has
-    partial credit but no full-credit answer: veRL keeps it, our correct-count rule drops it.
-    `rule=` is the keyword proposed here for issue 18's dynamic_sampling_rule (not in the code yet)."""
+def test_dynamic_sampling_reward_std_rule_matches_verl(ref):
+    """veRL DAPO recipe keeps a group iff np.std(scores) > 0. Group 4 has partial credit but no
+    full-credit answer: the reward_std rule keeps it, the paper's correct_count rule drops it."""
     np.testing.assert_array_equal(select_groups(ref["in_scores"], rule="reward_std"), ref["out_dapo_keep"])
+    assert not select_groups(ref["in_scores"], rule="correct_count")[4]

@@ -31,7 +31,7 @@ def fake_score(records, tokens, lengths):
 
 def test_options_off_is_the_paper_recipe_by_hand(tmp_path):
     """The collect's batch equals the recipe written out: one round of generation, scoring,
-    0 < #correct < N, REINFORCE++-baseline over the kept groups, assemble_update_batch. Option
+    0 < #correct < N, REINFORCE++-baseline over the kept groups' tokens, assemble_update_batch. Option
     keys set explicitly to their off values change nothing."""
     cfg = tiny.get_config()
     cfg.algo.kl_coef = 0.0
@@ -56,7 +56,8 @@ def test_options_off_is_the_paper_recipe_by_hand(tmp_path):
         trainer.close()
     kept = np.flatnonzero(algo.select_groups(rewards))[:cfg.algo.prompts_per_step]
     assert len(kept) == cfg.algo.prompts_per_step and stats["dynamic_sampling/rounds"] == 1
-    adv = algo.compute_advantages("reinforce_pp_baseline", rewards[kept])
+    adv = algo.compute_advantages("reinforce_pp_baseline", rewards[kept],
+                                  lengths=res.lengths[kept])     # token-weighted, as veRL
     want = algo.assemble_update_batch(
         [list(prompts["prompt_ids"][i]) for i in kept], res.tokens[kept], res.logprobs[kept],
         res.mask[kept], adv, seq_len=trainer.seq_len, pad_id=trainer.pad_id)
