@@ -34,6 +34,17 @@ logger = logging.getLogger("pallas_kernels")
 
 # "cuda"/"tpu" JAX lowering-platform names -> the backend names kernels branch on.
 _TARGETS = {"cuda": "gpu", "gpu": "gpu", "tpu": "tpu"}
+# The target lives in a JAX config state that is part of JAX's trace context, so that a jitted
+# function traced inside compile_target and the same function traced outside it get different
+# jit-cache entries (a contextvar would let the second trace reuse the first).
+try:
+    from jax._src import config as _jax_config
+    _target_state = _jax_config.optional_enum_state(
+        name="pallas_kernels_compile_target", enum_values=["gpu", "tpu"], default=None,
+        help="pallas_kernels.compile_target: the platform kernels are traced for.",
+        include_in_trace_context=True)
+except Exception:  # pragma: no cover - a jax without this private API: plain contextvar
+    _target_state = None
 _target: contextvars.ContextVar[str | None] = contextvars.ContextVar("pallas_target", default=None)
 
 GPU_LOWERING = "triton"            # the one GPU lowering every kernel here uses (see above)
@@ -60,6 +71,10 @@ def compile_target(platform: str) -> Iterator[None]:
     """
     if platform not in _TARGETS:
         raise ValueError(f"compile_target platform must be 'cuda' or 'tpu', got {platform!r}")
+    if _target_state is not None:
+        with _target_state(_TARGETS[platform]):
+            yield
+        return
     token = _target.set(_TARGETS[platform])
     try:
         yield
@@ -80,7 +95,8 @@ def tpu_abstract_mesh(axis_sizes: tuple[int, ...] = (1,), axis_names: tuple[str,
 def backend() -> str:
     """The platform kernels are traced for: the compile target if one is set, else JAX's default
     backend ("cpu", "gpu" or "tpu")."""
-    return _target.get() or jax.default_backend()
+    target = _target_state.value if _target_state is not None else _target.get()
+    return target or jax.default_backend()
 
 
 def interpret_mode() -> bool:
