@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _backend
 from pallas_kernels._backend import interpret_mode
 
-_IMPLS = ("auto", "reference", "pallas")
+_IMPLS = ("auto", "reference", "pallas", "triton")   # triton: sampling_triton (jax_triton)
 
 
 def _check_args(logits: jax.Array, temperature: float, top_k: int, top_p: float) -> None:
@@ -534,7 +534,8 @@ def sample_tokens(
       key_or_uniforms: a PRNG key (one uniform per row is drawn from it) or ``uniforms[S]`` in [0, 1).
       temperature: softmax temperature; 0 means greedy (argmax).
       top_k: keep the k highest logits (0 = off). top_p: nucleus mass in (0, 1] (1 = off).
-      impl: "auto" (kernel on GPU/TPU, reference on CPU), "reference" or "pallas".
+      impl: "auto" (Pallas kernel on GPU/TPU, reference on CPU), "reference", "pallas", or
+        "triton" (the jax_triton kernel of sampling_triton: GPU, plain/greedy sampling only).
 
     Returns:
       ``tokens[S] int32`` and ``logp[S] f32 = log_softmax(logits / T)[token]`` before filtering.
@@ -548,5 +549,9 @@ def sample_tokens(
             f"uniforms must have shape [samples] = ({logits.shape[0]},), got {uniforms.shape}"
         )
     use = resolve_impl(impl, logits)
-    fn = sample_tokens_pallas if use == "pallas" else sample_tokens_reference
+    if use == "triton":
+        from pallas_kernels.sampling_triton import sample_tokens_triton
+        fn = sample_tokens_triton
+    else:
+        fn = sample_tokens_pallas if use == "pallas" else sample_tokens_reference
     return fn(logits, uniforms, temperature=temperature, top_k=top_k, top_p=top_p)
