@@ -41,7 +41,9 @@ TARGETS = {
     "v5e": dict(platform="tpu", desc="TPU v5 lite (v5e:2x2 topology, one chip used)"),
 }
 KERNELS = ("sample_tokens", "sample_tokens_greedy", "sample_tokens_top_k_top_p",
-           "fused_logprob_fwd", "fused_logprob_fwd_bwd", "decode_attention")
+           "sample_tokens_triton", "fused_logprob_fwd", "fused_logprob_fwd_bwd",
+           "decode_attention")
+GPU_ONLY = ("sample_tokens_triton",)   # the jax_triton kernel
 # The H100 GpuTargetConfig (text proto) XLA compiles against (shared/compile_without_a_device.md).
 H100_TARGET_CONFIG = """
 gpu_device_info {
@@ -89,10 +91,12 @@ def _build(kernel: str, model: str, dtype: str, sharding):
     sds = lambda shape, d=dt: jax.ShapeDtypeStruct(shape, d, sharding=sharding)
     if kernel.startswith("sample_tokens"):
         variant = {"sample_tokens": "plain", "sample_tokens_greedy": "greedy",
-                   "sample_tokens_top_k_top_p": "top_k_top_p"}[kernel]
+                   "sample_tokens_top_k_top_p": "top_k_top_p",
+                   "sample_tokens_triton": "plain"}[kernel]
         kw = tg.SAMPLING_VARIANTS[variant]
+        impl = "triton" if kernel == "sample_tokens_triton" else "pallas"
         args = (sds((tg.SAMPLING_ROWS, m.vocab)), sds((tg.SAMPLING_ROWS,), jnp.float32))
-        fn = lambda x, u: pk.sample_tokens(x, u, impl="pallas", **kw)
+        fn = lambda x, u: pk.sample_tokens(x, u, impl=impl, **kw)
         shape = f"logits[{tg.SAMPLING_ROWS},{m.vocab}]"
     elif kernel.startswith("fused_logprob"):
         t = tg.LOGPROB_TOKENS
@@ -128,6 +132,16 @@ def _gpu_smem(dump_dir: str) -> str:
             mt = re.search(r"kCustomKernel.*\]\s+(\S+) grid: .*shared_memory: (\d+) bytes", line)
             if mt and any(k in mt.group(1) for k in _KERNEL_NAMES):
                 found[mt.group(1)] = max(found.get(mt.group(1), 0), int(mt.group(2)))
+    return ", ".join(f"{k}: {v / 1024:.0f} KiB" for k, v in sorted(found.items())) or "-"
+
+
+def _jax_triton_smem(dump_dir: str) -> str:
+    """Shared memory of the kernels jax_triton compiled (its dump's compile_info files)."""
+    found = {}
+    for path in glob.glob(os.path.join(dump_dir, "*", "*.compile_info")):
+        mt = re.search(r"(\S+): shared_mem_bytes: (\d+)", open(path).read())
+        if mt:
+            found[mt.group(1)] = max(found.get(mt.group(1), 0), int(mt.group(2)))
     return ", ".join(f"{k}: {v / 1024:.0f} KiB" for k, v in sorted(found.items())) or "-"
 
 
@@ -168,19 +182,28 @@ def run_one(target: str, kernel: str, model: str, dtype: str) -> dict:
             topo = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu")
         mesh = jax.sharding.Mesh(topo.devices[:1], ("x",))
         fn, args, out["shape"] = _build(kernel, model, dtype, NamedSharding(mesh, P()))
+        if kernel in GPU_ONLY:   # jax_triton writes PTX and compile_info (shared memory) here
+            from jax_triton import triton_lib
+            triton_lib._JAX_TRITON_DUMP_DIR = dump_dir
         t0 = time.perf_counter()
         with pk.compile_target(platform), jax.set_mesh(mesh):
             lowered = jax.jit(fn).trace(*args).lower()
             out["lower_s"] = round(time.perf_counter() - t0, 2)
             text = lowered.as_text()
             call = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}[platform]
+            if kernel in GPU_ONLY:   # jax_triton compiles to cubin while lowering
+                call = "triton_kernel_call"
             if call not in text:
                 raise RuntimeError(f"lowered module holds no {call}: the kernel did not lower")
             t1 = time.perf_counter()
             compiled = lowered.compile()
             out["compile_s"] = round(time.perf_counter() - t1, 2)
         out["status"] = "compiled"
-        out["memory"] = _gpu_smem(dump_dir) if platform == "cuda" else _tpu_vmem(compiled.as_text())
+        if kernel in GPU_ONLY:
+            out["memory"] = _jax_triton_smem(dump_dir)
+        else:
+            out["memory"] = (_gpu_smem(dump_dir) if platform == "cuda"
+                             else _tpu_vmem(compiled.as_text()))
     except Exception as e:  # noqa: BLE001 - the reason is the result
         out["status"] = "FAILED: " + _short(f"{type(e).__name__}: {e}")
         if out["lower_s"] is not None and out["compile_s"] is None:
@@ -195,9 +218,10 @@ def run_one(target: str, kernel: str, model: str, dtype: str) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 def _cases(args):
-    from pallas_kernels import targets as tg
     for target in args.targets:
         for kernel in args.kernels:
+            if kernel in GPU_ONLY and TARGETS[target]["platform"] != "cuda":
+                continue
             for model in args.models:
                 for dtype in args.dtypes:
                     yield target, kernel, model, dtype
