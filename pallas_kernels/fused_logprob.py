@@ -604,6 +604,76 @@ def _fused_core_bwd(opts, res, cotangents):
 _fused_core.defvjp(_fused_core_fwd, _fused_core_bwd)
 
 
+# ----------------------------------------------------------------------------------------------
+# vocabulary split over a mesh axis (call inside shard_map): the kernel per shard, statistics
+# merged with collectives, the backward per shard with the merged lse and entropy.
+# ----------------------------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _shard_core(hidden, lm_head, targets_local, opts: _Opts, axis):
+    return _shard_core_fwd(hidden, lm_head, targets_local, opts, axis)[0]
+
+
+def _shard_core_fwd(hidden, lm_head, targets_local, opts, axis):
+    lse_j, t_j, ent_j, _ = _forward(hidden, lm_head, targets_local, opts)
+    m = lax.pmax(lse_j, axis)
+    lse = m + jnp.log(lax.psum(jnp.exp(lse_j - m), axis))
+    # entropy over the union of the shards: H = sum_j w_j (H_j - log w_j), w_j = e^{lse_j - lse}
+    log_w = lse_j - lse
+    ent = lax.psum(jnp.exp(log_w) * (ent_j - log_w), axis)
+    logp = lax.psum(t_j, axis) - lse
+    return (logp, ent), (hidden, lm_head, targets_local, lse, ent)
+
+
+def _shard_core_bwd(opts, axis, res, cotangents):
+    hidden, lm_head, targets_local, lse, ent = res
+    # The outputs are replicated over `axis`; shard_map (check_vma=False) hands each shard
+    # 1/k of their cotangent, so the whole cotangent is the sum over the shards.
+    g_logp, g_ent = lax.psum(cotangents, axis)
+    fn = _pallas_backward if opts.impl == "pallas" else _chunked_backward
+    # dL/dz_v on this shard's columns with the global softmax (global lse and entropy); the
+    # hidden gradient is this shard's part (shard_map sums it over `axis`, see the caller).
+    dh, dw = fn(hidden, lm_head, targets_local, lse, ent, g_logp, g_ent, opts)
+    return dh, dw, None
+
+
+_shard_core.defvjp(_shard_core_fwd, _shard_core_bwd)
+
+
+def fused_logprob_vocab_shard(
+    hidden: jax.Array,
+    lm_head: jax.Array,
+    targets: jax.Array,
+    *,
+    axis_name: str,
+    vocab_start: jax.Array | int,
+    temperature: float = 1.0,
+    impl: str = "auto",
+    block_t: int | None = None,
+    block_v: int | None = None,
+    block_d: int | None = None,
+    family: str | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """`fused_logprob` with the vocabulary split over mesh axis `axis_name`; call it inside
+    shard_map (check_vma=False) with `hidden` replicated over that axis.
+
+    hidden [T, D]; lm_head [D, V_k] this shard's columns, the first being global column
+    `vocab_start`; targets [T] global token ids. Returns (logp [T], entropy [T]) over the whole
+    vocabulary, equal on every shard of the axis. Each shard runs the kernel (or the chunked path)
+    on its columns; only [T]-vectors cross the axis (one pmax, three psums). The backward runs per
+    shard with the merged lse and entropy: d lm_head stays on its shard, d hidden is this shard's
+    part, which shard_map's transpose sums over `axis_name` (hidden enters replicated there).
+    """
+    _check_inputs(hidden, lm_head, targets, temperature, impl)
+    impl = resolve_impl(impl, hidden, lm_head, family=family)
+    if impl == "naive":
+        raise ValueError("fused_logprob_vocab_shard: impl='naive' has no sharded form; use "
+                         "'auto', 'pallas' or 'chunked'")
+    opts = _opts(impl, hidden, lm_head, temperature, block_t, block_v, block_d, family)
+    targets_local = targets.astype(jnp.int32) - vocab_start   # off-shard ids match no column
+    return _shard_core(hidden, lm_head, targets_local, opts, axis_name)
+
+
 def resolve_impl(impl: str, hidden=None, lm_head=None, *, family: str | None = None) -> str:
     """"auto" -> "chunked" on CPU (where Pallas only interprets), "pallas" on GPU/TPU unless the
     kernel cannot compile for these shapes there (pallas_unsupported_reason; logged once)."""

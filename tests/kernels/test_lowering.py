@@ -194,3 +194,26 @@ def test_update_and_logprob_steps_lower(platform, model):
     assert text.count(call) == 4, text.count(call)
     text = lowered_text(platform, logprobs, params, batch)
     assert text.count(call) == 1
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_vocab_parallel_logprob_runs_the_kernel_inside_shard_map(platform):
+    """Vocabulary split over `tensor`, tokens over `data` (a 2x2 abstract mesh): forward and
+    backward kernels per shard, inside shard_map, none left for GSPMD to partition."""
+    from brorl_jax.parallel.vocab_parallel import vocab_parallel_logprob
+    m = tg.MODEL_SHAPES["qwen2.5-7b"]
+    mesh = (pk.tpu_abstract_mesh((2, 2), ("data", "tensor")) if platform == "tpu"
+            else jax.sharding.AbstractMesh((2, 2), ("data", "tensor")))
+
+    def fwd_bwd(h, w, y):
+        def loss(h, w):
+            lp, ent = vocab_parallel_logprob(h, w, y, mesh=mesh, token_axes=("data",))
+            return jnp.sum(lp) + jnp.sum(ent)
+        return jax.grad(loss, argnums=(0, 1))(h, w)
+
+    args = (sds((2048, m.hidden), "bfloat16"), sds((m.hidden, m.vocab), "bfloat16"),
+            sds((2048,), "int32"))
+    with pk.compile_target(platform), jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(fwd_bwd).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    assert text.count(CUSTOM_CALL[platform]) == 3
+    assert "sdy.manual_computation" in text or "shard_map" in text
