@@ -18,13 +18,21 @@ then dL/dhidden = dz @ lm_head^T / temperature and dL/dlm_head = hidden^T @ dz /
 accumulated tile by tile, so memory stays O(T*D + D*V) for any T.
 
 Implementations (`impl=`):
-  "pallas"  - pl.pallas_call kernels (forward; backward for hidden; backward for lm_head), grid
-              over token blocks (resp. vocab blocks), inner loop over the other axis. Compiled on
-              GPU/TPU, interpreted on CPU (slow: tiny shapes only).
+  "pallas"  - pl.pallas_call kernels (forward; backward for hidden; backward for lm_head) in two
+              families (see _backend): "triton" on GPU - explicit Triton compiler params, grid
+              over token blocks (resp. vocab tiles), inner loops over the other axis and over
+              64-wide pieces of the hidden dim, so only one dot's operands sit in shared memory;
+              "mosaic" on TPU - token and vocab tiles are both grid axes, each step DMAs one
+              [block_t, D] x [D, block_v] pair into VMEM (block_v planned against the VMEM
+              budget), running statistics in VMEM scratch. Neither ever holds the whole lm_head
+              or a whole vocabulary row. Interpreted on CPU (slow: tiny shapes only).
   "chunked" - the same math in plain jnp: lax.scan over token blocks and vocab chunks.
   "naive"   - the reference (full logits, autodiff); see fused_logprob_reference.py.
   "auto"    - "chunked" on CPU (interpreted Pallas is far slower than XLA there), "pallas" on
-              GPU/TPU.
+              GPU/TPU unless pallas_unsupported_reason() names a reason (a dtype, a VMEM budget,
+              a mesh outside shard_map): then "chunked", logged once per reason.
+fused_logprob_vocab_shard: the same with the vocabulary split over a mesh axis (inside
+shard_map), used by brorl_jax.parallel.vocab_parallel.
 """
 from __future__ import annotations
 
