@@ -43,8 +43,8 @@ def per_shard(impl, **kw):
 
 cases = {
     "shard chunked": per_shard("chunked"),
-    "shard pallas triton": per_shard("pallas", block_t=16, block_v=128, family="triton"),
     "shard pallas mosaic": per_shard("pallas", block_t=16, block_v=128, family="mosaic"),
+    # the wiring: on CPU impl="pallas" interprets the triton family, default tiles
     "vocab_parallel_logprob pallas": lambda h, w: vocab_parallel_logprob(
         h, w, y, mesh=mesh, token_axes=("data",), temperature=TEMP, impl="pallas"),
 }
