@@ -242,7 +242,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
     ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
-    ap.add_argument("--models", nargs="+", default=list(tg.MODEL_SHAPES),
+    ap.add_argument("--models", "--shapes", nargs="+", default=list(tg.MODEL_SHAPES),
                     choices=list(tg.MODEL_SHAPES))
     ap.add_argument("--dtypes", nargs="+", default=list(tg.DTYPES), choices=list(tg.DTYPES))
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per case")

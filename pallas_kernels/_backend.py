@@ -66,8 +66,9 @@ def compile_target(platform: str) -> Iterator[None]:
     Inside the context, :func:`backend` reports the target ("gpu"/"tpu"), so kernels pick their
     compiled lowering and that platform's compiler parameters, and ``impl="auto"`` selects the
     kernels as it would on that hardware. Use it around tracing/lowering only: running the traced
-    kernels still needs the real device. For "tpu", Mosaic also needs a TPU device kind: trace
-    under :func:`tpu_abstract_mesh` (or a mesh of real/topology TPU devices).
+    kernels still needs the real device. For "tpu", some Mosaic constructs (rank-1 blocks, for
+    one) also ask for the TPU device kind; the kernels of this package do not, others may: then
+    trace under :func:`tpu_abstract_mesh` (or a mesh of real/topology TPU devices).
     """
     if platform not in _TARGETS:
         raise ValueError(f"compile_target platform must be 'cuda' or 'tpu', got {platform!r}")
