@@ -51,10 +51,8 @@ GPU_LOWERING = "triton"            # the one GPU lowering every kernel here uses
 FAMILIES = ("triton", "mosaic")
 # The TPU generation lowered for when no TPU is attached (bench/compile_check.py compiles for it).
 DEFAULT_TPU_KIND = "TPU v5 lite"
-# Scoped-VMEM limit the Mosaic kernels ask for, and the share of it their tiles are planned in
-# (v5e/v6e have 128 MiB of VMEM per core, v5p 95 MiB; the compiler default is 16 MiB).
-TPU_VMEM_LIMIT_BYTES = 64 * 1024 * 1024
-TPU_VMEM_BUDGET_BYTES = 40 * 1024 * 1024
+# VMEM per TensorCore of DEFAULT_TPU_KIND, used when the device kind is unknown at trace time.
+_DEFAULT_TPU_VMEM_BYTES = 128 * 1024 * 1024
 # H100/H200 shared memory per block (opt-in maximum), what Triton tiles are planned against.
 GPU_SMEM_BYTES = 232_448
 
@@ -125,13 +123,34 @@ def triton_params(num_warps: int = 4, num_stages: int = 2):
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+def tpu_vmem_capacity_bytes() -> int:
+    """VMEM per TensorCore of the TPU traced for (16 MiB on v2-v4, 64 MiB on v5p, 128 MiB on
+    v5e/v6e); DEFAULT_TPU_KIND's when no TPU device kind is known (compile target, no mesh)."""
+    try:
+        from jax.experimental.pallas import tpu as pltpu
+        return int(pltpu.get_tpu_info().vmem_capacity_bytes)
+    except Exception:  # not tracing under a TPU device or abstract TPU mesh
+        return _DEFAULT_TPU_VMEM_BYTES
+
+
+def tpu_vmem_limit_bytes() -> int:
+    """The scoped-VMEM limit Mosaic kernels ask for: half the core's VMEM (the compiler's
+    default is 16 MiB, too little for [256, D] x [D, 512] tiles at D = 4096)."""
+    return tpu_vmem_capacity_bytes() // 2
+
+
+def tpu_vmem_budget_bytes() -> int:
+    """What tiles are planned to use (estimated), a margin under tpu_vmem_limit_bytes()."""
+    return tpu_vmem_limit_bytes() * 5 // 8
+
+
 def mosaic_params(dimension_semantics: tuple[str, ...]):
     """Mosaic TPU compiler parameters; None when interpreting."""
     if interpret_mode():
         return None
     from jax.experimental.pallas import tpu as pltpu
     return pltpu.CompilerParams(dimension_semantics=dimension_semantics,
-                                vmem_limit_bytes=TPU_VMEM_LIMIT_BYTES)
+                                vmem_limit_bytes=tpu_vmem_limit_bytes())
 
 
 def compiler_params(family: str, *, num_warps: int = 4, num_stages: int = 2,

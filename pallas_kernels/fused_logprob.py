@@ -92,13 +92,17 @@ def mosaic_vmem_bytes(block_t: int, block_v: int, hidden: int, itemsize: int) ->
 
 
 def _mosaic_tiles(t_len: int, hidden: int, itemsize: int) -> dict[str, int] | str:
-    bt = min(_MOSAIC_BLOCK_T, _round_up(max(t_len, 1), 16))
-    for bv in _MOSAIC_BLOCK_V:
-        need = mosaic_vmem_bytes(bt, bv, hidden, itemsize)
-        if need <= _backend.TPU_VMEM_BUDGET_BYTES:
-            return {"block_t": bt, "block_v": bv, "block_d": hidden}
-    return (f"hidden size {hidden} needs {need} bytes of VMEM even at block_v=128 "
-            f"(budget {_backend.TPU_VMEM_BUDGET_BYTES})")
+    """The largest (block_t, block_v) whose blocks fit the VMEM budget (tokens first: they set
+    how often the lm_head is re-read), or why none does."""
+    budget = _backend.tpu_vmem_budget_bytes()
+    for bt_max in (_MOSAIC_BLOCK_T, 128, 64, 16):
+        bt = min(bt_max, _round_up(max(t_len, 1), 16))
+        for bv in _MOSAIC_BLOCK_V:
+            need = mosaic_vmem_bytes(bt, bv, hidden, itemsize)
+            if need <= budget:
+                return {"block_t": bt, "block_v": bv, "block_d": hidden}
+    return (f"hidden size {hidden} needs {need} bytes of VMEM even at block_t={bt}, "
+            f"block_v=128 (budget {budget})")
 
 
 def default_block_sizes(impl: str, hidden_size: int, vocab_size: int, *, tokens: int | None = None,
