@@ -59,7 +59,10 @@ def main(out_path: str, layouts: str) -> None:
     cfg = tiny_config()
     params = jax.tree.map(lambda x: x * 4.0 if x.ndim >= 2 else x,
                           init_params(cfg, jax.random.PRNGKey(0)))
-    algo_cfg = algo_config(ppo_mini_batches=2, micro_batch_size=8, kl_coef=1e-3)
+    # ICE-POP without dual-clip: see tests/parallel/_multiprocess_common.py (Adam's first step
+    # turns a layout's float noise on a ~1e-8 gradient into a visible difference otherwise)
+    algo_cfg = algo_config(ppo_mini_batches=2, micro_batch_size=8, kl_coef=1e-3, tis_mode="ice_pop",
+                           tis_high=5.0, dual_clip_c=0.0)
     optimizer = optax.adamw(1e-2)
     batch = update_batch(16, 16, cfg.vocab_size)
     rng = jax.random.PRNGKey(7)
