@@ -41,6 +41,7 @@ class AlgoConfig:
     ppo_mini_batches: int = 4                    # ProRL v1 §3.2: 256 / 64 = 4 updates per step
     ppo_epochs: int = 1
     micro_batch_size: int = 8                    # rows per gradient-accumulation micro-batch
+    micro_batch_tokens: int = 0                  # tokens per micro-batch (// row width = rows); 0 = use micro_batch_size rows
     temperature: float = 1.0                     # rollout temperature; log-probs of logits / T
     # -- off-policy correction (BroRL §3.1 "truncated IS"; ICE-POP bounds from NeMo-RL) --
     tis_mode: str = "ice_pop"                    # "ice_pop" (drop outside band) | "truncate" | "off"
@@ -90,6 +91,8 @@ class AlgoConfig:
         need(self.kl_clamp > 0, f"kl_clamp must be > 0; got {self.kl_clamp}")
         need(self.ppo_mini_batches >= 1 and self.ppo_epochs >= 1 and self.micro_batch_size >= 1,
              "ppo_mini_batches, ppo_epochs and micro_batch_size must be >= 1")
+        need(self.micro_batch_tokens >= 0,
+             f"micro_batch_tokens must be >= 0 (0 = micro_batch_size rows); got {self.micro_batch_tokens}")
         need(self.temperature > 0, f"temperature must be > 0; got {self.temperature}")
         need(self.generation_batch_multiplier > 0,
              f"generation_batch_multiplier must be > 0; got {self.generation_batch_multiplier}")
