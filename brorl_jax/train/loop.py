@@ -272,7 +272,7 @@ class Trainer:
                                        eps=self.algo_cfg.advantage_eps)
         update_batch = algo.assemble_update_batch(
             prompts, kept["tokens"], kept["logprobs"], kept["mask"], advantages, group_valid,
-            seq_len=self.seq_len, pad_id=self.pad_id)
+            seq_len=self.seq_len, pad_id=self.pad_id, pack=False)   # packing: docs/algo.md
         stats = step_rollout_stats(
             rewards_all, lengths_all, truncated_all, correct_threshold=cfg.algo.correct_threshold,
             pass_rate=ds_stats["pass_rate"], rounds=ds_stats["generation_rounds"],

@@ -395,7 +395,7 @@ def assemble_ragged_batch(groups: Sequence[Group], advantages: Sequence[np.ndarr
     from brorl_jax.algo import assemble_update_batch
     parts = [assemble_update_batch([grp.prompt_ids], grp.tokens[None], grp.logprobs[None],
                                    grp.mask[None], np.asarray(adv, np.float32)[None],
-                                   seq_len=seq_len, pad_id=pad_id)
+                                   seq_len=seq_len, pad_id=pad_id, pack=False)
              for grp, adv in zip(groups, advantages)]
     used = sum(p["advantages"].shape[0] for p in parts)
     if used > rows:

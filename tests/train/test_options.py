@@ -325,7 +325,8 @@ def test_ragged_batch_has_the_fixed_shape_with_masked_padding():
     batch = opt.assemble_ragged_batch(groups, adv, rows=16, seq_len=6, pad_id=0)
     assert all(v.shape[0] == 16 for v in batch.values())
     ref = algo.assemble_update_batch([[7]], groups[1].tokens[None], groups[1].logprobs[None],
-                                     groups[1].mask[None], adv[1][None], seq_len=6, pad_id=0)
+                                     groups[1].mask[None], adv[1][None], seq_len=6, pad_id=0,
+                                     pack=False)
     for k, v in ref.items():
         np.testing.assert_array_equal(batch[k][4:12], v)
     assert not batch["loss_mask"][12:].any() and np.all(batch["advantages"][12:] == 0)
