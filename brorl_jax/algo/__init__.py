@@ -3,7 +3,8 @@
 See docs/algo.md for the design and the choices made where the papers are silent.
 """
 from brorl_jax.algo.advantages import ADVANTAGES, compute_advantages, get_advantage_fn
-from brorl_jax.algo.batch import assemble_update_batch
+from brorl_jax.algo.batch import (assemble_update_batch, bucket_rows, is_packed, pad_packed_rows,
+                                  unpack_to_padded)
 from brorl_jax.algo.config import AlgoConfig
 from brorl_jax.algo.dynamic_sampling import (DynamicSampler, DynamicSamplingError, generation_batch_size,
                                              run_dynamic_sampling, select_groups)
@@ -13,16 +14,17 @@ from brorl_jax.algo.losses import (KL_ESTIMATORS, LOSS_AGG, get_kl_estimator, ge
 from brorl_jax.algo.optimizer import (OptimizerConfig, explain_scaled_learning_rate, make_optimizer,
                                       scaled_learning_rate)
 from brorl_jax.algo.update import (PolicyFns, TrainState, create_train_state, make_logprob_fn,
-                                   make_update_step, maybe_reset_reference, model_policy_fns,
-                                   reset_reference)
+                                   make_update_step, maybe_reset_reference, micro_batch_rows,
+                                   model_policy_fns, reset_reference)
 
 __all__ = [
-    "ADVANTAGES", "compute_advantages", "get_advantage_fn", "assemble_update_batch", "AlgoConfig",
+    "ADVANTAGES", "compute_advantages", "get_advantage_fn", "assemble_update_batch", "bucket_rows",
+    "is_packed", "pad_packed_rows", "unpack_to_padded", "AlgoConfig",
     "DynamicSampler", "DynamicSamplingError", "generation_batch_size", "run_dynamic_sampling",
     "select_groups", "apply_length_penalty", "cosine_length_reward", "length_penalty_active",
     "KL_ESTIMATORS", "LOSS_AGG", "get_kl_estimator", "get_loss_agg", "kl_penalty", "policy_loss",
     "ppo_clip_objective", "tis_weights", "OptimizerConfig", "explain_scaled_learning_rate",
     "make_optimizer", "scaled_learning_rate", "PolicyFns", "TrainState", "create_train_state",
-    "make_logprob_fn", "make_update_step", "maybe_reset_reference", "model_policy_fns",
-    "reset_reference",
+    "make_logprob_fn", "make_update_step", "maybe_reset_reference", "micro_batch_rows",
+    "model_policy_fns", "reset_reference",
 ]

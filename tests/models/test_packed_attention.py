@@ -85,15 +85,24 @@ def test_segment_positions_restart_per_sequence():
                                    [0, 1, 2, 3, 4, 5, 6, 0, 0, 0, 0, 0]])
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla"])
+ON_GPU = jax.default_backend() == "gpu"
+
+
+@pytest.mark.parametrize("impl", [
+    "reference", "xla",
+    # cuDNN runs only on a GPU and only in bf16/fp16 (the CPU check of its arguments is below)
+    pytest.param("cudnn", marks=pytest.mark.skipif(not ON_GPU, reason="cuDNN needs a GPU"))])
 def test_forward_with_segment_ids_equals_each_sequence_alone(params, impl):
     """Packed rows vs the same sequences one per row (the padded layout)."""
     cfg = dataclasses.replace(CFG, attention_impl=impl)
+    if impl == "cudnn":
+        cfg = dataclasses.replace(cfg, dtype="bfloat16")
     tokens, seg = packed_inputs()
     packed = FORWARD(params, cfg, jnp.asarray(tokens), segment_ids=jnp.asarray(seg))
     u_tokens, u_mask = unpacked(tokens, seg)
     alone = FORWARD(params, cfg, jnp.asarray(u_tokens), attention_mask=jnp.asarray(u_mask))
-    close_to(to_unpacked(packed, tokens, seg)[u_mask], np.asarray(alone)[u_mask])
+    close_to(to_unpacked(packed, tokens, seg)[u_mask], np.asarray(alone)[u_mask],
+             rel=3e-2 if impl == "cudnn" else 1e-5)
 
 
 def test_reference_gradients_with_segment_ids_equal_each_sequence_alone(params):
