@@ -259,15 +259,16 @@ def unpack_to_padded(batch: dict, values, num_sequences: int, seq_len: int | Non
     return out
 
 
-def pad_packed_rows(batch: dict, rows_per_unit: int) -> dict:
-    """A packed batch with every unit padded to `rows_per_unit` rows (empty rows: segment 0, no
-    loss tokens), e.g. so that processes that packed their own sequences share one shape."""
+def pad_packed_rows(batch: dict, rows_per_unit: int, pad_id: int = 0) -> dict:
+    """A packed batch with every unit padded to `rows_per_unit` rows (empty rows: pad_id tokens,
+    segment 0, no loss tokens), e.g. so that processes that packed their own sequences share one
+    shape: each packs, they agree on the largest rows per unit, each pads to it."""
     units = len(batch["pack_units"])
     rows, t = batch["input_tokens"].shape
     have = rows // units
     if rows_per_unit < have:
         raise ValueError(f"pad_packed_rows: rows_per_unit={rows_per_unit} < the {have} rows a unit has")
-    fill = {"input_tokens": 0, "targets": 0, "sequence_index": -1}
+    fill = {"input_tokens": pad_id, "targets": pad_id, "sequence_index": -1}
     out = {}
     for key, x in batch.items():
         if key == "pack_units":
