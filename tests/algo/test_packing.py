@@ -203,10 +203,12 @@ def model():
     return tiny_model()
 
 
-def test_logprobs_entropy_and_stats_same_on_packed_rows(model):
+@pytest.mark.parametrize("impl", ["chunked", "pallas"])
+def test_logprobs_entropy_and_stats_same_on_packed_rows(model, impl):
+    """The fused log-prob (Pallas kernel, interpreted on CPU, and its chunked twin) on packed rows."""
     mc, params = model
     padded, packed = both_layouts()
-    cfg = AlgoConfig(temperature=0.8, micro_batch_size=4)
+    cfg = AlgoConfig(temperature=0.8, micro_batch_size=4, logprob_impl=impl)
     fn = jax.jit(make_logprob_fn(mc, cfg, with_stats=True))
     lm = padded["loss_mask"]
     (a_lp, a_ent, a_st), (b_lp, b_ent, b_st) = fn(params, padded), fn(params, packed)
