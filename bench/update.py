@@ -35,15 +35,15 @@ def child(a) -> None:
     import jax
 
     from _measure import current_rss_bytes, device_peak_bytes, peak_rss_bytes
-    from brorl_jax.algo import (AlgoConfig, OptimizerConfig, create_train_state, make_optimizer,
-                                make_update_step)
+    from brorl_jax.algo import create_train_state, make_optimizer, make_update_step
+    from brorl_jax.config import algo_config, optimizer_config
     from brorl_jax.models import init_params
 
     mc = _model_config(a, a.seq)
     n = a.n
-    cfg = AlgoConfig(rollouts_per_prompt=n, prompts_per_step=a.prompts, micro_batch_size=a.micro,
-                     ppo_mini_batches=a.mini_batches)
-    opt = make_optimizer(OptimizerConfig(learning_rate=1e-6))
+    cfg = algo_config(rollouts_per_prompt=n, prompts_per_step=a.prompts, micro_batch_size=a.micro,
+                      ppo_mini_batches=a.mini_batches)
+    opt = make_optimizer(optimizer_config(lr=1e-6))
     state = create_train_state(init_params(mc, jax.random.PRNGKey(0)), opt)
     rows, t = cfg.batch_rows, a.seq
     rng = np.random.default_rng(0)
@@ -99,9 +99,9 @@ def _divisor_at_most(n: int, k: int) -> int:
 def long_tail_child(a) -> None:
     import jax
 
-    from brorl_jax.algo import (AlgoConfig, OptimizerConfig, assemble_update_batch,
-                                create_train_state, make_logprob_fn, make_optimizer,
-                                make_update_step)
+    from brorl_jax.algo import (assemble_update_batch, create_train_state, make_logprob_fn,
+                                make_optimizer, make_update_step)
+    from brorl_jax.config import algo_config, optimizer_config
     from brorl_jax.models import init_params
 
     g, n = a.prompts, a.n
@@ -111,7 +111,7 @@ def long_tail_child(a) -> None:
     uniform = np.full((g, n), a.mean)
     mc = _model_config(a, width)
     params = init_params(mc, jax.random.PRNGKey(0))
-    opt = make_optimizer(OptimizerConfig(learning_rate=1e-6))
+    opt = make_optimizer(optimizer_config(lr=1e-6))
     base = dict(rollouts_per_prompt=n, prompts_per_step=g, ppo_mini_batches=a.mini_batches,
                 kl_coef=1e-4)
     mini_rows = g * n // a.mini_batches
@@ -127,7 +127,7 @@ def long_tail_child(a) -> None:
         else:
             micro = _divisor_at_most(mini_rows, micro)
             batch = assemble_update_batch(*args, seq_len=t, pack=False)
-        cfg = AlgoConfig(micro_batch_tokens=micro * t, **base)
+        cfg = algo_config(micro_batch_tokens=micro * t, **base)
         real = int(sum(len(p) for p in args[0]) * n + lens.sum())
         variants[name] = dict(batch=jax.device_put(batch), cfg=cfg, real_tokens=real,
                               rows=batch["input_tokens"].shape[0], width=t, micro_rows=micro,

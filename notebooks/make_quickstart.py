@@ -238,8 +238,8 @@ CELLS: list[tuple[str, str]] = [
         t0 = time.perf_counter()
         trainer = Trainer(cfg, run_dir)
         try:
-            last = trainer.run()
-            trained_params = trainer.state.params
+            result = trainer.run()
+            last, trained_params = result.metrics, result.state.params
         finally:
             trainer.close()                         # stops the reward worker processes
         print(f"{cfg.train.steps} BroRL steps (plus warm start) in {time.perf_counter() - t0:.0f}s")

@@ -42,6 +42,7 @@ from pallas_kernels import _backend
 from pallas_kernels._backend import interpret_mode
 
 _IMPLS = ("auto", "reference", "pallas")
+IMPLS = _IMPLS  # public: the rollout kernel choices that config validation reads
 
 
 def _check_args(logits: jax.Array, temperature: float, top_k: int, top_p: float) -> None:

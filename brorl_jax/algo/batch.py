@@ -278,3 +278,51 @@ def pad_packed_rows(batch: dict, rows_per_unit: int, pad_id: int = 0) -> dict:
         pad = np.full((units, rows_per_unit - have) + x.shape[2:], fill.get(key, 0), x.dtype)
         out[key] = np.concatenate([x, pad], axis=1).reshape((units * rows_per_unit,) + x.shape[2:])
     return out
+
+
+def assemble_groups(groups, advantages, *, rows: int, seq_len: int, pad_id: int = 0,
+                    pack: bool = False, mini_batches: int = 1, row_multiple: int = 1,
+                    min_rows: int = 0) -> dict[str, np.ndarray]:
+    """The update batch from kept groups (algo.Group, any sizes); advantages[g]: float32 [n_g].
+
+    pack=False: each group's rows as assemble_update_batch builds them, concatenated in order,
+    then padding rows (pad tokens, loss_mask False, advantage 0) up to exactly `rows`, so the
+    compiled update keeps one shape.
+    pack=True: the same `rows` sequence slots in the packed layout (sequence_index = the padded
+    layout's row), packed in `mini_batches` units of rows / mini_batches slots (give
+    algo.ppo_mini_batches), row_multiple / min_rows as in assemble_update_batch."""
+    used = sum(grp.n for grp in groups)
+    if used > rows:
+        raise ValueError(f"groups hold {used} rows, more than the batch's {rows}")
+    if pack:
+        s = max([grp.tokens.shape[-1] for grp in groups] or [1])
+        fill = rows - used
+
+        def stack(get, dtype, fill_value=0):
+            parts = [np.asarray(get(grp), dtype).reshape(grp.n, -1) for grp in groups]
+            parts = [np.pad(x, ((0, 0), (0, s - x.shape[1])), constant_values=fill_value) for x in parts]
+            return np.concatenate(parts + [np.full((fill, s), fill_value, dtype)])[:, None]
+
+        prompts = [list(grp.prompt_ids) for grp in groups for _ in range(grp.n)] + [[pad_id]] * fill
+        adv = np.concatenate([np.asarray(a, np.float32).reshape(-1) for a in advantages]
+                             + [np.zeros(fill, np.float32)])[:, None]
+        return assemble_update_batch(prompts, stack(lambda g: g.tokens, np.int32, pad_id),
+                                     stack(lambda g: g.logprobs, np.float32),
+                                     stack(lambda g: g.mask, bool, False), adv, seq_len=seq_len,
+                                     pad_id=pad_id, mini_batches=mini_batches,
+                                     row_multiple=row_multiple, min_rows=min_rows)
+    parts = [assemble_update_batch([grp.prompt_ids], grp.tokens[None], grp.logprobs[None],
+                                   grp.mask[None], np.asarray(adv, np.float32)[None],
+                                   seq_len=seq_len, pad_id=pad_id, pack=False)
+             for grp, adv in zip(groups, advantages)]
+    pad = rows - used
+    filler = {
+        "input_tokens": np.full((pad, seq_len), pad_id, np.int32),
+        "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), (pad, seq_len)).copy(),
+        "loss_mask": np.zeros((pad, seq_len), bool),
+        "targets": np.full((pad, seq_len), pad_id, np.int32),
+        "old_logprobs": np.zeros((pad, seq_len), np.float32),
+        "ref_logprobs": np.zeros((pad, seq_len), np.float32),
+        "advantages": np.zeros((pad,), np.float32),
+    }
+    return {k: np.concatenate([p[k] for p in parts] + [filler[k]], axis=0) for k in filler}

@@ -135,18 +135,33 @@ def ppo_clip_objective(logp, old_logp, advantages, clip_eps_low: float, clip_eps
     return pg, ratio, clipped_low, clipped_high
 
 
+def _tis_ice_pop(k, low, high):
+    keep = (k >= low) & (k <= high)
+    return jnp.where(keep, k, 0.0), ~keep
+
+
+def _tis_truncate(k, low, high):
+    del low
+    return jnp.minimum(k, high), k > high
+
+
+def _tis_off(k, low, high):
+    del low, high
+    return jnp.ones_like(k), jnp.zeros(k.shape, bool)
+
+
+# algo.tis_mode: weight(k, low, high) -> (weight, dropped-or-truncated mask)
+TIS_MODES: dict[str, Callable] = {"ice_pop": _tis_ice_pop, "truncate": _tis_truncate,
+                                  "off": _tis_off}
+
+
 def tis_weights(trainer_logp, rollout_logp, mode: str = "ice_pop", low: float = 0.5, high: float = 5.0):
     """Importance weight of the trainer's pi_old over the rollout engine's pi, [B, T], under
     stop_gradient. Returns (weight, dropped bool). See module docstring for the modes."""
+    if mode not in TIS_MODES:
+        raise ValueError(f"unknown tis_mode {mode!r}; allowed: {sorted(TIS_MODES)}")
     k = jnp.exp(lax_stop(trainer_logp) - lax_stop(rollout_logp))
-    if mode == "off":
-        return jnp.ones_like(k), jnp.zeros(k.shape, bool)
-    if mode == "ice_pop":
-        keep = (k >= low) & (k <= high)
-        return jnp.where(keep, k, 0.0), ~keep
-    if mode == "truncate":
-        return jnp.minimum(k, high), k > high
-    raise ValueError(f"unknown tis_mode {mode!r}; allowed: ['ice_pop', 'off', 'truncate']")
+    return TIS_MODES[mode](k, low, high)
 
 
 def lax_stop(x):

@@ -64,9 +64,11 @@ def reset_reference(state: TrainState, optimizer: optax.GradientTransformation |
 
 def maybe_reset_reference(state: TrainState, cfg: AlgoConfig,
                           optimizer: optax.GradientTransformation | None = None) -> tuple[TrainState, bool]:
-    """Reset every cfg.ref_reset_interval RL steps (host-side check on state.step)."""
+    """After an update: reset pi_ref every cfg.ref_reset_every RL steps (host-side check on
+    state.step, the RL steps done). Without a KL term there is no reference to reset."""
     step = int(state.step)
-    if cfg.ref_reset_interval > 0 and step > 0 and step % cfg.ref_reset_interval == 0:
+    if (cfg.ref_reset_every > 0 and cfg.kl_coef > 0 and state.ref_params is not None
+            and step > 0 and step % cfg.ref_reset_every == 0):
         return reset_reference(state, optimizer, reset_optimizer=cfg.reset_optimizer_on_ref_reset), True
     return state, False
 
@@ -209,7 +211,9 @@ def make_logprob_fn(model_cfg=None, algo_cfg: AlgoConfig | None = None, *, polic
     unsampled_n) when unsampled_n is given, both from the same pass over the vocabulary. Used for
     the reference log-probs, pi_old and diagnostics. Jit it yourself.
     logprob_fn / shard_rows: see make_update_step."""
-    cfg = algo_cfg or AlgoConfig()
+    if algo_cfg is None:
+        raise ValueError("make_logprob_fn needs algo_cfg (brorl_jax.config.algo_config(...))")
+    cfg = algo_cfg
     pol = _resolve_policy(model_cfg, policy)
 
     def logprobs(params, batch):

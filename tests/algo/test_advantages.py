@@ -11,8 +11,8 @@ R = np.array([[1, 0, 0, 1],
 
 
 def test_registry_names_and_unknown_name():
-    assert sorted(ADVANTAGES) == ["grpo", "reinforce_pp_baseline", "rloo"]
-    with pytest.raises(ValueError, match="allowed: \\['grpo', 'reinforce_pp_baseline', 'rloo'\\]"):
+    assert sorted(ADVANTAGES) == ["dr_grpo", "grpo", "reinforce_pp_baseline", "rloo"]
+    with pytest.raises(ValueError, match="allowed: \\['dr_grpo', 'grpo', 'reinforce_pp_baseline', 'rloo'\\]"):
         get_advantage_fn("ppo")
 
 
@@ -68,3 +68,42 @@ def test_bad_shapes_raise(name):
         compute_advantages(name, np.zeros((3,)))
     with pytest.raises(ValueError, match="group_mask"):
         compute_advantages(name, np.zeros((3, 4)), np.ones(2, bool))
+
+
+def test_dr_grpo_is_the_unnormalised_group_advantage():
+    # Dr. GRPO (Liu et al. 2025): R - mean_group(R), no division by the group std
+    a = np.asarray(compute_advantages("dr_grpo", R))
+    np.testing.assert_allclose(a, R - R.mean(1, keepdims=True), atol=1e-7)
+    r = np.array([[3.0, 0.0, 0.0], [1.0, 1.0, 1.0]], np.float32)
+    np.testing.assert_allclose(np.asarray(compute_advantages("dr_grpo", r)),
+                               [[2.0, -1.0, -1.0], [0, 0, 0]], atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(ADVANTAGES))
+def test_sample_mask_all_true_equals_no_mask(name):
+    r = np.random.default_rng(1).integers(0, 2, (5, 6)).astype(np.float32)
+    got = compute_advantages(name, r, sample_mask=np.ones(r.shape, bool))
+    np.testing.assert_allclose(got, np.asarray(compute_advantages(name, r)), atol=1e-6)
+
+
+def test_ragged_groups_match_brute_force():
+    """Groups of different sizes (adaptive N), padded with sample_mask False."""
+    groups = [np.array([1.0, 0, 0, 1]), np.array([1.0, 0, 0, 0, 0, 0, 1, 1]), np.array([0.0, 1])]
+    r = np.zeros((3, 8), np.float32)
+    mask = np.zeros((3, 8), bool)
+    for i, g in enumerate(groups):
+        r[i, :len(g)], mask[i, :len(g)] = g, True
+    centered = [g - g.mean() for g in groups]
+    flat = np.concatenate(centered)
+    want = {
+        "reinforce_pp_baseline": [c / (flat.std() + 1e-6) for c in centered],
+        "rloo": [[g[j] - np.delete(g, j).mean() for j in range(len(g))] for g in groups],
+        "grpo": [(g - g.mean()) / (g.std(ddof=1) + 1e-6) for g in groups],
+        "dr_grpo": centered,
+    }
+    assert sorted(want) == sorted(ADVANTAGES)
+    for name, expect in want.items():
+        got = np.asarray(compute_advantages(name, r, sample_mask=mask))
+        for i, w in enumerate(expect):
+            np.testing.assert_allclose(got[i, :len(w)], w, rtol=1e-5, atol=1e-6)
+            assert np.all(got[i, len(w):] == 0)

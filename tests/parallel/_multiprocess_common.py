@@ -4,10 +4,10 @@ from __future__ import annotations
 import jax
 import optax
 
-from brorl_jax.algo import AlgoConfig
+from brorl_jax.config import algo_config
 from brorl_jax.models import init_params
 
-ALGO = AlgoConfig(ppo_mini_batches=2, micro_batch_size=4, kl_coef=1e-3)
+ALGO = algo_config(ppo_mini_batches=2, micro_batch_size=4, kl_coef=1e-3)
 
 
 def make_optimizer_for_test():

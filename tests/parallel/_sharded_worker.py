@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from brorl_jax.algo import AlgoConfig, create_train_state, make_logprob_fn, make_update_step
+from brorl_jax.algo import create_train_state, make_logprob_fn, make_update_step
+from brorl_jax.config import algo_config
 from brorl_jax.models import Model, ModelConfig, init_params
 from brorl_jax.parallel import sharded
 from brorl_jax.parallel.mesh import make_mesh
@@ -58,7 +59,7 @@ def main(out_path: str, layouts: str) -> None:
     cfg = tiny_config()
     params = jax.tree.map(lambda x: x * 4.0 if x.ndim >= 2 else x,
                           init_params(cfg, jax.random.PRNGKey(0)))
-    algo_cfg = AlgoConfig(ppo_mini_batches=2, micro_batch_size=8, kl_coef=1e-3)
+    algo_cfg = algo_config(ppo_mini_batches=2, micro_batch_size=8, kl_coef=1e-3)
     optimizer = optax.adamw(1e-2)
     batch = update_batch(16, 16, cfg.vocab_size)
     rng = jax.random.PRNGKey(7)
