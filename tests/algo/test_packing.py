@@ -150,6 +150,31 @@ def test_row_multiple_min_rows_and_pad_packed_rows():
     assert (grown["sequence_index"][9:12] == -1).all()
 
 
+def test_assemble_groups_packs_ragged_groups_like_its_padded_rows():
+    """The loop's entry (groups of any size, a fixed row budget): pack=True holds the padded
+    rows' tokens, sequence_index = the padded row, units over the row budget."""
+    from brorl_jax.algo import Group, assemble_groups
+    rng = np.random.default_rng(4)
+    groups = []
+    for n, plen in ((3, 2), (5, 4)):
+        lens = rng.integers(0, S + 1, n)
+        mask = np.arange(S)[None] < lens[:, None]
+        groups.append(Group(prompt_ids=list(map(int, rng.integers(4, VOCAB, plen))),
+                            tokens=rng.integers(4, VOCAB, (n, S)) * mask,
+                            logprobs=(-3 + rng.normal(size=(n, S))).astype(np.float32) * mask,
+                            mask=mask, lengths=lens, rewards=np.zeros(n), shaped=np.zeros(n)))
+    adv = [rng.normal(size=g.n).astype(np.float32) for g in groups]
+    padded = assemble_groups(groups, adv, rows=12, seq_len=WIDTH)
+    packed = assemble_groups(groups, adv, rows=12, seq_len=WIDTH, pack=True, mini_batches=2)
+    np.testing.assert_array_equal(packed["pack_units"], [6, 6])
+    lm = padded["loss_mask"]
+    assert packed["loss_mask"].sum() == lm.sum() > 0
+    for k in ("input_tokens", "targets", "old_logprobs", "loss_mask"):
+        np.testing.assert_array_equal(unpack_to_padded(packed, packed[k], 12)[lm], padded[k][lm], err_msg=k)
+    adv_back = unpack_to_padded(packed, packed["advantages"], 12)
+    np.testing.assert_array_equal(adv_back[lm], np.broadcast_to(padded["advantages"][:, None], lm.shape)[lm])
+
+
 # --------------------------------------------------------------------- losses on packed rows
 
 def test_segment_token_counts():
