@@ -2,7 +2,8 @@
 entropy bonus and loss aggregation (BroRL §3.1, ProRLv2; veRL core_algos conventions, checked
 against veRL's own outputs in tests/algo/test_verl_parity.py).
 
-Per token t of response i (all arrays [B, T], broadcast advantages A [B] -> [B, T]):
+Per token t of response i (all arrays [B, T], advantages A [B] broadcast -> [B, T], or per token
+[B, T] on packed rows):
     r       = exp(clamp(logp - old_logp, -20, 20))          PPO ratio (veRL clamps the log-ratio)
     pg      = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))        (= -min(r A, clip(r) A))
     dual    = min(pg, -c A) where A < 0, if dual_clip_c = c > 1   (veRL compute_policy_loss_vanilla;
@@ -20,7 +21,7 @@ Per token t of response i (all arrays [B, T], broadcast advantages A [B] -> [B, 
     loss    = sum_t agg_weight_t loss_t
 with aggregation weights (computed on the whole PPO mini-batch so that micro-batch sums add up):
     token_mean:           mask / sum(mask)
-    seq_mean_token_mean:  mask / (len_i * #non-empty sequences)
+    seq_mean_token_mean:  mask / (len_i * #non-empty sequences)   (segment sums on packed rows)
 """
 from __future__ import annotations
 
@@ -31,29 +32,58 @@ import jax.numpy as jnp
 
 
 # ------------------------------------------------------------------------- aggregation weights
+# A "sequence" is a row of the padded layout, or a run of equal segment ids in a packed row
+# (docs/INTERFACES.md "algo"); a packed sequence never straddles rows, so per-sequence sums are
+# row-local.
 
-def token_mean_weights(mask: jax.Array) -> jax.Array:
-    """mask [B, T] -> weights [B, T] summing to 1 over all valid tokens (token-level loss)."""
+def token_mean_weights(mask: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    """mask [B, T] -> weights [B, T] summing to 1 over all valid tokens (token-level loss).
+    segment_ids is accepted for a uniform signature (packing does not change a token mean)."""
+    del segment_ids
     m = mask.astype(jnp.float32)
     return m / jnp.maximum(jnp.sum(m), 1.0)
 
 
-def seq_mean_token_mean_weights(mask: jax.Array) -> jax.Array:
-    """mask [B, T] -> weights: mean over tokens within each sequence, then over non-empty
-    sequences (rows without any loss token, e.g. dynamic-sampling padding, are not counted)."""
+def segment_token_counts(mask: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-sequence sums on packed rows: mask [B, T], segment_ids int [B, T] (each sequence one
+    contiguous run of equal ids within its row) -> (count [B, T]: the number of mask tokens of the
+    token's sequence, first bool [B, T]: the token opens its run). Row-local prefix sums (exact
+    for counts below 2^24), so rows stay independent under a row-sharded mesh."""
     m = mask.astype(jnp.float32)
-    lens = jnp.sum(m, axis=1, keepdims=True)
-    n_seq = jnp.maximum(jnp.sum(lens > 0), 1)
+    seg = segment_ids.astype(jnp.int32)
+    t = seg.shape[1]
+    idx = jnp.arange(t, dtype=jnp.int32)
+    first = seg != jnp.pad(seg[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+    last = seg != jnp.pad(seg[:, 1:], ((0, 0), (0, 1)), constant_values=-1)
+    start = jax.lax.cummax(jnp.where(first, idx, 0), axis=1)
+    end = jax.lax.cummin(jnp.where(last, idx, t - 1), axis=1, reverse=True)
+    c = jnp.cumsum(m, axis=1)
+    at = lambda x, i: jnp.take_along_axis(x, i, axis=1)
+    return at(c, end) - at(c, start) + at(m, start), first
+
+
+def seq_mean_token_mean_weights(mask: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    """mask [B, T] -> weights: mean over tokens within each sequence, then over non-empty
+    sequences (sequences without any loss token, e.g. dynamic-sampling padding, are not counted).
+    segment_ids [B, T]: packed rows (sequences are segments); None: each row is one sequence."""
+    m = mask.astype(jnp.float32)
+    if segment_ids is None:
+        lens = jnp.sum(m, axis=1, keepdims=True)
+        n_seq = jnp.maximum(jnp.sum(lens > 0), 1)
+    else:
+        lens, first = segment_token_counts(mask, segment_ids)
+        n_seq = jnp.maximum(jnp.sum(first & (segment_ids > 0) & (lens > 0)), 1)
     return m / jnp.maximum(lens, 1.0) / n_seq
 
 
-LOSS_AGG: dict[str, Callable[[jax.Array], jax.Array]] = {
+LOSS_AGG: dict[str, Callable[..., jax.Array]] = {
     "token_mean": token_mean_weights,
     "seq_mean_token_mean": seq_mean_token_mean_weights,
 }
 
 
-def get_loss_agg(name: str) -> Callable[[jax.Array], jax.Array]:
+def get_loss_agg(name: str) -> Callable[..., jax.Array]:
+    """LOSS_AGG[name]: (loss_mask [B, T], segment_ids [B, T] or None) -> weights [B, T]."""
     try:
         return LOSS_AGG[name]
     except KeyError:
@@ -185,8 +215,8 @@ def policy_loss(
 
     logp, entropy: current policy [B, T]; old_logp: step-start trainer log-probs; rollout_logp:
     sampling-time log-probs (the TIS denominator); ref_logp: reference log-probs or None when
-    kl_coef == 0; advantages [B]; loss_mask bool [B, T]; agg_weights [B, T] from LOSS_AGG applied
-    to the whole mini-batch; cfg: AlgoConfig.
+    kl_coef == 0; advantages [B] (per row) or [B, T] (per token, packed rows); loss_mask bool
+    [B, T]; agg_weights [B, T] from LOSS_AGG applied to the whole mini-batch; cfg: AlgoConfig.
     Returns (loss, sums) where sums holds token-sums (over loss_mask) of the diagnostics plus the
     weighted pg/kl/entropy terms, so callers can add micro-batches and divide by n_tokens.
     """

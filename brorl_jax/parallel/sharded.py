@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from brorl_jax.algo.update import (PolicyFns, TrainState, make_logprob_fn, make_update_step,
-                                   model_policy_fns)
+                                   model_policy_fns, split_attention_arg)
 from brorl_jax.parallel import rules as R
 from brorl_jax.parallel.attention import forward_hidden
 from brorl_jax.parallel.vocab_parallel import sharded_fused_logprob, vocab_parallel_logprob
@@ -70,12 +70,15 @@ def sharded_policy_fns(model_cfg, mesh: Mesh, axes: str | dict = "default", *,
     fix = functools.partial(constrain_rows, mesh=mesh, axes=axes)
 
     def hidden(params, tokens, positions, attention_mask, remat):
+        # attention_mask: a padding mask, or segment ids for packed rows (PolicyFns)
         tokens = fix(tokens)
         positions = None if positions is None else fix(positions)
         mask = None if attention_mask is None else fix(attention_mask)
         if attention == "chunked":
+            pad_mask, segments = split_attention_arg(mask)
             h = forward_hidden(params, model_cfg, tokens, positions=positions,
-                               attention_mask=mask, remat=remat, q_chunk=q_chunk, constrain=fix)
+                               attention_mask=pad_mask, segment_ids=segments, remat=remat,
+                               q_chunk=q_chunk, constrain=fix)
         else:
             h = base.hidden(params, tokens, positions, mask, remat)
         return fix(h)
@@ -218,13 +221,13 @@ def make_vocab_parallel_logprob(model_cfg, mesh: Mesh, params: Any, batch: dict,
         micro = min(micro_batch_size or rows, rows)
         if rows % micro:
             raise ValueError(f"batch rows {rows} not divisible by micro_batch_size={micro}")
-        keys = ["input_tokens", "positions", "targets"] + (
-            ["attention_mask"] if "attention_mask" in batch else [])
+        keys = ["input_tokens", "positions", "targets"] + [
+            k for k in ("attention_mask", "segment_ids") if k in batch]
         parts = {k: batch[k].reshape((rows // micro, micro) + batch[k].shape[1:]) for k in keys}
 
         def one(mb):
             h = policy.hidden(params, mb["input_tokens"], mb["positions"],
-                              mb.get("attention_mask"), False)
+                              mb.get("segment_ids", mb.get("attention_mask")), False)
             w = policy.lm_head(params).astype(h.dtype)
             logp, ent = vocab_parallel_logprob(
                 h.reshape(micro * t, -1), w, mb["targets"].reshape(micro * t), mesh=mesh,

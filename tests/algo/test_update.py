@@ -174,11 +174,11 @@ def test_dynamic_sampling_padding_keeps_shapes_no_recompilation():
     assert float(m["n_tokens"]) == 8
 
 
-def test_assemble_update_batch_layout():
+def test_assemble_update_batch_padded_layout():
     batch = assemble_update_batch([[7, 8]], np.array([[[1, 2, 3], [4, 5, 6]]]),
                                   np.array([[[-1., -2., -3.], [-4., -5., -6.]]]),
                                   np.array([[[True, True, False], [True, True, True]]]),
-                                  np.array([[0.5, -0.5]]), seq_len=6)
+                                  np.array([[0.5, -0.5]]), seq_len=6, pack=False)
     np.testing.assert_array_equal(batch["input_tokens"], [[7, 8, 1, 2, 3, 0], [7, 8, 4, 5, 6, 0]])
     np.testing.assert_array_equal(batch["targets"], [[8, 1, 2, 3, 0, 0], [8, 4, 5, 6, 0, 0]])
     np.testing.assert_array_equal(batch["loss_mask"], [[0, 1, 1, 0, 0, 0], [0, 1, 1, 1, 0, 0]])

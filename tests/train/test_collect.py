@@ -60,7 +60,7 @@ def test_options_off_is_the_paper_recipe_by_hand(tmp_path):
                                   lengths=res.lengths[kept])     # token-weighted, as veRL
     want = algo.assemble_update_batch(
         [list(prompts["prompt_ids"][i]) for i in kept], res.tokens[kept], res.logprobs[kept],
-        res.mask[kept], adv, seq_len=trainer.seq_len, pad_id=trainer.pad_id)
+        res.mask[kept], adv, seq_len=trainer.seq_len, pad_id=trainer.pad_id, pack=False)
     assert sorted(batch) == sorted(want)
     for k in want:
         np.testing.assert_array_equal(batch[k], want[k], err_msg=k)
