@@ -81,7 +81,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.algo.ppo_mini_batches = 1                # optimizer steps per RL step (not stated)
     c.algo.ppo_epochs = 1                      # passes over the batch per RL step (not stated)
     c.algo.micro_batch_size = 64               # sequences per gradient-accumulation micro-batch
-    c.algo.micro_batch_tokens = 0              # tokens per micro-batch of a packed batch; 0 = by rows
+    c.algo.micro_batch_tokens = 0              # tokens per micro-batch (whole rows); 0 = micro_batch_size rows
+    c.algo.pack_sequences = True               # several sequences per update row (docs/algo.md); False = one per row
     c.algo.tis_mode = "truncate"               # algo.TIS_MODES: min(w, tis_high) [BroRL 3.1 cites Yao et al.]
     c.algo.tis_low = 0.5                       # ICE-POP's lower bound (tis_mode="ice_pop")
     c.algo.tis_high = 2.0                      # truncation C [veRL rollout_is_threshold, Yao et al.]

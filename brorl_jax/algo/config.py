@@ -51,6 +51,7 @@ class AlgoConfig:
     ppo_epochs: int
     micro_batch_size: int
     micro_batch_tokens: int
+    pack_sequences: bool
     tis_mode: str
     tis_low: float
     tis_high: float

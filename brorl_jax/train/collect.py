@@ -19,6 +19,7 @@ union (gathered through the runtime), so the options run multi-process too.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any, Callable, Sequence
 
@@ -154,10 +155,9 @@ class Collector:
             every += groups
             sampler.add_round(groups)
         advantages = self._advantages(sampler.groups)
-        update_batch = algo.assemble_groups(sampler.groups, advantages, rows=self.row_budget,
-                                            seq_len=self.seq_len, pad_id=self.pad_id)
+        update_batch = self._batch(sampler.groups, advantages)
         ds = sampler.stats()
-        stats = step_metrics(every, truncated, ds, update_batch, thr=thr,
+        stats = step_metrics(every, truncated, ds, sampler.groups, advantages, thr=thr,
                              n_nominal=acfg.rollouts_per_prompt)
         stats.update({"time/rollout_s": t_roll, "time/scoring_s": t_score,
                       "perf/generated_samples": gen_samples, "perf/generated_tokens": gen_tokens})
@@ -184,6 +184,21 @@ class Collector:
             stats.update(reward_balance_metrics(group_reward_balance(
                 np.stack([g.rewards for g in every]), None, correct_threshold=thr)))
         return update_batch, stats
+
+    def _batch(self, kept: Sequence[algo.Group], advantages: list[np.ndarray]) -> dict:
+        """This process's rows of the update batch: packed (docs/algo.md "Sequence packing") unless
+        algo.pack_sequences is off. Each process packs its own groups into its units of PPO
+        mini-batches; the processes then agree on the rows per unit."""
+        acfg, procs = self.algo_cfg, self.runtime.num_processes
+        units = acfg.ppo_mini_batches // math.gcd(acfg.ppo_mini_batches, procs)  # lcm(M, P) / P
+        batch = algo.assemble_groups(kept, advantages, rows=self.row_budget, seq_len=self.seq_len,
+                                     pad_id=self.pad_id, pack=acfg.pack_sequences,
+                                     mini_batches=units, row_multiple=self.runtime.row_multiple)
+        if acfg.pack_sequences and procs > 1:
+            per_unit = batch["input_tokens"].shape[0] // units
+            rows = int(self.runtime.allgather_rows(np.array([per_unit])).max())
+            batch = algo.pad_packed_rows(batch, rows, pad_id=self.pad_id)
+        return batch
 
     def _advantages(self, kept: Sequence[algo.Group]) -> list[np.ndarray]:
         """Per kept group: advantages [n_g], normalised over the kept groups of all processes."""
@@ -215,7 +230,8 @@ def batch_advantages(acfg: algo.AlgoConfig, shaped: Sequence, lengths: Sequence,
 
 
 def step_metrics(groups: Sequence[algo.Group], truncated: Sequence[np.ndarray], ds: dict,
-                 update_batch: dict, *, thr: float, n_nominal: int) -> dict:
+                 kept: Sequence[algo.Group], advantages: Sequence[np.ndarray], *, thr: float,
+                 n_nominal: int) -> dict:
     """The per-step rollout metrics: rewards, lengths, dynamic sampling and the BroRL write-ups'
     monitoring (diversity, effective update ratio, reward entropy) over the step's groups."""
     rewards = np.concatenate([g.rewards for g in groups])
@@ -232,7 +248,8 @@ def step_metrics(groups: Sequence[algo.Group], truncated: Sequence[np.ndarray], 
         "response/length_max": int(lengths.max()),
         "response/truncated_frac": float(np.concatenate(truncated).mean()),
         "monitor/effective_update_ratio": effective_update_ratio(
-            update_batch["advantages"], update_batch["loss_mask"].any(axis=1)),
+            np.concatenate(list(advantages) or [np.zeros(0)]),
+            np.concatenate([g.mask.any(-1) for g in kept] or [np.zeros(0, bool)])),
         "monitor/path_diversity": float(np.mean(
             [path_diversity(g.tokens[None], g.lengths[None])[0] for g in groups])),
         "monitor/ngram3_diversity": float(np.mean(

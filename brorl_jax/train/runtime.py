@@ -61,6 +61,7 @@ class Runtime:
 
     num_processes: int = 1
     process_index: int = 0
+    row_multiple: int = 1           # this process's update rows must be a multiple of it
 
     def __init__(self, cfg, model_cfg, optimizer, *, diagnostics_n: int | None):
         self.model_cfg = model_cfg
@@ -201,6 +202,8 @@ class MeshRuntime(Runtime):
                 f"{self.num_processes} processes: each process fills an equal share of the "
                 "update batch with its own prompts.")
         self._state_sharding = None
+        # each process's rows of a packed batch split evenly over its batch devices
+        self.row_multiple = max(1, split // self.num_processes)
 
     # -- state ----------------------------------------------------------------------------------
     def state_sharding(self, state):

@@ -60,7 +60,8 @@ def test_options_off_is_the_paper_recipe_by_hand(tmp_path):
                                   lengths=res.lengths[kept])     # token-weighted, as veRL
     want = algo.assemble_update_batch(
         [list(prompts["prompt_ids"][i]) for i in kept], res.tokens[kept], res.logprobs[kept],
-        res.mask[kept], adv, seq_len=trainer.seq_len, pad_id=trainer.pad_id, pack=False)
+        res.mask[kept], adv, seq_len=trainer.seq_len, pad_id=trainer.pad_id,
+        mini_batches=cfg.algo.ppo_mini_batches)                       # packed, the default
     assert sorted(batch) == sorted(want)
     for k in want:
         np.testing.assert_array_equal(batch[k], want[k], err_msg=k)
@@ -82,6 +83,7 @@ def _options_config(steps=2, train_size=10):
     c.rollout.temperature_schedule = "0:0.8,1000:0.7"
     c.optim.name, c.optim.schedule, c.optim.warmup_steps = "lion", "warmup_cosine", 1
     c.sft.steps = 0
+    c.algo.micro_batch_tokens = 24 + 8       # one packed row per micro-batch: grad_var defined
     c.eval.num_prompts, c.eval.samples_per_prompt = 2, 2
     c.train.steps = steps
     return c
@@ -145,13 +147,14 @@ def test_adaptive_n_does_not_recompile_once_buckets_are_warm(options_trainer):
                                               jax.random.fold_in(jax.random.key(0), step))
             jax.block_until_ready(state.params)
             compiled = counter[0] - before
-            new = set(calls) - shapes_seen
-            shapes_seen |= set(calls)
-            batch_shapes.add(tuple(v.shape for v in batch.values()))
+            shape = tuple(sorted((k, v.shape) for k, v in batch.items()))
+            new = (set(calls) | {shape}) - shapes_seen
+            shapes_seen |= set(calls) | {shape}
+            batch_shapes.add(shape)
             n_values |= {n for n in (4, 8, 12) if stats.get(f"adaptive_n/prompts_n{n}", 0)}
             assert {c[1] for c in calls} <= {6, 12, 18}        # ceil(1.5 * N) candidates
             assert {c[2] for c in calls} == {0.8}              # the scheduled temperature
-            if step > 0 and not new:
+            if step > 0 and not new:     # rollout buckets and packed row bucket all seen
                 assert compiled == 0, f"step {step} recompiled {compiled}x with warm buckets"
                 warm_steps += 1
                 warm_mixed += len({c[1] for c in calls}) >= 2     # several buckets in one step
@@ -162,7 +165,9 @@ def test_adaptive_n_does_not_recompile_once_buckets_are_warm(options_trainer):
         jax.monitoring.unregister_event_duration_listener(listener)
         trainer.generate = real_generate
     assert warm_steps >= 2 and warm_mixed >= 1 and n_values >= {4, 12}
-    assert len(batch_shapes) == 1 and next(iter(batch_shapes))[0] == (16, 24 + 8)
+    # packed rows of width prompt + response, their count in a few buckets
+    assert len(batch_shapes) <= 3
+    assert all(dict(sh)["input_tokens"][1] == 24 + 8 for sh in batch_shapes)
 
 
 def test_options_run_end_to_end_and_resume_exactly(tmp_path):
