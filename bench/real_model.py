@@ -64,13 +64,15 @@ def compare(args) -> dict:
     import torch
     import transformers
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     model, prompts, records, eos = smollm2_workload(args.prompts, 2, "+", seed=args.seed)
     n = args.samples // args.prompts
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(resolve_model_path(MODEL_PATH)),
         dtype=torch.float32).eval()
     out = {"model": SMOLLM2_NAME, "prompts": args.prompts, "samples_per_prompt": n,
+           "torch_threads": torch.get_num_threads(),
            "new_tokens": args.new_tokens, "temperature": 1.0, "eos_ids": list(eos)}
 
     # Ours: one warm-up call compiles; the timed call uses another seed.
@@ -110,10 +112,10 @@ def compare(args) -> dict:
                speedup_useful_tokens_per_s=(ours_tokens / ours_s) / (hf_tokens / hf_s))
     print(f"SmolLM2-135M, {args.prompts} prompts x {n} samples, <= {args.new_tokens} tokens, "
           f"T=1, eos on")
-    print(f"  brorl_jax.rollout.generate: {ours_s:6.1f} s, {ours_tokens} useful tokens, "
+    print(f"  brorl_jax.rollout.generate:   {ours_s:6.1f} s, {ours_tokens} useful tokens, "
           f"{ours_tokens / ours_s:7.1f} tok/s (mean length {res.lengths.mean():.1f}, "
           f"{100 * res.finished.mean():.0f}% stopped; first call {out['ours_first_call_s']:.1f} s)")
-    print(f"  transformers generate:      {hf_s:6.1f} s, {hf_tokens} useful tokens, "
+    print(f"  transformers generate ({out['torch_threads']} thr): {hf_s:6.1f} s, {hf_tokens} useful tokens, "
           f"{hf_tokens / hf_s:7.1f} tok/s (mean length {hf_lengths.mean():.1f})")
     print(f"  ratio (useful tokens/s): {out['speedup_useful_tokens_per_s']:.2f}x")
     return out
@@ -167,6 +169,9 @@ def main():
     c.add_argument("--samples", type=int, default=64, help="total samples (prompts x N)")
     c.add_argument("--new-tokens", type=int, default=64)
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--torch-threads", type=int, default=0,
+                   help="torch intra-op threads (0: torch's default, one per core); on a busy "
+                        "machine 1 avoids OpenMP threads spinning on each other")
     a = sub.add_parser("accuracy")
     a.add_argument("--settings", default="add2,add3,mul2")
     a.add_argument("--prompts", type=int, default=32)
