@@ -44,7 +44,7 @@ KERNELS = ("sample_tokens", "sample_tokens_greedy", "sample_tokens_top_k_top_p",
            "sample_tokens_triton", "fused_logprob_fwd", "fused_logprob_fwd_bwd",
            "decode_attention")
 GPU_ONLY = ("sample_tokens_triton",)   # the jax_triton kernel
-# The H100 GpuTargetConfig (text proto) XLA compiles against (shared/compile_without_a_device.md).
+# The H100 GpuTargetConfig (text proto) XLA compiles against (the values of a real H100 80GB HBM3's device description).
 H100_TARGET_CONFIG = """
 gpu_device_info {
   threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152

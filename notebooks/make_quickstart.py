@@ -20,7 +20,7 @@ import nbformat
 NOTEBOOK_PATH = Path(__file__).resolve().parent / "quickstart.ipynb"
 
 # (cell type, source). Sources are dedented; keep markdown short and the facts those of
-# arXiv 2510.01180 (see /work/shared/paper_notes.md when editing).
+# arXiv 2510.01180.
 CELLS: list[tuple[str, str]] = [
     ("markdown", r"""
         # brorl_jax quickstart

@@ -3,7 +3,7 @@ sqrt batch-size learning-rate rule.
 
 ProRL v1 §3.2: AdamW, constant LR 2e-6. BroRL §4.2.1: when the batch grows from B0 to B, the LR is
 scaled by sqrt(B / B0). The papers do not say what "batch" counts; with samples per step
-(128 x 512 = 65,536 vs 512 x 16 = 8,192) the factor is sqrt(8) ~ 2.83 (paper_notes §1.3).
+(128 x 512 = 65,536 vs 512 x 16 = 8,192; BroRL Table 1) the factor is sqrt(8) ~ 2.83.
 A warmup + cosine schedule is available but is NOT part of the paper's recipe.
 """
 from __future__ import annotations
