@@ -5,14 +5,9 @@ See docs/INTERFACES.md ("models") for the contract; the pure functions live in `
 
 from .config import ModelConfig
 from .demo_model import ensure_demo_model
-from .hf import (
-    Model,
-    builtin_model_names,
-    convert_gguf,
-    from_pretrained,
-    resolve_model_path,
-    save_pretrained,
-)
+from .checkpoints import builtin_model_names, from_pretrained, resolve_model_path
+from .gguf import convert_gguf
+from .hf import Model, load_directory, save_pretrained
 from .transformer import (
     attention,
     decode_step,
@@ -45,6 +40,7 @@ __all__ = [
     "ModelConfig",
     "Model",
     "from_pretrained",
+    "load_directory",
     "save_pretrained",
     "ensure_demo_model",
     "convert_gguf",

@@ -1,18 +1,13 @@
 """Load and save Hugging Face checkpoints (config.json + safetensors) as brorl_jax params.
 
-``from_pretrained`` reads a LOCAL HF model directory (nothing is downloaded):
+``load_directory`` reads a LOCAL HF model directory (nothing is downloaded; the public
+``brorl_jax.models.from_pretrained`` in checkpoints.py also takes ``.gguf`` files and built-in
+names and ends here):
     config.json                          -> ModelConfig (qwen2 | qwen3 | llama)
     model.safetensors, or shards listed in model.safetensors.index.json -> params
     generation_config.json (optional)    -> Model.generation_eos_ids
     tokenizer files (optional)           -> Model.tokenizer (transformers AutoTokenizer)
 ``save_pretrained`` writes the same layout, which transformers loads back with the same logits.
-
-A ``.gguf`` file (llama.cpp's format, possibly quantised) is accepted too: transformers
-dequantises it (the optional packages ``gguf`` and ``accelerate``: ``pip install
-'brorl_jax[gguf]'``) and ``convert_gguf`` writes it as a normal HF directory (float32 weights,
-config without the quantisation entry, tokenizer with its chat template, generation config),
-which is then loaded as above. ``from_pretrained`` also resolves the names of built-in models
-(``builtin:demo``, ``builtin:smollm2-135m-instruct``; see ``BUILTIN_MODELS``).
 
 Weight names (HF -> params; torch Linear weights are [out, in], our Dense kernels [in, out]):
     model.embed_tokens.weight [V,D]                    -> embed/embedding [V,D]
@@ -28,10 +23,10 @@ Weight names (HF -> params; torch Linear weights are [out, in], our Dense kernel
 
 from __future__ import annotations
 
-import importlib.util
+import tempfile
+
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +43,6 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
-GGUF_SUFFIX = ".gguf"
-GGUF_PACKAGES = ("gguf", "accelerate")  # what transformers needs to dequantise a GGUF file
-GGUF_EXTRA = "pip install 'brorl_jax[gguf]'"
-BUILTIN_PREFIX = "builtin:"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 # (our per-layer leaf path) -> (HF name inside model.layers.{i}., transpose)
@@ -289,104 +280,19 @@ def _load_tokenizer(path: Path) -> Any:
         raise ValueError(f"{path}: tokenizer files present but AutoTokenizer failed: {e}") from e
 
 
-def _builtin_models() -> dict:
-    """Built-in model name -> function that materialises it (cached) and returns its directory."""
-    from .demo_model import ensure_demo_model
-    from .smollm2 import SMOLLM2_NAME, ensure_smollm2
-
-    return {"demo": ensure_demo_model, SMOLLM2_NAME: ensure_smollm2}
-
-
-def builtin_model_names() -> tuple[str, ...]:
-    """Names accepted as ``builtin:NAME`` by from_pretrained (and so by config.model.path)."""
-    return tuple(_builtin_models())
-
-
-def resolve_model_path(path: str | os.PathLike) -> Path:
-    """``builtin:NAME`` -> the directory of that built-in model (materialised once into
-    ``default_cache_dir()``); any other path is returned as a Path, unchanged."""
-    text = os.fspath(path)
-    if text.startswith(BUILTIN_PREFIX):
-        name = text[len(BUILTIN_PREFIX):]
-        builtins = _builtin_models()
-        if name not in builtins:
-            raise ValueError(
-                f"unknown built-in model {text!r}; built-in models: "
-                + ", ".join(BUILTIN_PREFIX + n for n in builtins)
-            )
-        return Path(builtins[name]())
-    return Path(text).expanduser()
-
-
-def require_gguf_packages(what: str = "reading a GGUF file") -> None:
-    """ImportError naming the extra when transformers' GGUF support cannot work here."""
-    missing = [name for name in GGUF_PACKAGES if importlib.util.find_spec(name) is None]
-    if missing:
-        raise ImportError(
-            f"{what} needs the packages {', '.join(GGUF_PACKAGES)} (transformers dequantises "
-            f"GGUF through them); missing: {', '.join(missing)}. Install them with: {GGUF_EXTRA}"
-        )
-
-
-def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> str:
-    """Dequantise ``gguf_file`` with transformers and write it to ``out_dir`` as a normal HF
-    directory (float32 safetensors, config.json without quantization_config, tokenizer files with
-    the chat template, generation_config.json). Returns ``out_dir`` as a string.
-
-    transformers loads GGUF as a model flagged as quantised, which it refuses to save; the
-    weights are therefore copied into a model re-created from the same config without the
-    quantisation entry, and that one is saved.
-    """
-    gguf_file = Path(gguf_file).expanduser()
-    if not gguf_file.is_file():
-        raise FileNotFoundError(f"GGUF file {gguf_file} not found")
-    require_gguf_packages(f"converting {gguf_file}")
-    import torch
-    import transformers
-
-    folder, name = str(gguf_file.parent), gguf_file.name
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        loaded = transformers.AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=name, dtype=torch.float32
-        )
-    except Exception as e:  # transformers raises many types; name the file and the cause
-        raise ValueError(f"{gguf_file}: transformers could not read this GGUF file: {e}") from e
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict(), assign=True)
-    model.tie_weights()
-    model.generation_config = loaded.generation_config
-    out = Path(out_dir).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
-    return str(out)
-
-
-def from_pretrained(
+def load_directory(
     path: str | os.PathLike, dtype: str = "float32", param_dtype: str | None = None
 ) -> Model:
-    """Load a local HF checkpoint directory, a ``.gguf`` file, or a built-in model as a ``Model``.
+    """Load a local Hugging Face checkpoint directory as a ``Model`` (``from_pretrained`` also
+    takes ``.gguf`` files and built-in names and ends here).
 
-    path: a HF directory; a ``.gguf`` file (dequantised through transformers into a temporary
-    HF directory, see ``convert_gguf``; needs ``pip install 'brorl_jax[gguf]'``); or
-    ``builtin:NAME`` (``builtin_model_names()``), materialised once into the cache directory.
     dtype: compute dtype ("float32" | "bfloat16"); param_dtype: storage dtype (default: dtype).
     generation_eos_ids come from generation_config.json, else config.json, else the tokenizer.
     Raises FileNotFoundError for a missing directory/config/weights file and ValueError for an
     unsupported model_type, a corrupt file, or a missing or wrongly shaped tensor (the message
     names the file, the tensor and the expected shape).
     """
-    path = resolve_model_path(path)
-    if path.suffix.lower() == GGUF_SUFFIX and not path.is_dir():
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF file {path} not found")
-        with tempfile.TemporaryDirectory(prefix="brorl_jax_gguf_") as tmp:
-            return from_pretrained(convert_gguf(path, tmp), dtype=dtype, param_dtype=param_dtype)
+    path = Path(path).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} not found")
     config_file = path / CONFIG_NAME

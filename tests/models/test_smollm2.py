@@ -22,7 +22,8 @@ import transformers  # noqa: E402
 from brorl_jax import models
 from brorl_jax.data import PromptTokenizer
 from brorl_jax.models import from_pretrained, save_pretrained
-from brorl_jax.models import hf as hf_module
+from brorl_jax.models import checkpoints as checkpoints_module
+from brorl_jax.models import gguf as gguf_module
 from brorl_jax.models import smollm2 as smollm2_module
 from brorl_jax.rollout import generate
 
@@ -223,7 +224,7 @@ def test_from_pretrained_gguf_file_converts_then_loads(smollm2, smollm2_dir, tmp
         shutil.copytree(smollm2_dir, out_dir, dirs_exist_ok=True)
         return str(out_dir)
 
-    monkeypatch.setattr(hf_module, "convert_gguf", fake_convert)
+    monkeypatch.setattr(checkpoints_module, "convert_gguf", fake_convert)
     file = tmp_path / "model.GGUF"
     file.write_bytes(b"GGUF")
     model = from_pretrained(file, dtype="bfloat16", param_dtype="float32")
@@ -236,8 +237,8 @@ def test_from_pretrained_gguf_file_converts_then_loads(smollm2, smollm2_dir, tmp
 
 
 def test_missing_gguf_packages_name_the_extra(tmp_path, monkeypatch):
-    real = hf_module.importlib.util.find_spec
-    monkeypatch.setattr(hf_module.importlib.util, "find_spec",
+    real = gguf_module.importlib.util.find_spec
+    monkeypatch.setattr(gguf_module.importlib.util, "find_spec",
                         lambda name, *a: None if name == "gguf" else real(name, *a))
     file = tmp_path / "m.gguf"
     file.write_bytes(b"GGUF")

@@ -22,6 +22,7 @@ from brorl_jax.algo.batch import pad_packed_rows, unpack_to_padded
 from brorl_jax.config import algo_config
 from brorl_jax.models import init_params
 from brorl_jax.parallel import sharded
+from brorl_jax.algo import sharded as algo_sharded
 from brorl_jax.parallel.mesh import make_mesh
 
 G, N, S, PROMPT = 4, 16, 12, 4
@@ -97,12 +98,12 @@ def main(out_path: str, layouts: str) -> None:
         mesh = make_mesh({a: sizes.get(a, 1) for a in ("data", "fsdp", "tensor")})
         attention = attention or "plain"
         inputs = {k: v for k, v in packed.items() if k != "ref_logprobs"}
-        lfn, lsh = sharded.make_sharded_logprob(cfg, cfg_pk, mesh, params, inputs, attention=attention)
+        lfn, lsh = algo_sharded.make_sharded_logprob(cfg, cfg_pk, mesh, params, inputs, attention=attention)
         ref_lp, _, _ = lfn(sharded.place(ref_params, lsh["params"]), sharded.place(inputs, lsh["batch"]))
         out[f"{layout}/ref_logprobs"] = unpack_to_padded(packed, np.asarray(ref_lp), G * N)
         batch = dict(packed, ref_logprobs=np.asarray(ref_lp))
         state0 = create_train_state(params, optimizer)
-        fn, sh = sharded.make_sharded_update(cfg, cfg_pk, optimizer, mesh, state0, batch,
+        fn, sh = algo_sharded.make_sharded_update(cfg, cfg_pk, optimizer, mesh, state0, batch,
                                              attention=attention)
         st = sharded.place(jax.device_get(state0), sh["state"])
         state, metrics = fn(st, sharded.place(batch, sh["batch"]), rng)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from brorl_jax.models import ModelConfig
+from brorl_jax.models.config import ModelConfig
 from brorl_jax.models.transformer import (attention, default_positions, embed, final_norm,
                                           layer_finish, layer_qkv, segment_positions)
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from brorl_jax.models import ModelConfig, forward, init_params
-from brorl_jax.parallel.attention import chunked_causal_attention, forward_hidden
+from brorl_jax.models.chunked_attention import chunked_causal_attention, forward_hidden
 from brorl_jax.models.transformer import attention
 
 
