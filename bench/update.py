@@ -17,6 +17,13 @@ timed for the same rollouts packed (algo.assemble_update_batch, rows of 32 + 256
 (32 + 32 = 64 tokens per row, no padding: the rate the update should reach). Rate = real tokens
 (prompt + response) per second. Goal: packed >= 0.7 x the uniform rate. The three run in one
 process, interleaved, --repeats times each; medians are reported.
+
+    python bench/update.py --long-tail --model smollm2 --prompts 4 --n 16 --cap 64
+
+The same comparison on a real model: SmolLM2-135M-Instruct (builtin:smollm2-135m-instruct), its
+chat-templated arithmetic prompts (bench/real_model.py) and responses it sampled itself at T = 1
+(its own stop token, so the lengths are its real length distribution, truncated at --cap); the
+uniform batch has every response at the sampled mean length.
 """
 from __future__ import annotations
 
@@ -96,6 +103,27 @@ def _divisor_at_most(n: int, k: int) -> int:
     return max(d for d in range(1, max(1, min(n, k)) + 1) if n % d == 0)
 
 
+def real_model_rollouts(a):
+    """SmolLM2's own samples of its arithmetic prompts: (model config, params, rollouts with the
+    sampled lengths, rollouts with every response at the mean length, lengths [G, N])."""
+    from real_model import smollm2_workload
+
+    from brorl_jax.rollout import generate
+    model, prompts, _, eos = smollm2_workload(a.prompts, seed=a.seed)
+    res = generate(model, prompts, rollouts_per_prompt=a.n, max_new_tokens=a.cap,
+                   temperature=1.0, seed=a.seed, eos_ids=eos)
+    rng = np.random.default_rng(a.seed + 1)
+    adv = rng.normal(size=res.lengths.shape).astype(np.float32)
+    mean = max(1, int(round(res.lengths.mean())))
+    a.mean, a.prompt_len = mean, max(len(p) for p in prompts)
+    uni_mask = np.ones(res.tokens.shape[:2] + (mean,), bool)
+    uni_tokens = np.where(uni_mask, np.pad(res.tokens, ((0, 0), (0, 0), (0, max(0, mean - a.cap))))
+                          [..., :mean], 0)
+    sampled = (prompts, res.tokens, res.logprobs, res.mask, adv)
+    uniform = (prompts, uni_tokens, np.full(uni_mask.shape, -3.0, np.float32), uni_mask, adv)
+    return model.config, model.params, sampled, uniform, res.lengths
+
+
 def long_tail_child(a) -> None:
     import jax
 
@@ -105,12 +133,15 @@ def long_tail_child(a) -> None:
     from brorl_jax.models import init_params
 
     g, n = a.prompts, a.n
-    width = a.prompt_len + a.cap
     rng = np.random.default_rng(a.seed)
-    lengths = np.minimum(rng.geometric(1.0 / a.mean, (g, n)), a.cap)
-    uniform = np.full((g, n), a.mean)
-    mc = _model_config(a, width)
-    params = init_params(mc, jax.random.PRNGKey(0))
+    if a.model == "smollm2":
+        mc, params, sampled, uniform_args, lengths = real_model_rollouts(a)
+        uniform = np.full((g, n), a.mean)
+    else:
+        lengths = np.minimum(rng.geometric(1.0 / a.mean, (g, n)), a.cap)
+        uniform = np.full((g, n), a.mean)
+        mc = _model_config(a, a.prompt_len + a.cap)
+        params = init_params(mc, jax.random.PRNGKey(0))
     opt = make_optimizer(optimizer_config(lr=1e-6))
     base = dict(rollouts_per_prompt=n, prompts_per_step=g, ppo_mini_batches=a.mini_batches,
                 kl_coef=1e-4)
@@ -118,7 +149,10 @@ def long_tail_child(a) -> None:
     variants = {}
     for name, lens, pack in (("uniform", uniform, False), ("packed", lengths, True),
                              ("padded", lengths, False)):
-        args = long_tail_rollouts(a, lens, np.random.default_rng(a.seed + 1))
+        if a.model == "smollm2":
+            args = uniform_args if name == "uniform" else sampled
+        else:
+            args = long_tail_rollouts(a, lens, np.random.default_rng(a.seed + 1))
         t = a.prompt_len + (a.mean if name == "uniform" else a.cap)
         micro = max(1, a.micro_tokens // t)
         if pack:
@@ -165,16 +199,19 @@ def long_tail_main(a) -> None:
     import jax
 
     from _measure import run_child
-    print(f"# bench/update.py --long-tail  backend={jax.default_backend()}  layers={a.layers} "
-          f"D={a.hidden} V={a.vocab}  G={a.prompts} N={a.n} prompt={a.prompt_len} "
-          f"responses ~ geometric(mean {a.mean}) capped at {a.cap}  ppo_mini_batches={a.mini_batches} "
+    model = ("SmolLM2-135M-Instruct (its own samples, chat-templated arithmetic prompts)"
+             if a.model == "smollm2" else
+             f"layers={a.layers} D={a.hidden} V={a.vocab} prompt={a.prompt_len} responses ~ "
+             f"geometric(mean {a.mean})")
+    print(f"# bench/update.py --long-tail  backend={jax.default_backend()}  {model}  G={a.prompts} "
+          f"N={a.n} responses capped at {a.cap}  ppo_mini_batches={a.mini_batches} "
           f"micro_batch_tokens~{a.micro_tokens}  median of {a.repeats}")
     r = run_child(os.path.abspath(__file__),
                   ["--long-tail", "--prompts", str(a.prompts), "--n", str(a.n), "--layers", str(a.layers),
                    "--hidden", str(a.hidden), "--vocab", str(a.vocab), "--mini-batches", str(a.mini_batches),
                    "--prompt-len", str(a.prompt_len), "--mean", str(a.mean), "--cap", str(a.cap),
                    "--micro-tokens", str(a.micro_tokens), "--repeats", str(a.repeats),
-                   "--seed", str(a.seed)], a.timeout)
+                   "--seed", str(a.seed), "--model", a.model], a.timeout)
     if "error" in r:
         print(f"error: {r['error']}")
         return
@@ -218,6 +255,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, help="--long-tail: rollouts per prompt (default 64)")
+    ap.add_argument("--model", choices=("random", "smollm2"), default="random",
+                    help="--long-tail: a random Qwen2-shaped model, or SmolLM2-135M-Instruct with "
+                         "its own sampled responses")
     a = ap.parse_args()
     if not a.long_tail:
         a.prompts = a.prompts or 1
