@@ -9,13 +9,12 @@ through the same ``from_pretrained`` path as a real checkpoint.
 from __future__ import annotations
 
 import os
-import shutil
 import string
-import tempfile
 from pathlib import Path
 
 import jax
 
+from .cache import default_cache_dir, materialize
 from .config import ModelConfig
 from .hf import CONFIG_NAME, WEIGHTS_NAME, Model, save_pretrained
 from .transformer import init_params
@@ -38,12 +37,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-
-
-def default_cache_dir() -> Path:
-    """$BRORL_JAX_CACHE if set, else ~/.cache/brorl_jax."""
-    root = os.environ.get("BRORL_JAX_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "brorl_jax"
 
 
 def build_demo_tokenizer():
@@ -93,10 +86,6 @@ def demo_model_config(vocab_size: int, bos_token_id: int, eos_token_id: int) -> 
     )
 
 
-def _is_complete(path: Path) -> bool:
-    return all((path / name).is_file() for name in (CONFIG_NAME, WEIGHTS_NAME, "tokenizer.json"))
-
-
 def ensure_demo_model(path: str | os.PathLike | None = None) -> str:
     """Build the demo checkpoint at ``path`` (default ``default_cache_dir()/demo_model_v2``)
     unless it is already there, and return the directory as a string.
@@ -105,29 +94,11 @@ def ensure_demo_model(path: str | os.PathLike | None = None) -> str:
     sibling directory and renamed into place, so concurrent callers never see a partial model.
     """
     target = Path(path).expanduser() if path is not None else default_cache_dir() / DEMO_MODEL_NAME
-    if _is_complete(target):
-        return str(target)
-    if target.exists() and any(target.iterdir()):
-        raise ValueError(
-            f"{target} exists but is not a complete demo model (needs {CONFIG_NAME}, "
-            f"{WEIGHTS_NAME}, tokenizer.json); delete it or pass another path"
-        )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_demo_tokenizer()
-    cfg = demo_model_config(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id)
-    params = init_params(cfg, jax.random.PRNGKey(DEMO_SEED))
-    model = Model(cfg, params, tokenizer, cfg.eos_token_ids)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp", dir=target.parent))
-    try:
-        save_pretrained(model, tmp)
-        if target.exists():  # an empty directory left by someone: replace it
-            target.rmdir()
-        os.rename(tmp, target)
-    except OSError:
-        # Another process finished first (rename onto a non-empty directory fails): use theirs.
-        if not _is_complete(target):
-            raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
+
+    def write(tmp: Path) -> None:
+        tokenizer = build_demo_tokenizer()
+        cfg = demo_model_config(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id)
+        params = init_params(cfg, jax.random.PRNGKey(DEMO_SEED))
+        save_pretrained(Model(cfg, params, tokenizer, cfg.eos_token_ids), tmp)
+
+    return materialize(target, (CONFIG_NAME, WEIGHTS_NAME, "tokenizer.json"), write, "demo model")

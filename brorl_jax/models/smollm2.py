@@ -26,12 +26,10 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
-from .demo_model import default_cache_dir
+from .cache import default_cache_dir, is_complete, materialize
 from .gguf import convert_gguf
 from .hf import CONFIG_NAME, GENERATION_CONFIG_NAME, WEIGHTS_NAME
 
@@ -68,10 +66,6 @@ def smollm2_gguf_file() -> Path:
     )
 
 
-def _is_complete(path: Path) -> bool:
-    return all((path / name).is_file() for name in _COMPLETE)
-
-
 def ensure_smollm2(path: str | os.PathLike | None = None) -> str:
     """Materialise SmolLM2-135M-Instruct as a HF directory at ``path`` (default
     ``default_cache_dir()/smollm2-135m-instruct``) unless it is already there; return it.
@@ -80,30 +74,11 @@ def ensure_smollm2(path: str | os.PathLike | None = None) -> str:
     callers never see a partial directory). Takes ~30 s once on a 2-core CPU; 540 MB on disk.
     """
     target = Path(path).expanduser() if path is not None else default_cache_dir() / SMOLLM2_NAME
-    if _is_complete(target):
+    if is_complete(target, _COMPLETE):
         return str(target)
-    if target.exists() and any(target.iterdir()):
-        raise ValueError(
-            f"{target} exists but is not a complete converted model (needs "
-            f"{', '.join(_COMPLETE)}); delete it or pass another path"
-        )
     gguf_file = smollm2_gguf_file()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp", dir=target.parent))
-    try:
-        convert_gguf(gguf_file, tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp made it private; the cache is meant to be shared
-        if target.exists():  # an empty directory left by someone: replace it
-            target.rmdir()
-        os.rename(tmp, target)
-    except OSError:
-        # Another process finished first (rename onto a non-empty directory fails): use theirs.
-        if not _is_complete(target):
-            raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
+    return materialize(target, _COMPLETE, lambda tmp: convert_gguf(gguf_file, tmp),
+                       "converted model")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,7 +27,11 @@ def main(workdir: str, out: str, overrides: list[str]) -> None:
     for item in overrides:
         key, value = item.removeprefix("--config.").split("=", 1)
         section, name = key.split(".")
-        cfg[section][name] = type(cfg[section][name])(json.loads(value))
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:        # a bare string such as a path
+            parsed = value
+        cfg[section][name] = type(cfg[section][name])(parsed)
     trainer = Trainer(cfg, workdir)
     try:
         params = trainer.run().state.params

@@ -19,21 +19,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 STEPS = 4
 
 
-def _cmd(workdir):
+def _cmd(workdir, warm):
     return [sys.executable, "-m", "brorl_jax.main", "--config=configs/tiny.py",
-            f"--workdir={workdir}", f"--config.train.steps={STEPS}"]
+            f"--workdir={workdir}", f"--config.train.steps={STEPS}", *warm]
 
 
-def _run(workdir, env_extra=None, timeout=600):
+def _run(workdir, warm, env_extra=None, timeout=600):
     env = dict(os.environ, **(env_extra or {}))
-    return subprocess.run(_cmd(workdir), cwd=ROOT, env=env, capture_output=True, text=True,
+    return subprocess.run(_cmd(workdir, warm), cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted(tmp_path_factory, tiny_warm_start):
     workdir = tmp_path_factory.mktemp("uninterrupted")
-    out = _run(workdir)
+    out = _run(workdir, tiny_warm_start)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return workdir, out
 
@@ -61,7 +61,7 @@ def _final_params(workdir):
     return jax.tree.map(np.asarray, params)
 
 
-def test_kill_and_resume_is_bit_identical(uninterrupted, tmp_path):
+def test_kill_and_resume_is_bit_identical(uninterrupted, tmp_path, tiny_warm_start):
     reference = _final_params(uninterrupted[0])
     workdir = tmp_path / "killed"
     metrics = workdir / "metrics.jsonl"
@@ -69,7 +69,7 @@ def test_kill_and_resume_is_bit_identical(uninterrupted, tmp_path):
     # 1. SIGKILL at an arbitrary moment after step 2 was logged (checkpoints are every step)
     #    and a checkpoint is complete (orbax commits asynchronously; on a loaded machine the
     #    step-1 save can still be running when step 2 is logged).
-    proc = subprocess.Popen(_cmd(workdir), cwd=ROOT, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(_cmd(workdir, tiny_warm_start), cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     committed = lambda: any((workdir / "checkpoints" / str(s) / "commit_success.txt").exists()
                             for s in range(1, STEPS))
@@ -84,12 +84,12 @@ def test_kill_and_resume_is_bit_identical(uninterrupted, tmp_path):
     proc.wait()
 
     # 2. Resume, and die by SIGKILL while the step-3 checkpoint is being written.
-    out = _run(workdir, {"BRORL_KILL_DURING_SAVE": "3"})
+    out = _run(workdir, tiny_warm_start, {"BRORL_KILL_DURING_SAVE": "3"})
     assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
     assert "[resume] from checkpoint step" in out.stdout
 
     # 3. Resume again and finish.
-    out = _run(workdir)
+    out = _run(workdir, tiny_warm_start)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "[resume] from checkpoint step" in out.stdout
 

@@ -47,9 +47,10 @@ def _metrics(workdir):
 STEPS = ["--config.train.steps=2"]
 
 
-def test_mesh_run_matches_single_device(tmp_path):
-    one, _ = _run(1, tmp_path / "one", tmp_path / "one.npz", *STEPS)
-    four, _ = _run(4, tmp_path / "four", tmp_path / "four.npz", *STEPS, "--config.mesh.fsdp=2")
+def test_mesh_run_matches_single_device(tmp_path, tiny_warm_start):
+    one, _ = _run(1, tmp_path / "one", tmp_path / "one.npz", *STEPS, *tiny_warm_start)
+    four, _ = _run(4, tmp_path / "four", tmp_path / "four.npz", *STEPS, *tiny_warm_start,
+                   "--config.mesh.fsdp=2")
     assert one["mesh"] is None
     assert four["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1}
     a, b = np.load(tmp_path / "one.npz"), np.load(tmp_path / "four.npz")
@@ -93,10 +94,10 @@ OPTIONS = ['--config.rollout.adaptive_n=true', '--config.rollout.adaptive_n_buck
            '--config.rollout.overgenerate_factor=1.5', '--config.algo.advantage_normalizer="ema"']
 
 
-def test_two_process_training_run_agrees_and_resumes(tmp_path):
+def test_two_process_training_run_agrees_and_resumes(tmp_path, tiny_warm_start):
     work = tmp_path / "run"
     # prompts_per_step=2 over 2 processes: each fills its 8 rows of the 16-row update batch.
-    common = ["--config.mesh.fsdp=2", "--config.rewards.num_workers=1"] + OPTIONS
+    common = ["--config.mesh.fsdp=2", "--config.rewards.num_workers=1"] + OPTIONS + tiny_warm_start
     reports, texts = _two_processes(work, [tmp_path / "p0.npz", tmp_path / "p1.npz"],
                                     common + STEPS)
     assert sorted(r["pid"] for r in reports) == [0, 1]
