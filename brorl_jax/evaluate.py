@@ -23,10 +23,14 @@ FLAGS = [cli.Flag("string", "workdir", None, "Evaluate this run's checkpoint (el
 def evaluate(cfg, workdir: str | None = None, step: int | None = None) -> dict:
     from brorl_jax.config import validate
     from brorl_jax.train.loop import Trainer, restore_params
-    from brorl_jax.train.workdir import require_existing
+    from brorl_jax.errors import CheckpointError
+    from brorl_jax.train.workdir import has_checkpoints, require_existing
     validate(cfg)
-    if workdir:
-        require_existing(workdir)       # before anything expensive; never created
+    if workdir:                          # before anything expensive; never created
+        require_existing(workdir)
+        if not has_checkpoints(workdir):
+            raise CheckpointError(f"no complete checkpoint in {workdir}/checkpoints; train "
+                                  "first.")
     scratch = tempfile.mkdtemp(prefix="brorl_eval_")
     try:
         trainer = Trainer(cfg, scratch)

@@ -142,10 +142,14 @@ class Checkpointer:
     temporary directories (a training run may be writing one right now)."""
 
     def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True,
-                 read_only: bool = False, log: Callable[[str], None] = print):
+                 read_only: bool = False, log: Callable[[str], None] = print,
+                 agree: Callable[[bool], bool] = lambda ok: ok):
+        """`agree(ok)` -> whether ok holds on every process (the trainer passes an all-gather):
+        several processes take the same decision on a save's free space and a restore."""
         self.directory = os.path.abspath(directory)
         self.read_only = read_only
         self._log = log
+        self._agree = agree
         self._pending: int | None = None       # step of the save that may still be running
         if read_only and not os.path.isdir(self.directory):
             raise CheckpointError(f"no checkpoints directory {self.directory}; train first.")
@@ -175,7 +179,9 @@ class Checkpointer:
         Raises DiskFullError / CheckpointError (last complete checkpoint intact) when the
         previous save failed or the disk cannot hold another checkpoint."""
         self.wait()                     # the previous save: its error, if any, surfaces here
-        self._check_space(step, state)
+        problem = self._space_problem(step, state)
+        if not self._agree(problem is None):
+            raise DiskFullError(problem or self._space_message(step, "another process's disk"))
         self._pending = step
         try:
             self._manager.save(step, args=ocp.args.Composite(
@@ -184,7 +190,7 @@ class Checkpointer:
             raise self._save_error(step, e) from e
         _maybe_crash_during_save(step)
 
-    def _check_space(self, step: int, state: Any) -> None:
+    def _space_problem(self, step: int, state: Any) -> str | None:
         steps = self.all_steps()
         if steps:
             need = _dir_bytes(os.path.join(self.directory, str(max(steps))))
@@ -193,8 +199,9 @@ class Checkpointer:
         need = int(need * 1.1) + (1 << 20)
         free = _free_bytes(self.directory)
         if free < need:
-            raise DiskFullError(self._space_message(step, f"{free / 2**20:.0f} MiB free, a "
-                                                          f"checkpoint takes ~{need / 2**20:.0f} MiB"))
+            return self._space_message(step, f"{free / 2**20:.0f} MiB free, a checkpoint takes "
+                                             f"~{need / 2**20:.0f} MiB")
+        return None
 
     def _space_message(self, step: int, what: str) -> str:
         last = self.latest_step()
@@ -245,16 +252,22 @@ class Checkpointer:
             return None
         failures = []
         for step in steps:
+            error = None
             try:
                 state, meta = self.restore(step, abstract_state)
                 if check_meta is not None:
                     check_meta(meta)
             except Exception as e:  # noqa: BLE001 - any failure means: try the previous one
-                failures.append((step, first_line(e)))
-                self._log(f"[checkpoint] step {step} cannot be restored: {first_line(e)}")
+                error = first_line(e)
+            if not self._agree(error is None):      # every process restores the same step
+                error = error or "another process cannot restore it"
+                failures.append((step, error))
+                self._log(f"[checkpoint] step {step} cannot be restored: {error}")
                 continue
             if failures:
                 moved = [self._move_aside(s) for s, _ in failures] if move_broken else []
+                self._agree(True)                   # the moves are done before anyone reloads
+                self._manager.reload()
                 self._log(f"[checkpoint] restored step {step} instead" + (
                     "; moved aside: " + ", ".join(moved) if moved else ""))
             return step, state, meta
@@ -270,7 +283,6 @@ class Checkpointer:
         dest = os.path.join(self.directory, BROKEN, f"{step}-{stamp}")
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         os.replace(os.path.join(self.directory, str(step)), dest)
-        self._manager.reload()
         return os.path.relpath(dest, os.path.dirname(self.directory))
 
     def close(self) -> None:

@@ -92,6 +92,9 @@ class Trainer:
         self.cfg = cfg
         self.workdir = workdir
         workdir_lib.prepare(workdir)
+        if cfg.model.path and not os.path.exists(cfg.model.path):
+            raise ModelError(f"config key 'model.path' = {cfg.model.path!r}: no such directory "
+                             "or file.")
         self.resuming = workdir_lib.has_checkpoints(workdir)
         allow = run_config.check_allow_list(allow_config_change)
         self.config_changes = run_config.check_resume(cfg, workdir, allow) if self.resuming else []
@@ -145,8 +148,9 @@ class Trainer:
                             "data.eval, raise data.eval_size (a file's first min(data.eval_size, "
                             "10%) rows are held out) or data.max_prompt_len.")
 
-        self.checkpointer = Checkpointer(os.path.join(workdir, workdir_lib.CHECKPOINTS),
-                                         keep=cfg.train.keep_checkpoints, log=_log)
+        self.checkpointer = Checkpointer(
+            os.path.join(workdir, workdir_lib.CHECKPOINTS), keep=cfg.train.keep_checkpoints,
+            log=_log, agree=lambda ok: all(self.runtime.allgather_json(bool(ok))))
         self.stopping = GracefulStop(_log)
         self.health = VerifierHealth()
         self.scorer = ScoringService(num_workers=cfg.rewards.num_workers,
