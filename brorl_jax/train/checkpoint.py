@@ -220,8 +220,10 @@ class Checkpointer:
                                f"{'step ' + str(last) if last is not None else 'none'}.")
 
     def check(self) -> None:
-        """Raises the error of a finished asynchronous save, without waiting for one running."""
-        if self._pending is not None and not self._manager.is_saving_in_progress():
+        """Raises the error of a finished asynchronous save, without waiting for one running
+        (several processes wait only once the save is finished on all of them)."""
+        if self._pending is not None and \
+                self._agree(not self._manager.is_saving_in_progress()):
             self.wait()
 
     def wait(self) -> None:

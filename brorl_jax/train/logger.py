@@ -35,10 +35,10 @@ class MetricsLogger:
         self.enabled = enabled
         self.path = os.path.join(workdir, "metrics.jsonl")
         self._tb = None
+        self.kept: str | None = None       # where an earlier history went (for the run's log)
         if not enabled:
             return
         os.makedirs(workdir, exist_ok=True)
-        self.kept: str | None = None       # where an earlier history went (for the run's log)
         if resume_step is not None:
             self._truncate_after(resume_step)
         else:

@@ -356,8 +356,9 @@ class Trainer:
         bar = tqdm(range(start, cfg.train.steps), initial=start, total=cfg.train.steps,
                    desc="BroRL", disable=self.runtime.process_index != 0, file=sys.stdout)
         metrics: dict[str, Any] = {}
+        stop = self.stop_requested()            # a signal during the start
         for step in bar:
-            if self.stopping.requested:
+            if stop:
                 break
             t0 = time.perf_counter()
             batch, metrics = self.collect(state.params, data_iter, step)
@@ -394,16 +395,23 @@ class Trainer:
             logger.write(done, metrics)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
                             pass_rate=f"{metrics['dynamic_sampling/pass_rate']:.2f}")
-            if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps or \
-                    self.stopping.requested:
+            stop = self.stop_requested()        # SIGINT/SIGTERM: save this step, then stop
+            if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps or stop:
                 self.save(done, state, data_iter, counters)
             self.checkpointer.check()   # a failed asynchronous save stops the run here
         bar.close()
         self.checkpointer.wait()
         self.finish(logger, metrics, first_eval)
-        if self.stopping.requested:
+        self.stopping.uninstall()
+        if stop:
             raise self.stopping.stop(self.checkpointer.latest_step())
         return RunResult(state, metrics)
+
+    def stop_requested(self) -> bool:
+        """Whether any process received SIGINT/SIGTERM (all processes stop at the same step)."""
+        if self.runtime.num_processes == 1:
+            return self.stopping.requested
+        return any(self.runtime.allgather_json(self.stopping.requested))
 
     def save(self, step: int, state, data_iter, counters: dict) -> None:
         """An asynchronous checkpoint: the state, every process's data position and collect

@@ -57,9 +57,11 @@ class GracefulStop:
         sys.stdout.flush()
 
     def stop(self, resume_step: int | None) -> Interrupted:
-        """The exception that ends the run after a requested stop."""
-        name = NAMES[self.signum]
+        """The exception that ends the run after a requested stop (on a process that did not
+        receive the signal itself: as SIGTERM, "another process")."""
+        signum = self.signum if self.signum is not None else signal.SIGTERM
+        name = NAMES[signum] if self.signum is not None else "a signal to another process"
         where = (f"resumes from step {resume_step}" if resume_step is not None
                  else "starts from the beginning (no checkpoint was written yet)")
         return Interrupted(f"stopped by {name}; a restart with the same --workdir {where}.",
-                           self.signum)
+                           signum)
