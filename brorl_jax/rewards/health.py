@@ -30,7 +30,8 @@ from brorl_jax.rewards.registry import REWARDS, load_check_fn, resolve_reward_na
 FAILURE_KINDS = ("error", "timeout", "deadline", "worker_died")
 # (prefix of the reason, kind); the first matching prefix wins.
 _REASON_KINDS = (
-    ("verifier error", "error"), ("sandbox error", "error"), ("ground truth not parseable", "error"),
+    ("verifier error", "error"), ("sandbox error", "error"),
+    ("ground truth not parseable", "error"),
     ("timeout", "timeout"), ("verify timeout", "timeout"), ("batch deadline", "deadline"),
     ("worker died", "worker_died"), ("no answer", "no_answer"), ("no code block", "no_answer"),
     ("no number", "no_answer"), ("answer not parseable", "unparseable"),

@@ -396,7 +396,8 @@ def test_sigint_and_sigterm_stop_after_the_current_step(env, finished, tmp_path)
         name = signal.Signals(sig).name
         assert f"[signal] {name}: stopping after the current step" in out
         last = err.strip().splitlines()[-1]
-        latest = max(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
+        latest = max(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints"))
+                     if d.isdigit())
         assert 3 <= latest < 8
         assert last == (f"stopped by {name}; a restart with the same --workdir resumes from "
                         f"step {latest}.")
