@@ -1,22 +1,42 @@
 """What every command (main, evaluate, export, experiments.compare_n) shares: the `--config`
 flag, flags defined when the command runs (not at import: several command modules in one process
-must not collide in absl's global flag registry), and errors turned into a short message.
+must not collide in absl's global flag registry), and errors at the door.
 
     def main(values: dict) -> int | None: ...
     if __name__ == "__main__":
         cli.run(main, [cli.Flag("string", "workdir", None, "Where the run writes.")])
+
+Errors at the door (docs/reliability.md):
+  * a user error (brorl_jax.errors.UserError: config, data, model, checkpoint, work directory,
+    disk, verifier) ends the command with `error: <what, where, the fix>` on stderr and exit
+    code 2; the full traceback goes to a log file (WORKDIR/logs/ when the command's work
+    directory exists, else the system temp directory) and to stderr with --debug / BRORL_DEBUG=1;
+  * a command line that does not parse (a misspelled --config.KEY, a bad value, a config file
+    that fails to load) is reported the same way, naming the key with the closest known one;
+  * SIGINT / SIGTERM: exit 130 / 143 with one line (the trainer stops at a safe point first);
+  * a disk that fills up anywhere: exit 2 naming the file;
+  * anything else is a bug: its traceback is shown as usual (exit 1).
 """
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import errno
 import os
+import re
+import signal
 import sys
+import tempfile
+import traceback
 from typing import Any, Callable, Sequence
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 import configs
+from brorl_jax.errors import (DEBUG_ENV, CheckpointError, ConfigError, DataError,  # noqa: F401
+                              DiskFullError, Interrupted, ModelError, UserError, VerifierError,
+                              WorkdirError, debug_enabled)
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(configs.__file__), "demo.py")
 # Flags defined here belong to the command that calls run(), so its --help lists them.
@@ -33,40 +53,157 @@ class Flag:
     required: bool = False
 
 
+DEBUG_FLAG = Flag("bool", "debug", False, f"Print the full traceback of an error (also "
+                  f"{DEBUG_ENV}=1); without it a user error prints a short message and the "
+                  "traceback goes to a log file.")
+
+
 def _config_help() -> str:
-    from brorl_jax.config import choices
+    from brorl_jax.config import choices, verifier_names
     lines = ["Config file (configs/NAME.py), optionally with ':preset'; override any key with "
              "--config.KEY=VALUE. Keys that pick a named implementation:"]
     lines += [f"  {key}: {' | '.join(names)}" for key, names in choices().items()]
+    lines.append(f"  rewards.map (JSON data_source -> verifier): {' | '.join(verifier_names())}")
     return "\n".join(lines)
 
 
 def define(extra: Sequence[Flag], config_default: str = DEFAULT_CONFIG) -> dict:
-    """Defines --config and `extra` in absl's registry; returns {name: FlagHolder}."""
+    """Defines --config, --debug and `extra` in absl's registry; returns {name: FlagHolder}."""
     holders = {"config": config_flags.DEFINE_config_file("config", config_default, _config_help())}
-    for f in extra:
+    for f in list(extra) + [DEBUG_FLAG]:
         definer = getattr(flags, f"DEFINE_{f.kind}")
         holders[f.name] = definer(f.name, f.default, f.help, required=f.required)
     return holders
 
 
+# -- errors at the door ---------------------------------------------------------------------------
+def _root_message(exc: BaseException) -> str:
+    """The most specific message in an exception chain (absl and config_flags wrap the cause)."""
+    messages, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc).strip()
+        if isinstance(exc, KeyError) and text.startswith(("'", '"')):
+            text = text[1:-1].encode().decode("unicode_escape") if text else text
+        if text:
+            messages.append(f"{text}")
+        exc = exc.__cause__ or exc.__context__
+    return messages[-1] if messages else "unknown error"
+
+
+def command_line_error(argv: Sequence[str], exc: BaseException) -> str:
+    """The message for a command line absl/config_flags could not parse: unknown config keys
+    named with the closest known key (the schema's own wording), else the underlying cause."""
+    from brorl_jax.config import _flatten, default_config, unknown_key_message
+    schema = _flatten(default_config())
+    sections = {k.split(".", 1)[0] for k in schema}
+    unknown = []
+    for arg in argv[1:]:
+        m = re.match(r"--config\.([^=]+)", arg)
+        if m and m.group(1) not in schema and m.group(1) not in sections:
+            unknown.append(unknown_key_message(m.group(1)))
+    if unknown:
+        return "invalid command line:\n  " + "\n  ".join(unknown)
+    cause = _root_message(exc)
+    if "Failed loading config file" in str(exc) or "config file" in cause.lower():
+        path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+        return f"cannot load the config file {path!r}: {cause}"
+    return f"invalid command line: {cause}"
+
+
+def _log_path(values: dict) -> str:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    for key in ("workdir", "out"):
+        d = values.get(key)
+        if isinstance(d, str) and d and os.path.isdir(d):
+            return os.path.join(d, "logs", f"error-{stamp}.log")
+    return os.path.join(tempfile.gettempdir(), f"brorl_jax-error-{stamp}-{os.getpid()}.log")
+
+
+def _write_log(exc: BaseException, values: dict) -> str | None:
+    path = _log_path(values)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(" ".join(sys.argv) + "\n\n")
+            f.write("".join(traceback.format_exception(exc)))
+        return path
+    except OSError:
+        return None
+
+
+def report(exc: BaseException, values: dict) -> int:
+    """Prints the short message for a user error, an interruption or a full disk; returns the
+    exit code. Anything else is re-raised (a bug: its traceback is the report)."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        exc = DiskFullError(f"disk full writing {exc.filename or 'a file'}: free space and "
+                            "restart with the same --workdir (it resumes from its last complete "
+                            "checkpoint).")
+    if isinstance(exc, KeyboardInterrupt):
+        exc = Interrupted("interrupted (SIGINT); a restart with the same --workdir resumes from "
+                          "its last complete checkpoint.", signal.SIGINT)
+    if not isinstance(exc, (UserError, Interrupted)):
+        raise exc
+    if debug_enabled():
+        traceback.print_exception(exc, file=sys.stderr)
+    if isinstance(exc, Interrupted):
+        print(str(exc), file=sys.stderr, flush=True)
+        return exc.exit_code
+    log = _write_log(exc, values)
+    print(f"error: {exc}", file=sys.stderr)
+    if not debug_enabled():
+        print(f"(traceback: {log or 'not written'}; --debug prints it)", file=sys.stderr)
+    sys.stderr.flush()
+    return exc.exit_code
+
+
+def _fail_at_parse(argv: Sequence[str], exc: BaseException) -> None:
+    if "--debug" in argv or debug_enabled():
+        os.environ[DEBUG_ENV] = "1"
+    code = report(ConfigError(command_line_error(argv, exc)).with_traceback(exc.__traceback__),
+                  {})
+    sys.exit(code)
+
+
+def _parse_flags(argv: Sequence[str]):
+    try:
+        return flags.FLAGS(argv)
+    except BrokenPipeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - flags.Error, or whatever a config file raised
+        _fail_at_parse(argv, e)
+
+
+def _terminated(signum, frame):
+    raise Interrupted("stopped by SIGTERM; a restart with the same --workdir resumes from its "
+                      "last complete checkpoint.", signum)
+
+
 def run(main: Callable[[dict], int | None], extra: Sequence[Flag] = (), *,
         config_default: str = DEFAULT_CONFIG) -> None:
-    """Defines the flags, parses the command line and calls main({name: value}); a config error
-    ends the command with its message and exit code 2, not a traceback."""
-    holders = define(extra, config_default)
+    """Defines the flags, parses the command line and calls main({name: value}); user errors end
+    the command with a short message and exit code 2 (module docstring)."""
+    try:
+        holders = define(extra, config_default)
+    except Exception as e:  # noqa: BLE001 - config_flags parses --config.KEY overrides here
+        _fail_at_parse(sys.argv, e)
 
     def entry(argv):
         if len(argv) > 1:
             raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        if holders["debug"].value:
+            os.environ[DEBUG_ENV] = "1"
         logging.set_verbosity(logging.WARNING)
-        from brorl_jax.config import ConfigError
+        signal.signal(signal.SIGTERM, _terminated)
+        values = {name: h.value for name, h in holders.items() if name != "debug"}
         try:
-            values = {name: h.value for name, h in holders.items()}
+            list(values["config"].keys())   # a config file that failed to load raises here
+        except Exception as e:  # noqa: BLE001
+            _fail_at_parse(sys.argv, e)
+        try:
             code = main(values)
-        except ConfigError as e:
-            print(str(e), file=sys.stderr)
-            code = 2
+        except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - report() re-raises bugs
+            code = report(e, values)
         sys.exit(code or 0)
 
-    app.run(entry)
+    app.run(entry, flags_parser=_parse_flags)

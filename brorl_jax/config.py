@@ -10,10 +10,13 @@ values the paper does not state are marked "not stated" with the choice made.
 from __future__ import annotations
 
 import difflib
+import json
 import math
 from typing import Any
 
 import ml_collections
+
+from brorl_jax.errors import ConfigError
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -42,6 +45,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.data.seed = 0
     # reasoning_gym generator options (JSON object as a string so it stays one typed field)
     c.data.reasoning_gym_kwargs = "{}"
+    # Column names of JSONL/Parquet files when they differ from the defaults (JSON object):
+    # '{"prompt": "question_text", "ground_truth": "meta.label", "data_source": "src"}'.
+    c.data.fields = "{}"
 
     # --- rollout ---------------------------------------------------------------------------
     c.rollout = ml_collections.ConfigDict()
@@ -128,6 +134,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.rewards.timeout_s = 5.0             # per item (ProRL code tests: 5 s)
     c.rewards.batch_deadline_s = 600.0
     c.rewards.recycle_after = 2000        # items per worker before it is replaced
+    # data_source -> verifier (JSON object), on top of veRL's common names that are understood
+    # by default (rewards/registry.py DEFAULT_REWARD_MAP). Keys: a data_source, its family
+    # (the part before "/") or a shell pattern ("numina_*"). '{"my_set": "math"}'.
+    c.rewards.map = "{}"
 
     # --- supervised warm start (used by the demo; 0 steps = none) --------------------------
     c.sft = ml_collections.ConfigDict()
@@ -199,17 +209,38 @@ POSITIVE = (
     "algo.max_generation_rounds", "algo.kl_clamp", "data.max_prompt_len", "optim.base_lr",
     "optim.base_batch", "rewards.num_workers", "rewards.timeout_s", "eval.samples_per_prompt",
     "eval.num_prompts", "train.keep_checkpoints", "train.checkpoint_every", "train.log_every",
+    "rewards.batch_deadline_s", "rewards.recycle_after", "sft.batch_size", "sft.lr",
 )
 NON_NEGATIVE = (
     "algo.kl_coef", "algo.clip_eps_high", "algo.ref_reset_every", "algo.micro_batch_tokens",
     "algo.advantage_eps", "algo.whiten_eps", "algo.entropy_coef", "algo.length_penalty_on_steps",
     "algo.length_penalty_off_steps", "train.steps", "eval.every", "sft.steps",
-    "optim.warmup_steps", "rollout.memory_budget_gb",
+    "optim.warmup_steps", "rollout.memory_budget_gb", "train.seed", "data.seed",
+    "data.train_size", "data.eval_size", "eval.temperature", "optim.weight_decay",
+    "optim.grad_clip",
 )
+# JSON-object keys and what their values must be (checked by validate, read by json_option).
+JSON_OBJECT_KEYS = ("data.reasoning_gym_kwargs", "data.fields", "rewards.map")
+DATA_SPEC_SUFFIXES = (".jsonl", ".parquet", ".pq")
 
 
-class ConfigError(ValueError):
-    """A config key is unknown, mistyped or inconsistent; the message names it and the fix."""
+def verifier_names() -> tuple[str, ...]:
+    """The verifiers a data source can be mapped to (rewards.map): the rewards registry."""
+    from brorl_jax.rewards.registry import REWARDS
+    return tuple(sorted(REWARDS))
+
+
+def unknown_key_message(key: str) -> str:
+    """'unknown config key ...' with the closest schema key: validate() and the command line."""
+    near = difflib.get_close_matches(key, list(_flatten(default_config())), n=1)
+    hint = f" Did you mean '{near[0]}'?" if near else ""
+    return f"unknown config key '{key}'.{hint}"
+
+
+def json_option(cfg: ml_collections.ConfigDict, key: str) -> dict:
+    """The parsed value of a JSON-object key (JSON_OBJECT_KEYS) of a validated config."""
+    text = _get(cfg, key)
+    return json.loads(text) if text.strip() else {}
 
 
 def _flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
@@ -242,9 +273,7 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     errors = []
     for key, value in given.items():
         if key not in schema:
-            near = difflib.get_close_matches(key, list(schema), n=1)
-            hint = f" Did you mean '{near[0]}'?" if near else ""
-            errors.append(f"unknown config key '{key}'.{hint}")
+            errors.append(unknown_key_message(key))
             continue
         want = type(schema[key])
         ok = isinstance(value, want) or (want is float and isinstance(value, int)
@@ -311,6 +340,10 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     errors += _validate_options(cfg)
     if not 0.0 < cfg.eval.top_p <= 1.0:
         errors.append(f"config key 'eval.top_p' must be in (0, 1], got {cfg.eval.top_p}.")
+    if cfg.eval.max_new_tokens != -1 and cfg.eval.max_new_tokens <= 0:
+        errors.append("config key 'eval.max_new_tokens' must be > 0 or -1 (= "
+                      f"rollout.max_new_tokens), got {cfg.eval.max_new_tokens}.")
+    errors += _validate_io_keys(cfg)
     for axis in ("data", "fsdp", "tensor"):
         v = cfg.mesh[axis]
         if v == 0 or v < -1:
@@ -321,6 +354,56 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     return cfg
+
+
+def _validate_io_keys(cfg: ml_collections.ConfigDict) -> list[str]:
+    """Keys that used to fail only when first used: JSON objects, data specs, optimizer
+    constants, the data source -> verifier map."""
+    errors = []
+    parsed = {}
+    for key in JSON_OBJECT_KEYS:
+        text = _get(cfg, key)
+        try:
+            value = json.loads(text) if text.strip() else {}
+        except json.JSONDecodeError as e:
+            errors.append(f"config key '{key}' must be a JSON object, e.g. '{{\"a\": 1}}'; "
+                          f"{e.msg} at column {e.colno} of {text!r}.")
+            continue
+        if not isinstance(value, dict):
+            errors.append(f"config key '{key}' must be a JSON object ({{...}}), got {text!r}.")
+            continue
+        parsed[key] = value
+    if "data.fields" in parsed:
+        from brorl_jax.data.records import DEFAULT_FIELDS
+        for name, column in parsed["data.fields"].items():
+            if name not in DEFAULT_FIELDS:
+                errors.append(f"config key 'data.fields' names {name!r}; the fields are "
+                              f"{', '.join(sorted(DEFAULT_FIELDS))} (each mapped to a column).")
+            elif not isinstance(column, str) or not column:
+                errors.append(f"config key 'data.fields': {name!r} must map to a column name, "
+                              f"got {column!r}.")
+    if "rewards.map" in parsed:
+        names = verifier_names()
+        for source, verifier in parsed["rewards.map"].items():
+            if not source or verifier not in names:
+                errors.append(f"config key 'rewards.map' sends {source!r} to {verifier!r}; "
+                              f"verifiers: {', '.join(names)}.")
+    for key in ("data.train", "data.eval"):
+        spec = _get(cfg, key)
+        if spec and not spec.startswith("reasoning_gym:") and \
+                not spec.lower().endswith(DATA_SPEC_SUFFIXES):
+            errors.append(f"config key '{key}' = {spec!r}: give a .jsonl or .parquet file or "
+                          "'reasoning_gym:task1,task2'.")
+    o = cfg.optim
+    for name in ("b1", "b2"):
+        if not 0.0 <= o[name] < 1.0:
+            errors.append(f"config key 'optim.{name}' must be in [0, 1), got {o[name]}.")
+    if not o.eps > 0:
+        errors.append(f"config key 'optim.eps' must be > 0, got {o.eps}.")
+    for name in ("label_noise", "untagged_frac"):
+        if not 0.0 <= cfg.sft[name] <= 1.0:
+            errors.append(f"config key 'sft.{name}' must be in [0, 1], got {cfg.sft[name]}.")
+    return errors
 
 
 def _validate_options(cfg: ml_collections.ConfigDict) -> list[str]:
@@ -380,6 +463,8 @@ def describe() -> str:
         line = f"  {key} = {value!r}"
         if key in allowed:
             line += "   (" + " | ".join(allowed[key]) + ")"
+        elif key == "rewards.map":
+            line += "   (data_source -> " + " | ".join(verifier_names()) + ")"
         lines.append(line)
     return "\n".join(lines)
 

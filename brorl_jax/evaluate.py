@@ -4,11 +4,13 @@
   python -m brorl_jax.evaluate --config=configs/NAME.py --config.model.path=HF_DIR   (no workdir)
 
 Defaults are the paper's evaluation settings (temperature 0.6, top-p 0.95, 16 samples per
-prompt, pass@1 as their mean) unless the config's eval section says otherwise.
+prompt, pass@1 as their mean) unless the config's eval section says otherwise. The work
+directory is only read: a missing one is an error (never created), nothing in it is changed.
 """
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 
 from brorl_jax import cli
@@ -21,18 +23,28 @@ FLAGS = [cli.Flag("string", "workdir", None, "Evaluate this run's checkpoint (el
 def evaluate(cfg, workdir: str | None = None, step: int | None = None) -> dict:
     from brorl_jax.config import validate
     from brorl_jax.train.loop import Trainer, restore_params
+    from brorl_jax.errors import CheckpointError
+    from brorl_jax.train.workdir import has_checkpoints, require_existing
     validate(cfg)
+    if workdir:                          # before anything expensive; never created
+        require_existing(workdir)
+        if not has_checkpoints(workdir):
+            raise CheckpointError(f"no complete checkpoint in {workdir}/checkpoints; train "
+                                  "first.")
     scratch = tempfile.mkdtemp(prefix="brorl_eval_")
-    trainer = Trainer(cfg, scratch)
     try:
-        params = trainer.model.params
-        if workdir:
-            _, params, step = restore_params(cfg, workdir, step)
-        out = trainer.evaluate(params, step or 0)
-        out["step"] = step or 0
-        return out
+        trainer = Trainer(cfg, scratch)
+        try:
+            params = trainer.model.params
+            if workdir:
+                _, params, step = restore_params(cfg, workdir, step)
+            out = trainer.evaluate(params, step or 0)
+            out["step"] = step or 0
+            return out
+        finally:
+            trainer.close()
     finally:
-        trainer.close()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def main(values: dict) -> int:

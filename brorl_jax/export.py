@@ -14,8 +14,12 @@ FLAGS = [cli.Flag("string", "workdir", None, "The run's work directory.", requir
 
 
 def export(cfg, workdir: str, out: str, step: int | None = None) -> int:
+    """Writes checkpoint `step` (default: the newest that restores) of `workdir` to `out`; the
+    work directory is only read (a missing one is an error, never created)."""
     from brorl_jax import models
+    from brorl_jax.config import validate
     from brorl_jax.train.loop import restore_params
+    validate(cfg)
     model, params, step = restore_params(cfg, workdir, step)
     models.save_pretrained(model.with_params(params), out)
     return step

@@ -32,7 +32,10 @@ import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from brorl_jax.errors import DataError, DataFileNotFoundError
+
 # Reasons a row is skipped; the keys of DataReport.counts().
+NOT_UTF8 = "not_utf8"
 INVALID_JSON = "invalid_json"
 NOT_AN_OBJECT = "not_an_object"
 EMPTY_PROMPT = "empty_prompt"
@@ -41,6 +44,7 @@ MISSING_GROUND_TRUTH = "missing_ground_truth"
 MISSING_DATA_SOURCE = "missing_data_source"
 PROMPT_TOO_LONG = "prompt_too_long"
 SHARD_REMAINDER = "shard_remainder"
+BAD_GROUND_TRUTH = "bad_ground_truth"     # the data source's verifier cannot read it
 
 # Where each normalized field is looked for, in order, when no `fields` mapping names a column.
 DEFAULT_FIELDS: dict[str, tuple[str, ...]] = {
@@ -80,6 +84,7 @@ class DataReport:
     num_rows: int = 0
     num_kept: int = 0
     skipped: list[SkippedRow] = dataclasses.field(default_factory=list)
+    columns: list[str] = dataclasses.field(default_factory=list)   # the top-level columns seen
 
     def skip(self, source: str, row: int, reason: str, detail: str = "") -> None:
         self.skipped.append(SkippedRow(source, row, reason, detail))
@@ -96,7 +101,8 @@ class DataReport:
     def merge(self, other: DataReport) -> DataReport:
         """A new report holding both reports' rows (for several files loaded together)."""
         return DataReport(self.num_rows + other.num_rows, self.num_kept + other.num_kept,
-                          self.skipped + other.skipped)
+                          self.skipped + other.skipped,
+                          self.columns + [c for c in other.columns if c not in self.columns])
 
     def summary(self, max_listed: int = 10) -> str:
         """Human-readable summary for logs: totals, counts per reason, first skipped rows."""
@@ -238,6 +244,8 @@ def normalize_rows(rows: Iterable[tuple[int, Any]], *, source: str,
     records = []
     for row_index, row in rows:
         report.num_rows += 1
+        if isinstance(row, Mapping) and len(report.columns) < 200:
+            report.columns += [str(k) for k in row if str(k) not in report.columns]
         record = normalize_row(row, source=source, row_index=row_index, report=report,
                                fields=fields, data_source=data_source)
         if record is not None:
@@ -248,31 +256,56 @@ def normalize_rows(rows: Iterable[tuple[int, Any]], *, source: str,
 
 def _require_records(records: list[dict], report: DataReport, source: str) -> None:
     if not records:
-        raise ValueError(f"{source}: no usable rows. {report.summary()}\nIf your columns have "
-                         "other names, map them with fields={'prompt': ..., 'ground_truth': ...}.")
+        columns = ", ".join(report.columns) if report.columns else "none (no row is a JSON object)"
+        looked = "; ".join(f"{k} in {' / '.join(v)}" for k, v in DEFAULT_FIELDS.items()
+                           if k != "extra_info")
+        raise DataError(f"{source}: no usable rows. {report.summary()}\nIts columns: {columns}. "
+                        f"Looked for {looked}. If your columns have other names, map them with "
+                        "--config.data.fields='{\"prompt\": \"COLUMN\", \"ground_truth\": "
+                        "\"COLUMN\"}' (fields= in Python).")
+
+
+def _missing(source: str) -> DataFileNotFoundError:
+    folder = os.path.dirname(source) or "."
+    near = []
+    if os.path.isdir(folder):
+        import difflib
+        near = difflib.get_close_matches(os.path.basename(source), os.listdir(folder), n=1)
+    hint = f" Did you mean {os.path.join(folder, near[0])!r}?" if near else ""
+    return DataFileNotFoundError(f"data file {source!r} not found.{hint}")
 
 
 def load_jsonl(path: str | os.PathLike, *, fields: Mapping[str, str] | None = None,
                data_source: str | None = None) -> tuple[list[dict], DataReport]:
     """Loads a JSON-lines prompt file (one JSON object per line; blank lines are ignored).
 
-    Returns (records, report). Lines that are not valid JSON or not an object, or rows without a
-    ground truth / with an empty prompt, are skipped and listed in the report (row = line - 1).
-    Raises FileNotFoundError for a missing file and ValueError when no row is usable.
+    Returns (records, report). Lines that are not UTF-8, not valid JSON or not an object, or rows
+    without a ground truth / with an empty prompt, are skipped and listed in the report
+    (row = line - 1). Raises DataFileNotFoundError (a FileNotFoundError) for a missing file and
+    DataError (a ValueError) naming the file and its columns when no row is usable.
     """
     source = os.fspath(path)
     report = DataReport()
+    if not os.path.isfile(source):
+        raise _missing(source)
 
     def rows() -> Iterator[tuple[int, Any]]:
-        with open(source, encoding="utf-8") as f:
-            for line_index, line in enumerate(f):
+        with open(source, "rb") as f:
+            for line_index, raw in enumerate(f):
+                try:
+                    line = raw.decode("utf-8-sig" if line_index == 0 else "utf-8")
+                except UnicodeDecodeError as e:
+                    report.num_rows += 1
+                    report.skip(source, line_index, NOT_UTF8,
+                                f"byte 0x{raw[e.start]:02x} at column {e.start + 1} is not UTF-8")
+                    continue
                 if not line.strip():
                     continue
                 try:
                     yield line_index, json.loads(line)
                 except json.JSONDecodeError as e:
                     report.num_rows += 1
-                    report.skip(source, line_index, INVALID_JSON, e.msg)
+                    report.skip(source, line_index, INVALID_JSON, f"{e.msg} at column {e.colno}")
 
     records, report = normalize_rows(rows(), source=source, fields=fields,
                                      data_source=data_source, report=report)
@@ -291,7 +324,13 @@ def load_parquet(path: str | os.PathLike, *, fields: Mapping[str, str] | None = 
     import pyarrow.parquet as pq  # only needed here; keeps `import brorl_jax.data` light
 
     source = os.fspath(path)
-    parquet_file = pq.ParquetFile(source)
+    if not os.path.isfile(source):
+        raise _missing(source)
+    try:
+        parquet_file = pq.ParquetFile(source)
+    except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
+        raise DataError(f"{source}: not a readable Parquet file ({e}).") from e
+    report = DataReport(columns=list(parquet_file.schema_arrow.names))
 
     def rows() -> Iterator[tuple[int, Any]]:
         row_index = 0
@@ -301,6 +340,6 @@ def load_parquet(path: str | os.PathLike, *, fields: Mapping[str, str] | None = 
                 row_index += 1
 
     records, report = normalize_rows(rows(), source=source, fields=fields,
-                                     data_source=data_source)
+                                     data_source=data_source, report=report)
     _require_records(records, report, source)
     return records, report

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 
 from brorl_jax.data.reasoning_gym_source import reasoning_gym_source
 from brorl_jax.data.records import DataReport, load_jsonl, load_parquet
+from brorl_jax.errors import ConfigError, DataError
 
 REASONING_GYM_PREFIX = "reasoning_gym:"
 
@@ -55,25 +56,41 @@ def _prompt_key(record: dict) -> str:
     return record["prompt"] if "prompt" in record else json.dumps(record.get("prompt_messages"))
 
 
-def load_train_and_eval(data_cfg) -> tuple[list[dict], list[dict], list[DataReport]]:
-    """The training and held-out records of a run config's `data` section, and the load reports.
+def load_train_and_eval(data_cfg, on_report=None
+                        ) -> tuple[list[dict], list[dict], list[DataReport]]:
+    """The training and held-out records of a run config's `data` section, and the load reports
+    (each also passed to `on_report` as soon as its source has loaded, so a later failure does
+    not hide the rows an earlier source skipped).
 
     data.eval given: loaded from it. Otherwise a generated source draws the held-out set with
     another seed (questions that also occur in training are removed from training), and a file is
     split: its first min(data.eval_size, 10%) rows are held out."""
     if not data_cfg.train:
-        raise ValueError("config key 'data.train' is empty; give a JSONL/Parquet path or "
-                         "'reasoning_gym:<task>'.")
+        raise ConfigError("config key 'data.train' is empty; give a JSONL/Parquet path or "
+                          "'reasoning_gym:<task>'.")
     kwargs = json.loads(data_cfg.reasoning_gym_kwargs or "{}")
-    load = lambda spec, size, seed: load_dataset(spec, size=size, seed=seed,
-                                                 reasoning_gym_kwargs=kwargs)
-    train, train_report = load(data_cfg.train, data_cfg.train_size, data_cfg.seed)
+    fields = json.loads(data_cfg.get("fields", "{}") or "{}")
+
+    def load(key, size, seed):
+        spec = data_cfg[key]
+        try:
+            records, report = load_dataset(spec, size=size, seed=seed, fields=fields,
+                                           reasoning_gym_kwargs=kwargs)
+        except DataError:
+            raise                       # already names the file
+        except ValueError as e:         # a reasoning_gym task name or generator setting
+            raise DataError(f"config key 'data.{key}' = {spec!r}: {e}") from e
+        if on_report is not None:
+            on_report(report)
+        return records, report
+
+    train, train_report = load("train", data_cfg.train_size, data_cfg.seed)
     reports = [train_report]
     if data_cfg.eval:
-        held_out, report = load(data_cfg.eval, data_cfg.eval_size, data_cfg.seed + 1)
+        held_out, report = load("eval", data_cfg.eval_size, data_cfg.seed + 1)
         reports.append(report)
     elif data_cfg.train.startswith(REASONING_GYM_PREFIX):
-        held_out, report = load(data_cfg.train, data_cfg.eval_size, data_cfg.seed + 10_007)
+        held_out, report = load("train", data_cfg.eval_size, data_cfg.seed + 10_007)
         reports.append(report)
         # a generated question may repeat across seeds: keep held-out questions out of training
         seen = {_prompt_key(r) for r in held_out}

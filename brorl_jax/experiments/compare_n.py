@@ -30,9 +30,11 @@ FLAGS = [cli.Flag("string", "out", "runs/compare_n", "Output directory."),
 
 def arm_config(base, n: int, rows: int, samples: int, evals: int, model_path: str):
     """The config of one arm: N = n, prompts_per_step = rows / n, steps from the sample budget."""
+    from brorl_jax.errors import ConfigError
     cfg = base.copy_and_resolve_references()
     if rows % n:
-        raise ValueError(f"update rows {rows} must be divisible by N={n}.")
+        raise ConfigError(f"--n={n}: the update rows of the base config (algo.prompts_per_step x "
+                          f"rollout.rollouts_per_prompt = {rows}) must be divisible by every N.")
     cfg.rollout.rollouts_per_prompt = n
     cfg.algo.prompts_per_step = rows // n
     cfg.algo.micro_batch_size = math.gcd(cfg.algo.micro_batch_size, rows)
@@ -117,8 +119,23 @@ def plot(results: dict, path: str) -> None:
 
 
 def main(values: dict) -> int:
-    results = run(values["config"], values["out"], [int(n) for n in values["n"]],
-                  values["samples"], values["evals"])
+    from brorl_jax.config import validate
+    from brorl_jax.errors import ConfigError
+    try:
+        ns = [int(n) for n in values["n"]]
+    except ValueError:
+        raise ConfigError(f"--n must be comma-separated integers, got {','.join(values['n'])!r}.")
+    if any(n < 2 for n in ns):
+        raise ConfigError(f"--n: every N must be >= 2 (group baselines), got {ns}.")
+    if values["samples"] < 1 or values["evals"] < 1:
+        raise ConfigError("--samples and --evals must be >= 1.")
+    base = validate(values["config"])
+    rows = base.algo.prompts_per_step * base.rollout.rollouts_per_prompt
+    for n in ns:
+        validate(arm_config(base, n, rows, values["samples"], values["evals"], ""))
+    from brorl_jax.train.workdir import prepare
+    prepare(values["out"])
+    results = run(base, values["out"], ns, values["samples"], values["evals"])
     for n, r in results.items():
         first, last = r["eval"][0][1], r["eval"][-1][1]
         print(f"N={n}: pass@1 {first:.3f} -> {last:.3f}, mean dynamic-sampling pass rate "

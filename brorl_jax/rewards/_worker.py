@@ -20,7 +20,11 @@ logger = logging.getLogger("brorl_jax.rewards.worker")
 
 
 def main(fd: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    # Ctrl-C and a scheduler's SIGTERM reach the whole process group: they are the trainer's to
+    # handle (it stops at a safe point, then stops the workers; a worker whose parent is gone
+    # sees EOF on its socket and exits).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(fd)
     sys.path[:] = conn.recv()
     from brorl_jax.rewards.registry import load_reward_fn

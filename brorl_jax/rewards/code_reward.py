@@ -59,6 +59,11 @@ def parse_tests(ground_truth: Any) -> tuple[str, str | None, list[str], list[Any
     return "stdio", None, [_as_text(x) for x in inputs], outputs
 
 
+def check_ground_truth(ground_truth: Any) -> None:
+    """Raises ValueError (from parse_tests) when the tests cannot be read: run at load time."""
+    parse_tests(ground_truth)
+
+
 def _as_text(x: Any) -> str:
     if isinstance(x, list):
         return "\n".join(str(v) for v in x) + "\n"

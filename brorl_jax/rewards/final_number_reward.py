@@ -43,6 +43,15 @@ def _decimal(value: Any, what: str) -> Decimal:
         raise ValueError(f"final_number {what} {value!r} is not a number") from e
 
 
+def check_ground_truth(truth: Any) -> None:
+    """Raises ValueError when the ground truth is not a number (or a list of numbers)."""
+    golds = truth if isinstance(truth, (list, tuple)) else [truth]
+    if not golds:
+        raise ValueError("empty list of ground-truth answers")
+    for t in golds:
+        _decimal(t, "ground_truth")
+
+
 def final_number_reward(record: Mapping[str, Any], completion: str, *,
                         time_budget_s: float | None = None) -> RewardResult:
     """1.0 when the last number of ``completion`` equals ``record["ground_truth"]`` exactly."""

@@ -134,12 +134,14 @@ def math_reward(record: Mapping[str, Any], completion: str, *,
         pred = parse(_as_latex(answer), parsing_timeout=None)
         if not pred:
             return None
+        parsed_any = False
         for gold in golds:
             gold_parsed = parse(_as_latex(str(gold)), parsing_timeout=None)
+            parsed_any = parsed_any or bool(gold_parsed)
             if gold_parsed and verify(gold_parsed, pred, float_rounding=float_rounding,
                                       timeout_seconds=None):
                 return True
-        return False
+        return False if parsed_any else "gold"
 
     try:
         ok = _with_deadline(verify_timeout_s, _check)
@@ -147,4 +149,31 @@ def math_reward(record: Mapping[str, Any], completion: str, *,
         return RewardResult(0.0, f"verify timeout after {verify_timeout_s}s", details)
     if ok is None:
         return RewardResult(0.0, "answer not parseable", details)
+    if ok == "gold":   # a data problem, not the model's: counted as a verifier failure
+        return RewardResult(0.0, f"ground truth not parseable: {str(truth)[:80]!r}", details)
     return RewardResult(1.0 if ok else 0.0, "correct" if ok else "wrong answer", details)
+
+
+def check_ground_truth(truth: Any, *, timeout_s: float = 2.0) -> None:
+    """Raises ValueError when math-verify cannot read any of the ground-truth answers as a math
+    expression (only a literal string comparison could match it). Run on the data at load time;
+    a parse that runs past `timeout_s` is given the benefit of the doubt."""
+    from math_verify import parse
+
+    _silence_math_verify_timeout_warning()
+    golds = truth if isinstance(truth, (list, tuple)) else [truth]
+    if not golds:
+        raise ValueError("empty list of ground-truth answers")
+
+    def _any_parses():
+        return any(any(not isinstance(x, str) for x in parse(_as_latex(str(g)),
+                                                             parsing_timeout=None))
+                   for g in golds)
+
+    try:
+        ok = _with_deadline(timeout_s, _any_parses)
+    except VerifyTimeout:
+        return
+    if not ok:
+        raise ValueError(f"math-verify cannot parse the ground truth {str(truth)[:80]!r} as a "
+                         "math expression, so no answer could ever match it")

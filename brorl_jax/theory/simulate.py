@@ -344,8 +344,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+class UsageExit(SystemExit):
+    """Exit code 2 with a one-line message already printed to stderr; the same convention as
+    the other commands (brorl_jax/cli.py), kept local: theory/ depends on nothing else."""
+
+    def __init__(self, message: str):
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 def main(argv: Sequence[str] | None = None) -> dict[int, dict[str, np.ndarray]]:
-    args = parse_args(argv)
+    args = parse_args(argv)          # argparse: usage + "error: ..." and exit code 2
     try:
         configs = [SimulationConfig(
             n=n, vocab=args.vocab, correct=args.correct, steps=args.steps,
@@ -353,8 +366,16 @@ def main(argv: Sequence[str] | None = None) -> dict[int, dict[str, np.ndarray]]:
             weight_decay=args.weight_decay, seeded=args.seeded, seed_logit=args.seed_logit,
             anchor_logit=args.anchor_logit, dtype=args.dtype) for n in args.n]
     except ValueError as e:
-        raise SystemExit(f"error: {e}")
-    os.makedirs(args.out, exist_ok=True)
+        raise UsageExit(str(e)) from None
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise UsageExit(f"--out {args.out!r} is a file; give a directory.")
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        probe = os.path.join(args.out, ".write_test")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise UsageExit(f"--out {args.out!r} is not writable: {e.strerror}.") from None
     results = {}
     t_all = time.perf_counter()
     for cfg in configs:

@@ -2,7 +2,9 @@
 
 Only process 0 writes (multi-host runs call `MetricsLogger(..., enabled=jax.process_index()==0)`).
 On resume the JSONL is appended to after dropping lines from steps beyond the restored checkpoint,
-so the file always describes exactly one run history.
+so the file always describes exactly one run history. History is never lost: the dropped lines
+stay in a numbered copy (metrics.jsonl.1, .2, ...), and a fresh start in a work directory that
+already has a metrics file moves that file to the next free number.
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import os
 from typing import Any, Iterable
 
 import numpy as np
+
+from brorl_jax.train.workdir import keep_copy, set_aside
 
 
 def _plain(value: Any) -> Any:
@@ -31,14 +35,15 @@ class MetricsLogger:
         self.enabled = enabled
         self.path = os.path.join(workdir, "metrics.jsonl")
         self._tb = None
+        self.kept: str | None = None       # where an earlier history went (for the run's log)
         if not enabled:
             return
         os.makedirs(workdir, exist_ok=True)
         if resume_step is not None:
             self._truncate_after(resume_step)
-        elif os.path.exists(self.path):
+        else:
             # A fresh start in a workdir with an old history but no checkpoint: keep the old file.
-            os.replace(self.path, self.path + ".old")
+            self.kept = set_aside(self.path)
         if tensorboard:
             from tensorboardX import SummaryWriter
             self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
@@ -46,7 +51,12 @@ class MetricsLogger:
     def _truncate_after(self, step: int) -> None:
         if not os.path.exists(self.path):
             return
+        with open(self.path) as f:
+            lines = [line for line in f if line.strip()]
         keep = [line for line in read_metrics(self.path) if line.get("step", 0) <= step]
+        if len(keep) == len(lines):
+            return
+        self.kept = keep_copy(self.path)
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             for rec in keep:

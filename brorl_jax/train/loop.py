@@ -13,6 +13,12 @@ One RL step (BroRL §3.1), as `Trainer.run` reads:
 Resuming: the checkpoint holds the train state, the data-iterator state, the collect policies'
 state and counters; every random draw of step s is derived from (seed, s), so a resumed run
 repeats exactly what an uninterrupted one would have done.
+
+Faults (docs/reliability.md): everything that can be checked is checked before the model loads
+(config, work directory, a changed config on resume, data rows, a verifier for every data
+source); a checkpoint that cannot be restored falls back to the previous one; a save that cannot
+complete stops the run at that save; a verifier failing on every sample stops the run; SIGINT /
+SIGTERM stop after the current step with a checkpoint.
 """
 from __future__ import annotations
 
@@ -26,13 +32,18 @@ import jax
 import numpy as np
 
 from brorl_jax import algo, data, models
-from brorl_jax.config import algo_config, derived_learning_rate, optimizer_config, validate
+from brorl_jax.config import (algo_config, derived_learning_rate, json_option, optimizer_config,
+                              validate)
+from brorl_jax.errors import (CheckpointError, ConfigError, DataError, ModelError,
+                              TrainingStopped, VerifierError)
 from brorl_jax.rewards import ScoringService
-from brorl_jax.train import evaluation
+from brorl_jax.rewards.health import VerifierFailure, VerifierHealth, check_records
+from brorl_jax.train import evaluation, run_config, workdir as workdir_lib
 from brorl_jax.train.checkpoint import Checkpointer
 from brorl_jax.train.collect import Collector
 from brorl_jax.train.logger import MetricsLogger, plot_metrics
 from brorl_jax.train.runtime import Runtime, make_runtime
+from brorl_jax.train.signals import GracefulStop
 
 # Rollout metrics that add up over processes (the others are averaged).
 SUMMED_METRICS = ("perf/generated_samples", "perf/generated_tokens",
@@ -49,9 +60,16 @@ def _log(msg: str) -> None:
 
 def load_model(cfg) -> models.Model:
     """The config's model (the embedded demo model when model.path is empty), with the config's
-    attention implementation."""
+    attention implementation. A path that does not hold a model raises ModelError."""
     path = cfg.model.path or models.ensure_demo_model()
-    model = models.from_pretrained(path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+    if cfg.model.path and not os.path.exists(path):
+        raise ModelError(f"config key 'model.path' = {path!r}: no such directory or file.")
+    try:
+        model = models.from_pretrained(path, dtype=cfg.model.dtype,
+                                       param_dtype=cfg.model.param_dtype)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"config key 'model.path' = {path!r} does not hold a usable model: "
+                         f"{e}") from e
     if cfg.model.attention_impl == model.config.attention_impl:
         return model
     mcfg = dataclasses.replace(model.config, attention_impl=cfg.model.attention_impl)
@@ -68,16 +86,25 @@ class RunResult:
 class Trainer:
     """Owns the side effects of a run: model, data iterator, scoring pool, files, logs."""
 
-    def __init__(self, cfg, workdir: str):
+    def __init__(self, cfg, workdir: str, *, allow_config_change=()):
+        # Checks first, cheapest first: nothing expensive starts before they pass.
         validate(cfg)
         self.cfg = cfg
         self.workdir = workdir
-        os.makedirs(workdir, exist_ok=True)
+        workdir_lib.prepare(workdir)
+        if cfg.model.path and not os.path.exists(cfg.model.path):
+            raise ModelError(f"config key 'model.path' = {cfg.model.path!r}: no such directory "
+                             "or file.")
+        self.resuming = workdir_lib.has_checkpoints(workdir)
+        allow = run_config.check_allow_list(allow_config_change)
+        self.config_changes = run_config.check_resume(cfg, workdir, allow) if self.resuming else []
+        train_records, eval_records = self.load_records()
+
         self.model = load_model(cfg)
         self.mcfg = self.model.config
         tok = self.model.tokenizer
         if tok is None:
-            raise ValueError(f"model directory {cfg.model.path!r} has no tokenizer files; RL "
+            raise ModelError(f"model directory {cfg.model.path!r} has no tokenizer files; RL "
                              "needs one to turn completions into text for the verifiers.")
         self.tokenizer = tok
         self.eos_ids = tuple(self.model.generation_eos_ids)
@@ -99,30 +126,66 @@ class Trainer:
         self.prompt_tokenizer = data.PromptTokenizer(
             tok, cfg.data.max_prompt_len, system_prompt=cfg.data.system_prompt or None,
             use_chat_template=cfg.data.use_chat_template)
-        train_records, eval_records, reports = data.load_train_and_eval(cfg.data)
-        for report in reports:
-            if report.skipped:
-                _log(f"[data] {report.summary()}")
         # Several processes: each takes an equal share of every generation round.
         procs = self.runtime.num_processes
         gen_batch = algo.generation_batch_size(cfg.algo.prompts_per_step,
                                                cfg.algo.generation_batch_multiplier)
-        self.loader = data.make_prompt_loader(
-            train_records, self.prompt_tokenizer, batch_size=-(-gen_batch // procs) * procs,
-            seed=cfg.data.seed)
+        try:
+            self.loader = data.make_prompt_loader(
+                train_records, self.prompt_tokenizer, batch_size=-(-gen_batch // procs) * procs,
+                seed=cfg.data.seed)
+        except ValueError as e:      # too few usable prompts for one generation batch
+            raise DataError(f"data.train = {cfg.data.train!r}: {e}") from e
         if self.loader.num_too_long:
             _log(f"[data] {self.loader.num_too_long} training prompts longer than "
                  f"data.max_prompt_len={cfg.data.max_prompt_len} were skipped")
         eval_prompts = [(self.prompt_tokenizer(r), r) for r in eval_records]
         self.eval_prompts = [(ids, r) for ids, r in eval_prompts
                              if len(ids) <= cfg.data.max_prompt_len][:cfg.eval.num_prompts]
+        if not self.eval_prompts:
+            raise DataError(f"no held-out prompts: {len(eval_records)} evaluation records, none "
+                            f"within data.max_prompt_len={cfg.data.max_prompt_len} tokens. Give "
+                            "data.eval, raise data.eval_size (a file's first min(data.eval_size, "
+                            "10%) rows are held out) or data.max_prompt_len.")
 
-        self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
-                                         keep=cfg.train.keep_checkpoints)
+        self.checkpointer = Checkpointer(
+            os.path.join(workdir, workdir_lib.CHECKPOINTS), keep=cfg.train.keep_checkpoints,
+            log=_log, agree=lambda ok: all(self.runtime.allgather_json(bool(ok))))
+        self.stopping = GracefulStop(_log)
+        self.health = VerifierHealth()
         self.scorer = ScoringService(num_workers=cfg.rewards.num_workers,
                                      timeout_s=cfg.rewards.timeout_s,
                                      batch_deadline_s=cfg.rewards.batch_deadline_s,
-                                     recycle_after=cfg.rewards.recycle_after)
+                                     recycle_after=cfg.rewards.recycle_after,
+                                     reward_map=json_option(cfg, "rewards.map"))
+
+    def load_records(self) -> tuple[list[dict], list[dict]]:
+        """The training and held-out records, each data source mapped to a verifier and every
+        ground truth checked by it; bad rows skipped and reported with file and line."""
+        def show(report):
+            if report.skipped:
+                _log(f"[data] {report.summary()}")
+
+        train, held_out, _ = data.load_train_and_eval(self.cfg.data, on_report=show)
+        try:
+            verifiers, bad = check_records(train + held_out, json_option(self.cfg, "rewards.map"))
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        if bad:
+            report = data.DataReport(num_rows=len(train) + len(held_out))
+            for b in bad:
+                report.skip(b.record["source"], b.record["row"], data.records.BAD_GROUND_TRUTH,
+                            f"{b.verifier}: {b.message}")
+            report.num_kept = report.num_rows - len(bad)
+            dropped = {id(b.record) for b in bad}
+            train = [r for r in train if id(r) not in dropped]
+            held_out = [r for r in held_out if id(r) not in dropped]
+            show(report)
+        _log("[data] verifiers: " + ", ".join(f"{s} -> {v}" for s, v in sorted(verifiers.items())))
+        if not train:
+            raise DataError(f"no usable training rows in data.train = {self.cfg.data.train!r} "
+                            "(every row was skipped; see the [data] lines above).")
+        return train, held_out
 
     # -- the three device-facing calls and scoring ----------------------------------------------
     def generate(self, params, prompt_ids, *, n: int, temperature: float, seed: int,
@@ -137,7 +200,8 @@ class Trainer:
             seed=seed, eos_ids=self.eos_ids)
 
     def score(self, records: list[dict], tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Rewards [G, N] for rollouts [G, N, S], scored in the worker pool."""
+        """Rewards [G, N] for rollouts [G, N, S], scored in the worker pool; every verdict is
+        counted in self.health (the current step's or evaluation's)."""
         g, n = lengths.shape
         flat_records, texts = [], []
         for gi in range(g):
@@ -146,12 +210,36 @@ class Trainer:
                 texts.append(self.tokenizer.decode(tokens[gi, ni, :int(lengths[gi, ni])].tolist(),
                                                    skip_special_tokens=True))
         results = self.scorer.score_batch(flat_records, texts)
+        self.health.add(flat_records, results)
         return np.array([r.score for r in results], np.float32).reshape(g, n)
 
     def collect(self, params, data_iter, step: int) -> tuple[dict, dict]:
-        """This process's rows of step `step`'s update batch and the step's rollout metrics."""
+        """This process's rows of step `step`'s update batch and the step's rollout metrics,
+        with the verifier health per data source; stops when a verifier failed on every sample
+        of a data source (checked before a dynamic-sampling error, which it would cause)."""
         params = self.runtime.rollout_params(params)
-        return self.collector.collect(params, data_iter, step, self.generate, self.score)
+        self.health.reset()
+        try:
+            batch, metrics = self.collector.collect(params, data_iter, step, self.generate,
+                                                    self.score)
+        except algo.DynamicSamplingError as e:
+            self._check_health(self.health, f"step {step + 1}", gather=False)
+            raise TrainingStopped(f"step {step + 1}: {e}") from e
+        health = self._check_health(self.health, f"step {step + 1}")
+        metrics.update(health.metrics())
+        return batch, metrics
+
+    def _check_health(self, health: VerifierHealth, where: str,
+                      gather: bool = True) -> VerifierHealth:
+        """Every process's verdicts together (so all log the same metrics and stop together);
+        raises VerifierError when a data source failed on every sample."""
+        if gather:
+            health = VerifierHealth.merged(self.runtime.allgather_json(health.to_json()))
+        try:
+            health.check(where)
+        except VerifierFailure as e:
+            raise VerifierError(str(e)) from None
+        return health
 
     def evaluate(self, params, step: int) -> dict:
         """pass@k / mean@k on the held-out prompts at the evaluation temperature and top-p; each
@@ -167,13 +255,18 @@ class Trainer:
         prompts = prompts + [self.eval_prompts[0]] * (per - real)    # equal shapes everywhere
         rewards = []
         chunk = max(1, 4096 // k)
-        for start in range(0, len(prompts), chunk):
-            part = prompts[start:start + chunk]
-            res = self.generate(params, [ids for ids, _ in part], n=k, temperature=c.temperature,
-                                top_p=c.top_p, top_k=0,
-                                max_new_tokens=c.max_new_tokens if c.max_new_tokens > 0 else None,
-                                seed=10_000_019 + first + start)
-            rewards.append(self.score([r for _, r in part], res.tokens, res.lengths))
+        step_health, self.health = self.health, VerifierHealth()    # the evaluation's own
+        try:
+            for start in range(0, len(prompts), chunk):
+                part = prompts[start:start + chunk]
+                res = self.generate(params, [ids for ids, _ in part], n=k,
+                                    temperature=c.temperature, top_p=c.top_p, top_k=0,
+                                    max_new_tokens=c.max_new_tokens if c.max_new_tokens > 0
+                                    else None, seed=10_000_019 + first + start)
+                rewards.append(self.score([r for _, r in part], res.tokens, res.lengths))
+            self._check_health(self.health, f"the evaluation at step {step}")
+        finally:
+            self.health = step_health
         rewards = np.concatenate(rewards)
         reals = self.runtime.allgather_rows(np.asarray([real]))
         every = self.runtime.allgather_rows(rewards[None])
@@ -191,18 +284,31 @@ class Trainer:
         cfg = self.cfg
         state = self.new_state(self.model.params)
         data_iter = iter(self.loader)
-        ckpt_step = self.checkpointer.latest_step()
         enabled = self.runtime.process_index == 0
-        if ckpt_step is not None:
-            state, meta = self.checkpointer.restore(ckpt_step, self.runtime.place_state(state))
-            index = self.runtime.process_index
-            data_iter.set_state(meta["data_per_process"][index])
+        index = self.runtime.process_index
+        restored = self.checkpointer.restore_latest(
+            self.runtime.place_state(state), check_meta=self._check_meta, move_broken=enabled)
+        if restored is not None:
+            ckpt_step, state, meta = restored
+            try:
+                data_iter.set_state(meta["data_per_process"][index])
+            except ValueError as e:
+                raise DataError(f"the training data no longer matches checkpoint step "
+                                f"{ckpt_step} (data.train = {cfg.data.train!r} changed on disk?): "
+                                f"{e}. Restore the data, or start a new run with another "
+                                "--workdir.") from e
             self.collector.load_state_dict(meta.get("collect_per_process", [{}] * (index + 1))[index])
             _log(f"[resume] from checkpoint step {ckpt_step} in {self.workdir}")
+            self._record_config(ckpt_step)
             logger = MetricsLogger(self.workdir, tensorboard=cfg.train.tensorboard,
                                    enabled=enabled, resume_step=ckpt_step)
+            if logger.kept:
+                _log(f"[metrics] lines logged after step {ckpt_step} kept in {logger.kept}")
             return state, data_iter, meta["counters"], logger, None
+        self._record_config(None)
         logger = MetricsLogger(self.workdir, tensorboard=cfg.train.tensorboard, enabled=enabled)
+        if logger.kept:
+            _log(f"[metrics] fresh start: the earlier history kept in {logger.kept}")
         _log(f"[config] {self.lr_note}")
         if cfg.sft.steps > 0:
             state = self.new_state(self.warm_start(state.params))
@@ -211,6 +317,20 @@ class Trainer:
         logger.write(0, first)
         _log(f"[eval] before RL: pass@1 = {first['eval/pass@1']:.3f}")
         return state, data_iter, {"skipped_steps": 0, "generated_samples": 0}, logger, first
+
+    def _check_meta(self, meta: dict) -> None:
+        """A checkpoint's meta must hold this process's data position and the counters."""
+        index = self.runtime.process_index
+        if not isinstance(meta.get("data_per_process"), list) or \
+                len(meta["data_per_process"]) <= index or "counters" not in meta:
+            raise CheckpointError(f"meta lacks this process's data position or the counters "
+                                  f"(keys: {sorted(meta)})")
+
+    def _record_config(self, resumed_from: int | None) -> None:
+        if self.runtime.process_index == 0:
+            for line in run_config.record(self.cfg, self.workdir, resumed_from=resumed_from,
+                                          accepted=self.config_changes):
+                _log(line)
 
     def warm_start(self, params):
         """cfg.sft.steps supervised steps (the demo's warm start); the result is also saved as a
@@ -229,13 +349,17 @@ class Trainer:
     def run(self) -> RunResult:
         """Trains to cfg.train.steps, resuming from the latest checkpoint in the workdir."""
         cfg = self.cfg
+        self.stopping.install()         # SIGINT/SIGTERM: finish the step, save, stop
         state, data_iter, counters, logger, first_eval = self.start()
         from tqdm import tqdm
         start = int(state.step)
         bar = tqdm(range(start, cfg.train.steps), initial=start, total=cfg.train.steps,
                    desc="BroRL", disable=self.runtime.process_index != 0, file=sys.stdout)
         metrics: dict[str, Any] = {}
+        stop = self.stop_requested()            # a signal during the start
         for step in bar:
+            if stop:
+                break
             t0 = time.perf_counter()
             batch, metrics = self.collect(state.params, data_iter, step)
             metrics = self.runtime.reduce_metrics(metrics, sums=SUMMED_METRICS,
@@ -271,12 +395,23 @@ class Trainer:
             logger.write(done, metrics)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
                             pass_rate=f"{metrics['dynamic_sampling/pass_rate']:.2f}")
-            if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps:
+            stop = self.stop_requested()        # SIGINT/SIGTERM: save this step, then stop
+            if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps or stop:
                 self.save(done, state, data_iter, counters)
+            self.checkpointer.check()   # a failed asynchronous save stops the run here
         bar.close()
         self.checkpointer.wait()
         self.finish(logger, metrics, first_eval)
+        self.stopping.uninstall()
+        if stop:
+            raise self.stopping.stop(self.checkpointer.latest_step())
         return RunResult(state, metrics)
+
+    def stop_requested(self) -> bool:
+        """Whether any process received SIGINT/SIGTERM (all processes stop at the same step)."""
+        if self.runtime.num_processes == 1:
+            return self.stopping.requested
+        return any(self.runtime.allgather_json(self.stopping.requested))
 
     def save(self, step: int, state, data_iter, counters: dict) -> None:
         """An asynchronous checkpoint: the state, every process's data position and collect
@@ -300,6 +435,7 @@ class Trainer:
         logger.close()
 
     def close(self) -> None:
+        self.stopping.uninstall()
         self.scorer.close()
         self.checkpointer.close()
 
@@ -309,8 +445,8 @@ def _update_metrics(upd: dict) -> dict:
             f"loss/{k}" if k in LOSS_KEYS else f"update/{k}": float(v) for k, v in upd.items()}
 
 
-def train(cfg, workdir: str) -> RunResult:
-    trainer = Trainer(cfg, workdir)
+def train(cfg, workdir: str, *, allow_config_change=()) -> RunResult:
+    trainer = Trainer(cfg, workdir, allow_config_change=allow_config_change)
     try:
         return trainer.run()
     finally:
@@ -318,21 +454,31 @@ def train(cfg, workdir: str) -> RunResult:
 
 
 def restore_params(cfg, workdir: str, step: int | None = None):
-    """(model, params, step) of checkpoint `step` (default: latest) in `workdir`."""
+    """(model, params, step) of checkpoint `step` (default: the newest that restores) in
+    `workdir`. Reads only: never creates the directory, never moves or cleans anything."""
+    workdir_lib.require_existing(workdir)
+    ckpt_dir = os.path.join(workdir, workdir_lib.CHECKPOINTS)
+    if not workdir_lib.has_checkpoints(workdir):
+        raise CheckpointError(f"no complete checkpoint in {ckpt_dir}; train first.")
     model = load_model(cfg)
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.train.keep_checkpoints)
+    ckpt = Checkpointer(ckpt_dir, read_only=True, log=_log)
     try:
-        step = ckpt.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no complete checkpoint in {workdir}/checkpoints; train first "
-                                    "or give --step of an existing one.")
-        if step not in ckpt.all_steps():
-            raise FileNotFoundError(f"checkpoint step {step} not in {workdir}/checkpoints; "
-                                    f"available: {ckpt.all_steps()}.")
         optimizer = algo.make_optimizer(optimizer_config(cfg))
         template = algo.create_train_state(model.params, optimizer,
                                            with_reference=cfg.algo.kl_coef > 0)
-        state, _ = ckpt.restore(step, template)
+        if step is None:
+            step, state, _ = ckpt.restore_latest(template, move_broken=False)
+        elif step not in ckpt.all_steps():
+            raise CheckpointError(f"checkpoint step {step} not in {ckpt_dir}; available: "
+                                  f"{ckpt.all_steps()}.")
+        else:
+            try:
+                state, _ = ckpt.restore(step, template)
+            except Exception as e:  # noqa: BLE001 - name the step and the cause
+                from brorl_jax.train.checkpoint import first_line
+                raise CheckpointError(f"checkpoint step {step} in {ckpt_dir} cannot be restored: "
+                                      f"{first_line(e)}. Available: {ckpt.all_steps()}; give "
+                                      "another --step or none (the newest that restores).") from e
     finally:
         ckpt.close()
     return model, state.params, step

@@ -85,7 +85,17 @@ def test_routing_by_data_source():
     assert resolve_reward_name("gsm8k", {"gsm8k": "math"}) == "math"
     assert resolve_reward_name("taco/hard", {"taco": "code"}) == "code"
     with pytest.raises(ValueError, match="reward_map"):
-        resolve_reward_name("gsm8k")
+        resolve_reward_name("my_set")
+    # veRL's common data_source names are understood by default (registry.DEFAULT_REWARD_MAP);
+    # the config's map wins over them; names without a verifier here are refused by name.
+    assert resolve_reward_name("openai/gsm8k") == "final_number"
+    assert resolve_reward_name("numina_olympiads") == "math"
+    assert resolve_reward_name("aime2024") == "math"
+    assert resolve_reward_name("codecontests") == "code"
+    assert resolve_reward_name("openai/gsm8k", {"openai/gsm8k": "math"}) == "math"
+    assert resolve_reward_name("my_olympiad", {"my_*": "math"}) == "math"
+    with pytest.raises(ValueError, match="geo3k, an image-geometry task"):
+        resolve_reward_name("hiyouga/geometry3k")
     with pytest.raises(ValueError, match="not registered"):
         resolve_reward_name("gsm8k", {"gsm8k": "nope"})
 

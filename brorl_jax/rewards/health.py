@@ -1,0 +1,163 @@
+"""Verifier health: which data source gets which verifier (checked when the data loads), and per
+step how often a verifier failed rather than judged.
+
+A verdict's `reason` (RewardResult.reason) falls in one of these kinds:
+
+  failures (the verifier could not judge the sample; the 0 says nothing about the answer):
+    error        the verifier raised, the sandbox failed, or the ground truth is unreadable
+    timeout      the item ran past rewards.timeout_s (or the verifier's own deadline)
+    deadline     the batch ran past rewards.batch_deadline_s
+    worker_died  the worker process died while scoring the item
+  the model's doing (a real 0):
+    no_answer    no final answer / code block / number found in the completion
+    unparseable  an answer was found but cannot be read as math
+  judged: everything else ("correct", "wrong answer", "3/5 tests passed", ...)
+
+VerifierHealth accumulates verdicts per data source; `metrics()` gives, per source,
+`verifier/<source>/failed_frac` and `no_answer_frac` every step, plus the fraction of each failure
+kind that occurred. `check()` raises when every sample of a data source failed: a step trained on
+those zeros would be meaningless (and dynamic sampling would stop with a misleading message).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from brorl_jax.rewards.registry import REWARDS, load_check_fn, resolve_reward_name
+
+FAILURE_KINDS = ("error", "timeout", "deadline", "worker_died")
+# (prefix of the reason, kind); the first matching prefix wins.
+_REASON_KINDS = (
+    ("verifier error", "error"), ("sandbox error", "error"),
+    ("ground truth not parseable", "error"),
+    ("timeout", "timeout"), ("verify timeout", "timeout"), ("batch deadline", "deadline"),
+    ("worker died", "worker_died"), ("no answer", "no_answer"), ("no code block", "no_answer"),
+    ("no number", "no_answer"), ("answer not parseable", "unparseable"),
+)
+# What to change when a data source fails on every sample, by failure kind.
+FIXES = {
+    "error": "check that its ground truths fit the verifier (docs/rewards.md lists each "
+             "verifier's format) or map the data source to another verifier with rewards.map",
+    "timeout": "raise rewards.timeout_s (per item) or check the verifier on one sample",
+    "deadline": "raise rewards.batch_deadline_s or rewards.num_workers",
+    "worker_died": "the scoring workers crash (out of memory?); lower rewards.num_workers",
+}
+
+
+def reason_kind(reason: str) -> str:
+    """The kind of a verdict's reason (module docstring); "judged" when none applies."""
+    for prefix, kind in _REASON_KINDS:
+        if reason.startswith(prefix):
+            return kind
+    return "judged"
+
+
+class VerifierFailure(RuntimeError):
+    """Every sample of a data source failed (message: source, count, first reason, fix)."""
+
+
+@dataclasses.dataclass
+class _Source:
+    total: int = 0
+    kinds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    first_failure: str = ""
+
+
+class VerifierHealth:
+    """Verdict kinds per data source over one step (or one evaluation)."""
+
+    def __init__(self):
+        self.sources: dict[str, _Source] = {}
+
+    def reset(self) -> None:
+        self.sources.clear()
+
+    def add(self, records: Sequence[Mapping[str, Any]], results: Sequence[Any]) -> None:
+        for record, result in zip(records, results):
+            src = self.sources.setdefault(str(record.get("data_source")), _Source())
+            kind = reason_kind(result.reason)
+            src.total += 1
+            src.kinds[kind] += 1
+            if kind in FAILURE_KINDS and not src.first_failure:
+                src.first_failure = result.reason
+
+    def to_json(self) -> dict:
+        return {name: [src.total, dict(src.kinds), src.first_failure]
+                for name, src in self.sources.items()}
+
+    @classmethod
+    def merged(cls, parts: Sequence[dict]) -> "VerifierHealth":
+        """One VerifierHealth from several processes' to_json() (their samples together)."""
+        out = cls()
+        for part in parts:
+            for name, (total, kinds, first) in part.items():
+                src = out.sources.setdefault(name, _Source())
+                src.total += total
+                src.kinds.update(kinds)
+                src.first_failure = src.first_failure or first
+        return out
+
+    def metrics(self, prefix: str = "verifier/") -> dict[str, float]:
+        out = {}
+        for name, src in sorted(self.sources.items()):
+            failed = sum(src.kinds[k] for k in FAILURE_KINDS)
+            out[f"{prefix}{name}/failed_frac"] = failed / src.total
+            out[f"{prefix}{name}/no_answer_frac"] = src.kinds["no_answer"] / src.total
+            for kind in FAILURE_KINDS + ("unparseable",):
+                if src.kinds[kind]:
+                    out[f"{prefix}{name}/{kind}_frac"] = src.kinds[kind] / src.total
+        return out
+
+    def check(self, where: str) -> None:
+        """Raises VerifierFailure naming the first data source whose every sample failed."""
+        for name, src in sorted(self.sources.items()):
+            failed = sum(src.kinds[k] for k in FAILURE_KINDS)
+            if src.total and failed == src.total:
+                kind = reason_kind(src.first_failure)
+                raise VerifierFailure(
+                    f"the verifier of data source {name!r} failed on all {src.total} samples of "
+                    f"{where}; first failure: {src.first_failure}. Fix: {FIXES[kind]}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class BadGroundTruth:
+    """A record whose ground truth its verifier can never match."""
+    record: Mapping[str, Any]
+    verifier: str
+    message: str
+
+
+def check_records(records: Iterable[Mapping[str, Any]], reward_map: Mapping[str, str] | None
+                  ) -> tuple[dict[str, str], list[BadGroundTruth]]:
+    """Before any rollout: the verifier of every data source in `records` and the records whose
+    ground truth that verifier cannot read (its RewardSpec.check). Raises ValueError naming every
+    data source without a verifier and how many rows carry it."""
+    records = list(records)
+    counts = collections.Counter(str(r.get("data_source")) for r in records)
+    verifiers, unmapped = {}, []
+    for source in counts:
+        try:
+            verifiers[source] = resolve_reward_name(source, reward_map)
+        except ValueError as e:
+            unmapped.append(f"{counts[source]} rows: {e}")
+    if unmapped:
+        raise ValueError("data sources without a verifier:\n  " + "\n  ".join(unmapped))
+    checks = {name: load_check_fn(REWARDS[name]) for name in set(verifiers.values())}
+    bad, seen = [], {}
+    for r in records:
+        name = verifiers[str(r.get("data_source"))]
+        check = checks[name]
+        if check is None:
+            continue
+        key = (name, repr(r.get("ground_truth")))
+        if key not in seen:
+            try:
+                check(r.get("ground_truth"))
+                seen[key] = None
+            except (ValueError, TypeError) as e:
+                seen[key] = str(e)
+        if seen[key] is not None:
+            bad.append(BadGroundTruth(r, name, seen[key]))
+    return verifiers, bad

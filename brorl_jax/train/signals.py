@@ -1,0 +1,67 @@
+"""SIGINT / SIGTERM during training: stop at a safe point, not in the middle of a step.
+
+The first signal only sets a flag and prints one line; the loop finishes the current step, saves
+a checkpoint of it (waiting for the write to complete), shuts the scoring workers down and exits
+with 130 (SIGINT) or 143 (SIGTERM), saying from which step a restart resumes. A second signal
+stops at once (KeyboardInterrupt / errors.Interrupted): the in-flight checkpoint is finished by the
+checkpointer's close and the restart resumes from the last complete one.
+
+The scoring workers ignore both signals (a terminal's Ctrl-C and a scheduler's SIGTERM reach the
+whole process group); the trainer stops them itself.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+from brorl_jax.errors import Interrupted
+
+NAMES = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}
+
+
+class GracefulStop:
+    """Installs handlers for SIGINT and SIGTERM that request a stop at the next safe point."""
+
+    def __init__(self, log=print):
+        self.signum: int | None = None
+        self._log = log
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def install(self) -> None:
+        """No-op outside the main thread (Python delivers signals to the main thread only)."""
+        if self._previous or threading.current_thread() is not threading.main_thread():
+            return
+        for signum in NAMES:
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def uninstall(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:          # the second signal: stop now
+            self.uninstall()
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise Interrupted(f"stopped by a second {NAMES[signum]} without finishing the step; "
+                              "a restart resumes from the last complete checkpoint", signum)
+        self.signum = signum
+        self._log(f"[signal] {NAMES[signum]}: stopping after the current step (send it again "
+                  "to stop at once)")
+        sys.stdout.flush()
+
+    def stop(self, resume_step: int | None) -> Interrupted:
+        """The exception that ends the run after a requested stop (on a process that did not
+        receive the signal itself: as SIGTERM, "another process")."""
+        signum = self.signum if self.signum is not None else signal.SIGTERM
+        name = NAMES[signum] if self.signum is not None else "a signal to another process"
+        where = (f"resumes from step {resume_step}" if resume_step is not None
+                 else "starts from the beginning (no checkpoint was written yet)")
+        return Interrupted(f"stopped by {name}; a restart with the same --workdir {where}.",
+                           signum)

@@ -1,0 +1,437 @@
+"""Faults and bad input (issue 17, docs/reliability.md): one test per class, each running the
+real command in a subprocess on the tiny config, checking the exit code, that the message names
+the key / file / line, and that checkpoints and metrics already written are unchanged (hashes).
+
+One finished tiny run (2 steps) is shared by every test that needs a run (each test works on a
+copy); the subprocesses share a JAX compilation cache so only that run compiles. Commands that
+fail at the door run in parallel.
+"""
+import glob
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from brorl_jax.train.logger import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = ["--config=configs/tiny.py", "--config.sft.steps=0"]
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("jax_cache")
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                JAX_COMPILATION_CACHE_DIR=str(cache),
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+
+
+def start(env, module, *args, extra_env=None):
+    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT,
+                            env=dict(env, **(extra_env or {})), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc, timeout=300):
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def run(env, module, *args, extra_env=None, timeout=300):
+    return finish(start(env, module, *args, extra_env=extra_env), timeout)
+
+
+def run_all(env, commands, timeout=300):
+    """Runs several (module, *args) commands at once; returns [(rc, out, err)] in order."""
+    procs = [start(env, *c) for c in commands]
+    return [finish(p, timeout) for p in procs]
+
+
+def hashes(workdir, what=("checkpoints", "metrics.jsonl")):
+    """{relative path: sha256} of every file under `what` in the workdir."""
+    out = {}
+    for name in what:
+        path = os.path.join(workdir, name)
+        files = [path] if os.path.isfile(path) else glob.glob(os.path.join(path, "**"),
+                                                              recursive=True)
+        for f in files:
+            if os.path.isfile(f):
+                with open(f, "rb") as fh:
+                    out[os.path.relpath(f, workdir)] = hashlib.sha256(fh.read()).hexdigest()
+    return out
+
+
+def short_error(rc, err, code=2):
+    """A user error: the expected exit code, an `error:` line, no traceback."""
+    assert rc == code, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    return err
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, env):
+    """One finished tiny run (checkpoints at steps 1 and 2); tests work on copies."""
+    workdir = str(tmp_path_factory.mktemp("finished") / "run")
+    rc, out, err = run(env, "brorl_jax.main", *TINY, f"--workdir={workdir}",
+                       f"--config.train.steps={STEPS}", timeout=900)
+    assert rc == 0, out[-2000:] + err[-3000:]
+    return workdir
+
+
+@pytest.fixture
+def copy(finished, tmp_path):
+    dest = str(tmp_path / "run")
+    shutil.copytree(finished, dest)
+    return dest
+
+
+def resume_args(workdir, steps=STEPS):
+    return [*TINY, f"--workdir={workdir}", f"--config.train.steps={steps}"]
+
+
+def final_params(workdir, step):
+    from brorl_jax.train.loop import restore_params
+    from configs import tiny
+    _, params, got = restore_params(tiny.get_config(), workdir, step)
+    assert got == step
+    return jax.tree.map(np.asarray, params)
+
+
+# 1. Errors at the door ---------------------------------------------------------------------------
+def test_errors_at_the_door_are_short_with_exit_code_2(env, finished, tmp_path):
+    before = hashes(finished)
+    typo = "--config.rollout.rollouts_per_promt=4"
+    results = run_all(env, [
+        ("brorl_jax.main", *TINY, f"--workdir={tmp_path / 'a'}", typo),
+        ("brorl_jax.evaluate", *TINY, f"--workdir={finished}", typo),
+        ("brorl_jax.export", *TINY, f"--workdir={finished}", f"--out={tmp_path / 'hf'}",
+         "--config.algo.advantage=ppo"),
+        ("brorl_jax.experiments.compare_n", *TINY, f"--out={tmp_path / 'cmp'}", "--n=16,x"),
+        ("brorl_jax.theory.simulate", "--vocab=100", "--correct=100", f"--out={tmp_path / 's'}"),
+        ("brorl_jax.main", *TINY, f"--workdir={tmp_path / 'b'}", typo, "--debug"),
+    ])
+    for rc, _, err in results[:2]:
+        short_error(rc, err)
+        assert ("unknown config key 'rollout.rollouts_per_promt'. Did you mean "
+                "'rollout.rollouts_per_prompt'?") in err
+        assert "--debug prints it" in err
+    assert "'algo.advantage' is 'ppo'; allowed:" in short_error(*results[2][::2])
+    assert "--n must be comma-separated integers" in short_error(*results[3][::2])
+    assert "error: correct must be in [1, vocab - 1]" in short_error(*results[4][::2])
+    rc, _, err = results[5]
+    assert rc == 2 and "Traceback" in err and "unknown config key" in err   # --debug: traceback
+    assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "hf")
+    assert hashes(finished) == before
+    # A bug is not a user error: its traceback is shown (exit code 1).
+    out = subprocess.run([sys.executable, "-c", "from brorl_jax import cli\n"
+                          "cli.run(lambda values: 1 // 0)"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" in out.stderr and "ZeroDivisionError" in out.stderr
+
+
+# 2. Validate before expensive work ---------------------------------------------------------------
+def _jsonl(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+def test_bad_values_are_refused_before_expensive_work(env, tmp_path):
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "checkpoints").write_text("a file where a directory belongs")
+    sources = _jsonl(tmp_path / "sources.jsonl", [
+        {"prompt": f"{i}+{i}=", "ground_truth": str(2 * i), "data_source": src}
+        for i, src in enumerate(["openai/gsm8k"] * 20 + ["hiyouga/geometry3k", "my_set"])])
+    mapped = '{"my_set": "math", "hiyouga/geometry3k": "math"}'
+    results = run_all(env, [
+        ("brorl_jax.main", *TINY, f"--workdir={tmp_path / 'w1'}",
+         "--config.train.checkpoint_every=0"),
+        ("brorl_jax.main", *TINY, f"--workdir={blocked}"),
+        ("brorl_jax.main", *TINY, f"--workdir={tmp_path / 'w3'}", f"--config.data.train={sources}"),
+        # mapped: the run gets past the data sources and stops at the next check (no prompt
+        # fits max_prompt_len=1) before any rollout
+        ("brorl_jax.main", *TINY, f"--workdir={tmp_path / 'w4'}", f"--config.data.train={sources}",
+         f"--config.rewards.map={mapped}", "--config.data.max_prompt_len=1"),
+    ])
+    err = short_error(*results[0][::2])
+    assert "config key 'train.checkpoint_every' must be > 0, got 0" in err
+    assert not os.path.exists(tmp_path / "w1")                    # stopped before anything
+    err = short_error(*results[1][::2])
+    assert f"{blocked / 'checkpoints'}" in err and "is a file" in err
+    rc, out, err = results[2]
+    short_error(rc, err)
+    assert "no verifier for data_source 'hiyouga/geometry3k' (veRL scores it with geo3k" in err
+    assert "no verifier for data_source 'my_set'" in err and "rewards.map" in err
+    assert "openai/gsm8k" not in err                             # a veRL name understood
+    assert "[data] verifiers" not in out                          # refused before the model
+    rc, out, err = results[3]
+    assert f"data.train = '{sources}': 0 usable prompts" in short_error(rc, err)
+    assert ("[data] verifiers: hiyouga/geometry3k -> math, my_set -> math, "
+            "openai/gsm8k -> final_number") in out
+
+
+# 3. A run remembers its config ------------------------------------------------------------------
+def test_resume_refuses_a_changed_config_and_logs_allowed_changes(env, copy):
+    saved = json.load(open(os.path.join(copy, "config.json")))
+    assert saved["rollout"]["rollouts_per_prompt"] == 8 and saved["train"]["steps"] == STEPS
+    before = hashes(copy)
+    rc, out, err = run(env, "brorl_jax.main", *resume_args(copy),
+                       "--config.rollout.rollouts_per_prompt=4", "--config.optim.base_lr=1e-3")
+    short_error(rc, err)
+    assert "rollout.rollouts_per_prompt: 8 -> 4" in err and "optim.base_lr: 0.00015 -> 0.001" in err
+    assert "the derived learning rate would change" in err
+    assert "--allow_config_change=optim.base_lr,rollout.rollouts_per_prompt" in err
+    assert "another --workdir" in err
+    assert hashes(copy) == before
+
+    rc, out, err = run(env, "brorl_jax.main", *resume_args(copy), "--config.eval.every=5",
+                       "--config.rollout.temperature=0.9",
+                       "--allow_config_change=rollout.temperature")
+    assert rc == 0, err[-3000:]
+    assert "[config] eval.every: 0 -> 5, allowed: evaluation cadence" in out
+    assert "[config] rollout.temperature: 1.0 -> 0.9, override (--allow_config_change)" in out
+    change = json.loads(open(os.path.join(copy, "config_changes.jsonl")).read())
+    assert change["resumed_from_step"] == STEPS
+    assert change["changes"]["rollout.temperature"] == {"old": 1.0, "new": 0.9, "how": "override"}
+    assert json.load(open(os.path.join(copy, "config.json")))["rollout"]["temperature"] == 0.9
+    assert hashes(copy) == before
+
+
+# 4. Checkpoint fallback, disk full --------------------------------------------------------------
+def _damage(workdir, step):
+    for f in glob.glob(os.path.join(workdir, "checkpoints", str(step), "state", "ocdbt.process_0",
+                                    "d", "*")):
+        with open(f, "wb") as fh:
+            fh.write(b"damaged")
+
+
+def test_a_damaged_checkpoint_falls_back_to_the_previous_one(env, finished, copy):
+    metrics_before = hashes(copy, ("metrics.jsonl",))["metrics.jsonl"]
+    step1 = {k: v for k, v in hashes(copy).items() if k.startswith("checkpoints/1/")}
+    _damage(copy, 2)
+    damaged = {k.split("/", 2)[2]: v for k, v in hashes(copy).items()
+               if k.startswith("checkpoints/2/")}
+    rc, out, err = run(env, "brorl_jax.main", *resume_args(copy))
+    assert rc == 0, err[-3000:]
+    assert "[checkpoint] step 2 cannot be restored: Exception: Encountered error while reading" \
+        in out
+    assert "[checkpoint] restored step 1 instead; moved aside: checkpoints/broken/2-" in out
+    assert "[resume] from checkpoint step 1" in out
+    # the broken checkpoint was moved, byte for byte, not deleted; step 1 untouched
+    (moved,) = glob.glob(os.path.join(copy, "checkpoints", "broken", "2-*"))
+    assert {k.split("/", 3)[3]: v for k, v in hashes(copy).items()
+            if k.startswith("checkpoints/broken/")} == damaged
+    assert {k: v for k, v in hashes(copy).items() if k.startswith("checkpoints/1/")} == step1
+    # the history past step 1 is kept in a numbered copy; step 2 was redone identically,
+    # from the data-iterator and collect state of checkpoint 1
+    assert hashes(copy, ("metrics.jsonl.1",))["metrics.jsonl.1"] == metrics_before
+    assert [r["step"] for r in read_metrics(os.path.join(copy, "metrics.jsonl"))] == [0, 1, 2]
+    redone, original = final_params(copy, 2), final_params(finished, 2)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(redone), jax.tree.leaves(original)):
+        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+
+
+def test_no_restorable_checkpoint_is_a_clear_error_and_moves_nothing(env, copy, tmp_path):
+    _damage(copy, 2)
+    with open(os.path.join(copy, "checkpoints", "1", "meta", "metadata"), "w") as f:
+        f.write("{not json")
+    before = hashes(copy)
+    (rc, out, err), (rc2, _, err2) = run_all(env, [
+        ("brorl_jax.main", *resume_args(copy)),
+        ("brorl_jax.export", *TINY, f"--workdir={copy}", f"--out={tmp_path / 'hf'}")])
+    for code, e in ((rc, err), (rc2, err2)):
+        short_error(code, e)
+        assert f"no checkpoint in {copy}/checkpoints can be restored" in e
+        assert "step 2: Exception: Encountered error while reading" in e
+        assert "step 1: JSONDecodeError" in e and "Nothing was moved or deleted" in e
+    assert hashes(copy) == before
+    assert not os.path.exists(os.path.join(copy, "checkpoints", "broken"))
+
+
+def test_disk_full_stops_the_run_at_that_save(env, copy):
+    before = hashes(copy)
+    metrics = open(os.path.join(copy, "metrics.jsonl")).read()
+    rc, out, err = run(env, "brorl_jax.main", *resume_args(copy, steps=4),
+                       extra_env={"BRORL_SAVE_FREE_BYTES": str(2 << 20)})
+    short_error(rc, err)
+    assert "disk full: cannot save checkpoint step 3" in err
+    assert "the last complete checkpoint, step 2, is intact and a restart resumes from it" in err
+    after = hashes(copy)
+    assert {k: after[k] for k in before if k.startswith("checkpoints/")} == \
+        {k: v for k, v in before.items() if k.startswith("checkpoints/")}
+    assert sorted(os.listdir(os.path.join(copy, "checkpoints"))) == ["1", "2"]
+    assert open(os.path.join(copy, "metrics.jsonl")).read().startswith(metrics)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs",
+                                            str(mount)], capture_output=True).returncode:
+        pytest.skip("needs root to mount a small tmpfs (the env-var test above covers the "
+                    "user-visible behaviour without it)")
+    yield str(mount)
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_an_asynchronous_write_that_runs_out_of_space_is_reported_with_its_step(small_tmpfs):
+    """The free-space check passes (we pretend), the background write then hits ENOSPC: the
+    error surfaces at check()/wait() as DiskFullError naming the step; step 1 stays intact."""
+    import jax.numpy as jnp
+
+    from brorl_jax.errors import DiskFullError
+    from brorl_jax.train.checkpoint import Checkpointer
+    ckpt = Checkpointer(os.path.join(small_tmpfs, "ck"), log=lambda m: None)
+    ckpt.save(1, {"w": jnp.ones((16,))}, {"step": 1})
+    ckpt.wait()
+    os.environ["BRORL_SAVE_FREE_BYTES"] = str(1 << 40)
+    try:
+        big = jnp.asarray(np.random.default_rng(0).random((1024, 1024), np.float32))
+        ckpt.save(2, {"w": big}, {"step": 2})
+        with pytest.raises(DiskFullError, match="cannot save checkpoint step 2 .*no space left"):
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                ckpt.check()
+                time.sleep(0.05)
+            ckpt.wait()
+    finally:
+        del os.environ["BRORL_SAVE_FREE_BYTES"]
+    assert ckpt.all_steps() == [1]
+    state, meta = ckpt.restore(1, {"w": jnp.zeros((16,))})
+    assert meta == {"step": 1}
+    ckpt.close()
+
+
+# 5. Verifier health -----------------------------------------------------------------------------
+def test_verifier_health_is_in_the_metrics(finished):
+    for record in read_metrics(os.path.join(finished, "metrics.jsonl"))[1:]:
+        assert record["verifier/reasoning_gym/basic_arithmetic/failed_frac"] == 0.0
+        assert 0.0 <= record["verifier/reasoning_gym/basic_arithmetic/no_answer_frac"] <= 1.0
+
+
+def test_a_verifier_failing_on_every_sample_stops_the_run(env, tmp_path):
+    # puzzles mapped to the Reasoning Gym verifier, which cannot tell their task: every sample
+    # raises. The first rows are held out, so the evaluation before RL sees them first.
+    rows = [{"prompt": f"{i}*{i}=", "ground_truth": str(i * i), "data_source": "my_puzzles"}
+            for i in range(4)]
+    rows += [{"prompt": f"{i}+{i}=", "ground_truth": str(2 * i), "data_source": "lighteval/MATH"}
+             for i in range(16)]
+    rows.insert(8, {"prompt": "1/2=", "ground_truth": "\\frac{1}{", "data_source": "math"})
+    path = _jsonl(tmp_path / "mixed.jsonl", rows)
+    rc, out, err = run(env, "brorl_jax.main", *TINY, f"--workdir={tmp_path / 'w'}",
+                       f"--config.data.train={path}", "--config.sft.steps=0",
+                       "--config.rewards.map={\"my_puzzles\": \"reasoning_gym\"}")
+    short_error(rc, err)
+    assert ("the verifier of data source 'my_puzzles' failed on all 4 samples of the evaluation "
+            "at step 0; first failure: verifier error: ValueError: cannot tell the reasoning-gym "
+            "task") in err
+    # the unparseable math ground truth was reported when the data loaded, with file and line
+    assert (f"{path} row 8 (line 9): bad_ground_truth (math: math-verify cannot parse the ground "
+            "truth '\\\\frac{1}{'") in out
+
+
+# 6. Rows fail, not files -------------------------------------------------------------------------
+def test_bad_rows_are_skipped_with_file_and_line_and_an_empty_file_is_named(env, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    good = [json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1),
+                        "data_source": "math"}).encode() for i in range(30)]
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_bytes(b"\n".join(good[:3] + [b'{"prompt": "caf\xe9 au lait"}', b'{"prompt": ',
+                                             b"[1, 2]"] + good[3:]) + b"\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b'{"question_text": "x", "label": "1"}\n\xff\xfe\n{oops\n')
+    table = tmp_path / "table.parquet"
+    pq.write_table(pa.table({"q": ["1+1="], "a": ["2"]}), table)
+    results = run_all(env, [
+        ("brorl_jax.main", *TINY, f"--workdir={tmp_path / 'w1'}", f"--config.data.train={mixed}",
+         f"--config.data.eval={empty}"),
+        ("brorl_jax.main", *TINY, f"--workdir={tmp_path / 'w2'}", f"--config.data.train={table}"),
+    ])
+    rc, out, err = results[0]
+    short_error(rc, err)
+    assert f"{mixed} row 3 (line 4): not_utf8 (byte 0xe9 at column 16 is not UTF-8)" in out
+    assert f"{mixed} row 4 (line 5): invalid_json" in out
+    assert f"{mixed} row 5 (line 6): not_an_object" in out
+    assert f"error: {empty}: no usable rows" in err
+    assert "Its columns: question_text, label" in err and "--config.data.fields=" in err
+    rc, out, err = results[1]
+    assert f"error: {table}: no usable rows" in short_error(rc, err)
+    assert "Its columns: q, a" in err
+
+
+# 7. Signals -------------------------------------------------------------------------------------
+def test_sigint_and_sigterm_stop_after_the_current_step(env, finished, tmp_path):
+    procs = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        workdir = str(tmp_path / f"run{sig}")
+        shutil.copytree(finished, workdir)
+        procs.append((sig, workdir, hashes(workdir),
+                      start(env, "brorl_jax.main", *resume_args(workdir, steps=8))))
+    sent = set()
+    deadline = time.time() + 600
+    while len(sent) < len(procs) and time.time() < deadline:
+        for sig, workdir, _, proc in procs:
+            metrics = os.path.join(workdir, "metrics.jsonl")
+            if sig not in sent and any(r["step"] >= 3 for r in read_metrics(metrics)):
+                proc.send_signal(sig)          # at the end of step 3 or later
+                sent.add(sig)
+            assert proc.poll() is None or sig in sent, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+    for sig, workdir, before, proc in procs:
+        rc, out, err = finish(proc)
+        assert rc == 128 + sig, err[-3000:]
+        name = signal.Signals(sig).name
+        assert f"[signal] {name}: stopping after the current step" in out
+        last = err.strip().splitlines()[-1]
+        latest = max(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints"))
+                     if d.isdigit())
+        assert 3 <= latest < 8
+        assert last == (f"stopped by {name}; a restart with the same --workdir resumes from "
+                        f"step {latest}.")
+        # the step that was running finished, was logged and checkpointed; older ones untouched
+        assert [r["step"] for r in read_metrics(os.path.join(workdir, "metrics.jsonl"))] == \
+            list(range(latest + 1))
+        after = hashes(workdir)
+        assert {k: after[k] for k in before if k.startswith("checkpoints/2/")} == \
+            {k: v for k, v in before.items() if k.startswith("checkpoints/2/")}
+        final_params(workdir, latest)                             # restorable
+
+
+# 8. History is never lost -----------------------------------------------------------------------
+def test_history_is_kept_and_readers_never_create_a_workdir(env, tmp_path, finished):
+    workdir = tmp_path / "again"
+    workdir.mkdir()
+    (workdir / "metrics.jsonl").write_text('{"step": 0, "run": "second"}\n')
+    (workdir / "metrics.jsonl.1").write_text('{"step": 0, "run": "first"}\n')
+    (workdir / "config.json").write_text('{"name": "old"}\n')
+    misspelled = finished + "x"
+    results = run_all(env, [
+        ("brorl_jax.main", *TINY, f"--workdir={workdir}", "--config.train.steps=0",
+         "--config.sft.steps=0"),
+        ("brorl_jax.evaluate", *TINY, f"--workdir={misspelled}"),
+        ("brorl_jax.export", *TINY, f"--workdir={misspelled}", f"--out={tmp_path / 'hf'}"),
+    ])
+    rc, out, err = results[0]
+    assert rc == 0, err[-3000:]
+    assert (workdir / "metrics.jsonl.1").read_text() == '{"step": 0, "run": "first"}\n'
+    assert (workdir / "metrics.jsonl.2").read_text() == '{"step": 0, "run": "second"}\n'
+    assert (workdir / "config.json.1").read_text() == '{"name": "old"}\n'
+    assert [r["step"] for r in read_metrics(str(workdir / "metrics.jsonl"))] == [0]
+    assert f"earlier history kept in {workdir}/metrics.jsonl.2" in out
+    for rc, _, err in results[1:]:
+        short_error(rc, err)
+        assert f"--workdir '{misspelled}' does not exist. Did you mean '{finished}'?" in err
+    assert not os.path.exists(misspelled) and not os.path.exists(tmp_path / "hf")
