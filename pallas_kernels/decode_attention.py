@@ -208,6 +208,13 @@ def _merge(o_p, lse_p, o_s, lse_s):
     return w_p[..., None] * o_p + w_s[..., None] * o_s
 
 
+def _kv_block(x):
+    """A gathered KV block as floats: a uint16 store holds bfloat16 bit patterns (how a decode
+    loop keeps a 16-bit KV store on CPU, whose XLA backend would otherwise compute every scatter
+    into it in float32, converting the whole store)."""
+    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
+
+
 def _stats_out(m, l, acc):
     """(o, lse) of an online-softmax state; rows without any valid key: o = 0, lse = -inf."""
     valid = l > 0
@@ -254,16 +261,19 @@ def slot_decode_attention_reference(
         rows = jax.lax.dynamic_slice_in_dim(plan["row_slot"], i * tile, tile)
         ok = rows >= 0
         kp = plan["tile_prefix"][i]
-        pk = jax.lax.dynamic_slice(prefix_k, (layer, kp, 0, 0, 0), (1, 1, hkv, p_len, dh))[0, 0]
-        pv = jax.lax.dynamic_slice(prefix_v, (layer, kp, 0, 0, 0), (1, 1, hkv, p_len, dh))[0, 0]
-        # one [tile*g, Dh] x [Dh, P] matmul per KV head
+        prompt = lambda x: _kv_block(jax.lax.dynamic_slice(x, (layer, kp, 0, 0, 0),
+                                                           (1, 1, hkv, p_len, dh))[0, 0])
+        pk, pv = prompt(prefix_k), prompt(prefix_v)
+        # one [tile*g, Dh] x [Dh, P] matmul per KV head, in the KV's dtype with f32 accumulation
+        # (an explicit f32 copy of a slice of a loop-invariant store gets hoisted by XLA into a
+        # whole-store conversion per call)
         qm = qf[jnp.maximum(rows, 0)].transpose(1, 0, 2, 3).reshape(hkv, tile * g, dh)
-        s = f32("kmd,kpd->kmp", qm, pk.astype(jnp.float32))
+        s = f32("kmd,kpd->kmp", qm.astype(pk.dtype), pk)
         mask = jnp.arange(p_len) < prefix_len[kp]
         s = jnp.where(mask, s, _NEG)
         m = jnp.max(s, axis=-1)
         p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
-        o, lse = _stats_out(m, jnp.sum(p, axis=-1), f32("kmp,kpd->kmd", p, pv.astype(jnp.float32)))
+        o, lse = _stats_out(m, jnp.sum(p, axis=-1), f32("kmp,kpd->kmd", p.astype(pv.dtype), pv))
         dest = jnp.where(ok, rows, b)
         o = o.reshape(hkv, tile, g, dh).transpose(1, 0, 2, 3)
         lse = lse.reshape(hkv, tile, g).transpose(1, 0, 2)
@@ -292,18 +302,17 @@ def slot_decode_attention_reference(
         def block(j, st):
             m, l, acc = st
             start = j * bs
-            take = jax.vmap(lambda x, row: jax.lax.dynamic_slice(
-                x, (layer, row, 0, start, 0), (1, 1, hkv, bs, dh))[0, 0], in_axes=(None, 0))
-            kb = take(suffix_k, store).astype(jnp.float32)      # [ts, Hkv, bs, Dh]
-            vb = take(suffix_v, store).astype(jnp.float32)
-            s = f32("tkgd,tksd->tkgs", qt, kb)
+            take = lambda x: _kv_block(jax.vmap(lambda row: jax.lax.dynamic_slice(
+                x, (layer, row, 0, start, 0), (1, 1, hkv, bs, dh))[0, 0])(store))
+            kb, vb = take(suffix_k), take(suffix_v)              # [ts, Hkv, bs, Dh]
+            s = f32("tkgd,tksd->tkgs", qt.astype(kb.dtype), kb)
             msk = ((start + jnp.arange(bs))[None, :] < tl[:, None])[:, None, None, :]
             s = jnp.where(msk, s, _NEG)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             pb = jnp.where(msk, jnp.exp(s - m_new[..., None]), 0.0)
             alpha = jnp.exp(m - m_new)
             return (m_new, alpha * l + jnp.sum(pb, axis=-1),
-                    alpha[..., None] * acc + f32("tkgs,tksd->tkgd", pb, vb))
+                    alpha[..., None] * acc + f32("tkgs,tksd->tkgd", pb.astype(vb.dtype), vb))
 
         init = (jnp.full((ts, hkv, g), _NEG, jnp.float32), jnp.zeros((ts, hkv, g), jnp.float32),
                 jnp.zeros((ts, hkv, g, dh), jnp.float32))
@@ -484,6 +493,9 @@ def slot_decode_attention_pallas(
         suffix_rows = jnp.arange(q.shape[0], dtype=jnp.int32)
     suffix_rows = suffix_rows.astype(jnp.int32)
     family = kernel_family(family)
+    if jnp.uint16 in (prefix_k.dtype, suffix_k.dtype):
+        raise ValueError("the Pallas kernels take float KV stores (uint16 bit patterns are the "
+                         "CPU reference's)")
     interpret = interpret_mode()
     if layer is None:
         layer = 0

@@ -343,13 +343,14 @@ class Engine:
 
     def lower_decode(self, params: Any, *, prompt_len: int, rollouts_per_prompt: int,
                      max_new_tokens: int, num_prompts: int = 1, slots: int | None = None,
-                     temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                     platform: str | None = None):
+                     memory_budget_bytes: int | None = None, temperature: float = 1.0,
+                     top_k: int = 0, top_p: float = 1.0, platform: str | None = None):
         """The decode program traced and lowered from ShapeDtypeStructs (nothing allocated):
         ``params`` may be ShapeDtypeStructs. ``platform`` ("cuda"/"tpu") lowers for that target;
         wrap the call in ``pallas_kernels.compile_target(platform)`` (and for "tpu" build the
         engine on an AbstractMesh of TPU devices) so the kernels trace their compiled form."""
-        plan = self.plan(num_prompts, prompt_len, rollouts_per_prompt, max_new_tokens)
+        plan = self.plan(num_prompts, prompt_len, rollouts_per_prompt, max_new_tokens,
+                         memory_budget_bytes)
         if slots is not None:
             plan = dataclasses.replace(plan, slots=int(slots))
         spec = self._spec(prompt_len=prompt_len, max_new_tokens=max_new_tokens, plan=plan,

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from brorl_jax.models import ModelConfig, embed, final_norm, layer_finish, layer_qkv, lm_logits
 from brorl_jax.models.transformer import dtype_of
 from brorl_jax.rollout.plan import FIRST_TOKEN_ROWS, slot_buckets
+from pallas_kernels import _backend
 from pallas_kernels.decode_attention import slot_decode_attention
 from pallas_kernels.sampling import sample_tokens
 
@@ -139,7 +140,7 @@ def init_pool(spec: Spec) -> dict:
 def init_slots(spec: Spec, num_slots: int) -> dict:
     c = spec.cfg
     kv = (c.num_hidden_layers, num_slots, c.num_key_value_heads, spec.cache_len, c.head_dim)
-    dt = dtype_of(c.dtype)
+    dt = kv_store_dtype(c)
     i32 = functools.partial(jnp.zeros, (num_slots,), jnp.int32)
     return dict(entry=jnp.full((num_slots,), -1, jnp.int32), sample=i32(), t=i32(), cur=i32(),
                 used=jnp.zeros((num_slots,), bool), row=jnp.arange(num_slots, dtype=jnp.int32),
@@ -265,6 +266,23 @@ def _refill(pool, slots, spec: Spec, allow):
     return dict(pool, qnext=qnext), slots, take
 
 
+def kv_store_dtype(cfg: ModelConfig):
+    """dtype of the own-KV store: the compute dtype, except bfloat16 on CPU, kept as uint16 bit
+    patterns (XLA's CPU backend computes a bfloat16 scatter in float32, converting the whole store
+    per layer and step; the attention reads the blocks back as bfloat16)."""
+    dt = jnp.dtype(dtype_of(cfg.dtype))
+    return jnp.dtype(jnp.uint16) if dt == jnp.bfloat16 and _backend.backend() == "cpu" else dt
+
+
+def _write_kv(store, layer, rows, t, values):
+    """store[layer, rows[b], :, t[b], :] = values[b]: one scatter, in place. In bounds by
+    construction (``promise_in_bounds``: a bounds-checked scatter costs a pass over the store)."""
+    if store.dtype == jnp.uint16:
+        values = jax.lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint16)
+    return store.at[layer, rows, :, t, :].set(values.astype(store.dtype),
+                                              mode="promise_in_bounds")
+
+
 def _forward(params, pool, slots, active, spec: Spec):
     """One decode step of every slot: logits f32[B, V]; writes each slot's K/V at its position."""
     c = spec.cfg
@@ -281,9 +299,8 @@ def _forward(params, pool, slots, active, spec: Spec):
         x, sk, sv = carry
         layer_params, li = xs
         q, k_new, v_new = layer_qkv(layer_params, c, x, positions)
-        # in bounds by construction: a bounds-checked scatter costs a pass over the whole store
-        sk = sk.at[li, rows, :, t, :].set(k_new[:, 0].astype(sk.dtype), mode="promise_in_bounds")
-        sv = sv.at[li, rows, :, t, :].set(v_new[:, 0].astype(sv.dtype), mode="promise_in_bounds")
+        sk = _write_kv(sk, li, rows, t, k_new[:, 0])
+        sv = _write_kv(sv, li, rows, t, v_new[:, 0])
         attn = slot_decode_attention(q[:, 0], pool["prefix_k"], pool["prefix_v"], pool["plen"],
                                      prefix_index, sk, sv, own_len, suffix_rows=rows, layer=li,
                                      impl=spec.attention_impl)

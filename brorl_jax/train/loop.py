@@ -181,12 +181,12 @@ class Trainer:
                 max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                 seed=seed, eos_ids=self.eos_ids, impl=self.cfg.rollout.impl,
                 memory_budget_bytes=int(self.cfg.rollout.memory_budget_gb * 2**30) or None)
-        res = rollout.generate(
-            self.model, prompt_ids, rollouts_per_prompt=n, max_new_tokens=max_new_tokens,
+        if getattr(self, "_rollout_engine", None) is None:   # holds the compiled rollout programs
+            self._rollout_engine = rollout.Engine(self.mcfg, impl=self.cfg.rollout.impl)
+        return self._rollout_engine.generate(
+            params, prompt_ids, rollouts_per_prompt=n, max_new_tokens=max_new_tokens,
             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, eos_ids=self.eos_ids,
-            params=params, impl=self.cfg.rollout.impl,
             memory_budget_bytes=int(self.cfg.rollout.memory_budget_gb * 2**30) or None)
-        return res
 
     # --------------------------------------------------------------------------------------
     def evaluate(self, params, step: int) -> dict:

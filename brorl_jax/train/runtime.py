@@ -9,8 +9,8 @@ run, from the devices JAX sees and the config's `mesh` section (brorl_jax.parall
   several devices   train state is sharded by the `mesh.rules` rule set (parallel.rules), the
                     update and log-prob steps are parallel.sharded.make_sharded_update /
                     make_sharded_logprob (explicit in/out shardings, donated state), and rollouts
-                    go through parallel.sharded.sharded_generate (each prompt prefilled once, its
-                    N samples split over the data axes).
+                    go through a rollout.Engine on the mesh (under shard_map: each device decodes
+                    its share of every prompt's N samples).
   several processes the same global mesh for the update (jax.distributed; each process feeds only
   (jax.distributed)  its rows via distributed.global_batch). Rollouts are local: every process
                     reads its own shard of the prompts (data.make_prompt_loader's defaults),
@@ -83,6 +83,7 @@ class MeshRuntime:
                 "update batch with its own prompts.")
         self._steps: dict[Any, _Steps] = {}
         self._state_sharding = None
+        self._rollout = None          # rollout.Engine on rollout_mesh (holds its compiled programs)
 
     # ------------------------------------------------------------------ state
     def state_sharding(self, state):
@@ -145,14 +146,10 @@ class MeshRuntime:
 
     # ------------------------------------------------------------------ rollout
     def generate(self, model, params, prompts, *, impl: str = "auto", **kwargs):
-        from brorl_jax.parallel.sharded import sharded_generate
-        if impl == "auto" and self.rollout_mesh.size > 1:
-            # The SPMD partitioner cannot split a Pallas call (it would run whole on every
-            # device); the jnp reference kernels partition over the sample axes. Pallas under
-            # shard_map is docs/REQUESTS.md #3.
-            impl = "reference"
-        return sharded_generate(model, prompts, mesh=self.rollout_mesh, params=params,
-                                impl=impl, **kwargs)
+        from brorl_jax.rollout import Engine
+        if self._rollout is None or self._rollout.impl != impl:
+            self._rollout = Engine(model.config, mesh=self.rollout_mesh, impl=impl)
+        return self._rollout.generate(params, prompts, **kwargs)
 
     # ------------------------------------------------------------------ cross-process helpers
     def allgather_rows(self, x: np.ndarray) -> np.ndarray:
