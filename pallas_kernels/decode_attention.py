@@ -481,12 +481,14 @@ def _block_for(n: int, candidates=(512, 256, 128, 64, 32, 16, 8)) -> int:
 
 def slot_decode_attention_pallas(
     q, prefix_k, prefix_v, prefix_len, prefix_index, suffix_k, suffix_v, suffix_len, *,
-    suffix_rows=None, layer=None, scale=None, tile=None, family=None,
+    suffix_rows=None, layer=None, scale=None, tile=None, family=None, block_p=None, block_s=None,
 ) -> jax.Array:
     """Pallas form of :func:`slot_decode_attention_reference` (same contract).
 
     The KV stores are passed whole (with their layer axis) and read in place; q, the plan and the
-    two partial results are small. ``family``: "triton" or "mosaic" (default: by target)."""
+    two partial results are small. ``family``: "triton" or "mosaic" (default: by target).
+    ``block_p`` / ``block_s``: prompt / own-KV positions per step (defaults: up to 128, and the
+    largest power of two dividing S up to 128 on GPU, 2048 on TPU)."""
     _check_slot_shapes(q, prefix_k, prefix_v, prefix_len, prefix_index, suffix_k, suffix_v,
                        suffix_len, layer, suffix_rows)
     if suffix_rows is None:
@@ -520,7 +522,7 @@ def slot_decode_attention_pallas(
     qt = jnp.where((rs >= 0)[:, None, None, None], qs[jnp.maximum(rs, 0)], 0)
     qt = qt.reshape(n_tiles, tile, hkv, gp, dh).transpose(0, 2, 1, 3, 4).reshape(
         n_tiles, hkv, rows, dh)
-    block_p = min(128, _round_up(p_len, 16))
+    block_p = block_p or min(128, _round_up(p_len, 16))
     p_pad = _round_up(p_len, block_p)
     if p_pad != p_len:   # only the compat path and odd prompt buckets get here (copies the pool)
         pad = ((0, 0), (0, 0), (0, 0), (0, p_pad - p_len), (0, 0))
@@ -570,8 +572,8 @@ def slot_decode_attention_pallas(
 
     # kernel 2: the slots' own KV
     n_store = suffix_k.shape[1]
-    block_s = min(_block_for(s_len, (2048, 1024, 512, 256, 128, 64, 32, 16, 8)),
-                  128 if family == "triton" else 2048)
+    block_s = block_s or min(_block_for(s_len, (2048, 1024, 512, 256, 128, 64, 32, 16, 8)),
+                             128 if family == "triton" else 2048)
     if s_len % block_s or (family == "triton" and block_s < 16):
         raise ValueError(f"suffix length S={s_len} must be a multiple of 8 (16 on GPU) for the "
                          "Pallas kernel; allocate the own-KV store with a rounded-up length")
@@ -708,11 +710,13 @@ def shared_prefix_decode_attention_reference(
 
 def shared_prefix_decode_attention_pallas(
     q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, suffix_len, *, prefix_index=None,
-    scale=None,
+    scale=None, **kernel_options,
 ) -> jax.Array:
-    """Grouped form of the Pallas kernels (contract of the grouped reference)."""
+    """Grouped form of the Pallas kernels (contract of the grouped reference);
+    ``kernel_options`` (family, tile, block_p, block_s) go to :func:`slot_decode_attention_pallas`."""
     return _grouped(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, suffix_len,
-                    prefix_index, scale, slot_decode_attention_pallas)
+                    prefix_index, scale, functools.partial(slot_decode_attention_pallas,
+                                                           **kernel_options))
 
 
 def shared_prefix_decode_attention(

@@ -184,6 +184,7 @@ class RolloutStream:
             raise StopIteration
         if isinstance(item, dict):        # the final statistics
             self.stats, self.num_chunks = item["stats"], item["num_chunks"]
+            self.stats["useful_tokens"] = int(sum(g.lengths.sum() for g in self._delivered))
             return self.__next__()
         self._delivered.append(item)
         return item
@@ -546,11 +547,6 @@ def _default_engine(cfg: ModelConfig, mesh: Any, impl: Any) -> Engine:
     return Engine(cfg, mesh=mesh, impl=dict(impl) if isinstance(impl, tuple) else impl)
 
 
-def _useful_tokens(result: RolloutResult) -> RolloutResult:
-    result.stats["useful_tokens"] = int(result.lengths.sum())
-    return result
-
-
 def generate(
     model: Any,
     prompts: Sequence[Sequence[int]],
@@ -591,11 +587,11 @@ def generate(
     """
     eos = resolve_eos_ids(model, eos_ids)
     engine = _default_engine(model.config, mesh, _hashable(impl))
-    return _useful_tokens(engine.generate(
+    return engine.generate(
         model.params if params is None else params, prompts,
         rollouts_per_prompt=rollouts_per_prompt, max_new_tokens=max_new_tokens,
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, eos_ids=eos,
-        memory_budget_bytes=memory_budget_bytes))
+        memory_budget_bytes=memory_budget_bytes)
 
 
 def generate_stream(model: Any, prompts: Sequence[Sequence[int]], *, engine: Engine | None = None,

@@ -1,5 +1,7 @@
-"""pallas_kernels.decode_attention: reference == brute force over concatenated KV, kernel ==
-reference (interpret mode on CPU), over GQA ratios and ragged prefix/suffix lengths."""
+"""pallas_kernels.decode_attention: reference == brute force over concatenated KV, kernels ==
+reference (interpret mode on CPU, both the Triton and the Mosaic structure), over GQA ratios,
+ragged prefix/suffix lengths, prompt pools with per-slot indices, empty slots and store rows; the
+kernels lower for GPU and TPU at the real models' shapes."""
 from __future__ import annotations
 
 import jax
@@ -9,7 +11,8 @@ import pytest
 
 from pallas_kernels.decode_attention import (
     resolve_impl, shared_prefix_decode_attention, shared_prefix_decode_attention_pallas,
-    shared_prefix_decode_attention_reference,
+    shared_prefix_decode_attention_reference, slot_decode_attention, slot_decode_attention_pallas,
+    slot_decode_attention_reference,
 )
 
 
@@ -62,12 +65,14 @@ def test_reference_matches_brute_force(shape):
     np.testing.assert_allclose(np.asarray(out), _brute_force(*args), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-def test_kernel_matches_reference(shape):
+@pytest.mark.parametrize("family", ["triton", "mosaic"])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3]])   # GQA 2 and 8; several blocks
+def test_kernel_matches_reference(shape, family):
     args = _inputs(*shape, seed=1)
     ref = shared_prefix_decode_attention_reference(*args)
-    # small blocks so the prompt and suffix loops take several (partial) blocks
-    out = shared_prefix_decode_attention_pallas(*args, block_n=2, block_p=16, block_s=8)
+    # small blocks and tiles so the prompt and own-KV loops take several (partial) blocks
+    out = shared_prefix_decode_attention_pallas(*args, family=family, tile=2, block_p=16,
+                                                block_s=16)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=1e-5)
 
 
@@ -98,3 +103,145 @@ def test_bad_shapes_raise():
         shared_prefix_decode_attention(q, pk, pv, plen, sk, sv, slen[:, :2])
     with pytest.raises(ValueError, match="prefix_k"):
         shared_prefix_decode_attention(q, pk[:1], pv, plen, sk, sv, slen)
+
+
+# ----------------------------------------------------------------------------------------------
+# The slot form: a pool of prompts, per-slot prompt index, KV stores with a layer axis, store rows
+# ----------------------------------------------------------------------------------------------
+
+
+def _slot_inputs(b, k, h, hkv, dh, p, s, *, layers=2, store=None, seed=0, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    store = store or b
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+
+    q = normal(b, h, dh)
+    pk, pv = normal(layers, k, hkv, p, dh), normal(layers, k, hkv, p, dh)
+    sk, sv = normal(layers, store, hkv, s, dh), normal(layers, store, hkv, s, dh)
+    plen = rng.integers(1, p + 1, (k,))
+    pidx = rng.integers(0, k, (b,))
+    pidx[rng.random(b) < 0.2] = -1                      # empty slots
+    slen = rng.integers(0, s + 1, (b,))
+    slen[0] = s
+    rows = rng.permutation(store)[:b]
+    return (q, pk, pv, jnp.asarray(plen, jnp.int32), jnp.asarray(pidx, jnp.int32), sk, sv,
+            jnp.asarray(slen, jnp.int32), jnp.asarray(rows, jnp.int32))
+
+
+def _slot_brute_force(q, pk, pv, plen, pidx, sk, sv, slen, rows, layer):
+    q, pk, pv, sk, sv = (np.asarray(a, np.float64) for a in (q, pk, pv, sk, sv))
+    b, h, dh = q.shape
+    g = h // pk.shape[2]
+    out = np.zeros_like(q)
+    for i in range(b):
+        if pidx[i] < 0:
+            continue
+        kp, r = int(pidx[i]), int(rows[i])
+        k = np.concatenate([pk[layer, kp, :, : int(plen[kp])], sk[layer, r, :, : int(slen[i])]], 1)
+        v = np.concatenate([pv[layer, kp, :, : int(plen[kp])], sv[layer, r, :, : int(slen[i])]], 1)
+        for hh in range(h):
+            sc = k[hh // g] @ q[i, hh] / np.sqrt(dh)
+            w = np.exp(sc - sc.max())
+            out[i, hh] = (w / w.sum()) @ v[hh // g]
+    return out
+
+
+# (slots, pool, H, Hkv, Dh, P, S, store rows): GQA 1-6, more store rows than slots
+SLOT_SHAPES = [(13, 3, 4, 2, 16, 37, 32, 20), (8, 1, 6, 1, 8, 16, 16, 8), (24, 5, 12, 2, 16, 9, 48, 30)]
+
+
+@pytest.mark.parametrize("shape", SLOT_SHAPES)
+def test_slot_reference_matches_brute_force(shape):
+    b, k, h, hkv, dh, p, s, store = shape
+    *args, rows = _slot_inputs(b, k, h, hkv, dh, p, s, store=store)
+    out = slot_decode_attention_reference(*args, suffix_rows=rows, layer=1)
+    want = _slot_brute_force(*args, rows, 1)
+    np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["triton", "mosaic"])
+@pytest.mark.parametrize("shape", SLOT_SHAPES[:2])
+def test_slot_kernels_match_reference(shape, family):
+    """Both kernel structures (GPU: in-kernel loops; TPU: scalar-prefetch grid), interpreted."""
+    b, k, h, hkv, dh, p, s, store = shape
+    *args, rows = _slot_inputs(b, k, h, hkv, dh, p, s, store=store, seed=4)
+    layer = jnp.int32(1)       # traced, as in the decode loop's layer scan
+    ref = slot_decode_attention_reference(*args, suffix_rows=rows, layer=layer)
+    out = slot_decode_attention_pallas(*args, suffix_rows=rows, layer=layer, family=family)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=1e-5)
+
+
+def test_slot_reference_reads_uint16_stores_as_bfloat16():
+    *args, rows = _slot_inputs(9, 2, 4, 2, 16, 12, 16, dtype=jnp.bfloat16, seed=5)
+    q, pk, pv, plen, pidx, sk, sv, slen = args
+    bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16)
+    want = slot_decode_attention_reference(*args, suffix_rows=rows, layer=0)
+    got = slot_decode_attention_reference(q, pk, pv, plen, pidx, bits(sk), bits(sv), slen,
+                                          suffix_rows=rows, layer=0)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_grouped_form_with_a_prompt_pool():
+    q, pk, pv, plen, sk, sv, slen = _inputs(3, 4, 4, 2, 8, 12, 6, seed=6)
+    pool_k, pool_v = pk[:2], pv[:2]
+    index = jnp.asarray([[0, 1, 1, 0], [1, 1, -1, 0], [0, 0, 0, 1]], jnp.int32)
+    out = shared_prefix_decode_attention(q, pool_k, pool_v, plen[:2], sk, sv, slen,
+                                         prefix_index=index, impl="reference")
+    for b in range(3):
+        for n in range(4):
+            if index[b, n] < 0:
+                assert not np.asarray(out[b, n]).any()
+                continue
+            kp = int(index[b, n])
+            want = _brute_force(q[b:b + 1, n:n + 1], pool_k[kp:kp + 1], pool_v[kp:kp + 1],
+                                plen[kp:kp + 1], sk[b:b + 1, n:n + 1], sv[b:b + 1, n:n + 1],
+                                slen[b:b + 1, n:n + 1])
+            np.testing.assert_allclose(np.asarray(out[b, n]), want[0, 0], atol=2e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Lowering for GPU (Triton) and TPU (Mosaic) at the real models' shapes, on this CPU machine
+# ----------------------------------------------------------------------------------------------
+# (query heads, KV heads): Qwen2.5-1.5B (GQA 6), Qwen2.5-7B (7), Qwen3-8B / Llama-3.1-8B (4);
+# head dim 128; 64 slots, a pool of 4 prompts of 1024 positions, own KV of 16384.
+MODEL_HEADS = {"qwen2.5-1.5b": (12, 2), "qwen2.5-7b": (28, 4), "qwen3-8b/llama-3.1-8b": (32, 8)}
+_CUSTOM_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
+
+
+def tpu_abstract_mesh():
+    """An abstract mesh of one TPU v5e device: Mosaic asks the current device for its kind."""
+    from jax._src.mesh import AbstractDevice  # no public constructor in jax 0.10
+    dev = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+    return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
+
+
+def lower_slot_attention(platform, heads, kv_heads, dtype, *, slots=64, pool=4, prompt=1024,
+                         own=16384, layers=2, head_dim=128) -> str:
+    import contextlib
+
+    import pallas_kernels
+    sds = jax.ShapeDtypeStruct
+    kv_pool = sds((layers, pool, kv_heads, prompt, head_dim), dtype)
+    kv_own = sds((layers, slots, kv_heads, own, head_dim), dtype)
+    i32 = lambda *shape: sds(shape, jnp.int32)
+    f = jax.jit(lambda q, pk, pv, pln, pidx, sk, sv, sln, rows, layer: slot_decode_attention(
+        q, pk, pv, pln, pidx, sk, sv, sln, suffix_rows=rows, layer=layer, impl="pallas"))
+    mesh = (jax.sharding.use_abstract_mesh(tpu_abstract_mesh()) if platform == "tpu"
+            else contextlib.nullcontext())
+    with pallas_kernels.compile_target(platform), mesh:
+        return f.trace(sds((slots, heads, head_dim), dtype), kv_pool, kv_pool, i32(pool),
+                       i32(slots), kv_own, kv_own, i32(slots), i32(slots), i32()).lower(
+            lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("model", MODEL_HEADS)
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_kernels_lower_for_gpu_and_tpu_at_model_shapes(platform, model, dtype):
+    heads, kv_heads = MODEL_HEADS[model]
+    text = lower_slot_attention(platform, heads, kv_heads, dtype)
+    # both kernels (prompt tiles, own KV) are in the lowered module as compiled custom calls
+    assert text.count(_CUSTOM_CALL[platform]) >= 2
+    assert "slot_decode_attention_prefix" in text and "slot_decode_attention_own" in text
