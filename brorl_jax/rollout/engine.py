@@ -140,7 +140,9 @@ class RolloutStream:
     sending it to verifier processes) overlaps decoding instead of pausing it. ``stats`` holds the
     call's statistics once the stream is exhausted; ``result()`` consumes what is left and
     assembles the full :class:`RolloutResult`. ``close()`` (or leaving a ``with`` block) stops
-    the device loop at its next return to the host.
+    the device loop at its next return to the host. ``wait_seconds``: how long the consumer has
+    waited for groups (in ``__next__``); the device never waits for the consumer (the queue is
+    unbounded: at most all of the call's groups, which generate() would hold anyway).
     """
 
     _END = object()
@@ -148,6 +150,7 @@ class RolloutStream:
     def __init__(self, run: Callable[[Callable[[], bool]], Iterator], *, background: bool):
         self._closed = False
         self._delivered: list[GroupResult] = []
+        self.wait_seconds = 0.0
         self.stats: dict = {}
         self.num_chunks = 1
         self._gen = run(lambda: self._closed)
@@ -177,7 +180,9 @@ class RolloutStream:
         return self
 
     def __next__(self) -> GroupResult:
+        t0 = time.perf_counter()
         kind, item = self._next_item()
+        self.wait_seconds += time.perf_counter() - t0
         if kind == "error":
             raise item
         if kind == "end":
