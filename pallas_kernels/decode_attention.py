@@ -1,10 +1,12 @@
-"""Decode attention of slots against a pool of shared prompt KVs plus each slot's own KV.
+"""Decode attention of slots against a pool of shared prompt KVs plus each slot's own, paged KV.
 
-A decode *slot* holds one sample: its query ``q[b]``, its own generated KV ``suffix_k[b]`` (valid
-up to ``suffix_len[b]``) and the index ``prefix_index[b]`` of its prompt in a pool of prompt KVs
-``prefix_k[k]`` (valid up to ``prefix_len[k]``), each stored once and shared by every slot of that
-prompt. Softmax attention over ``prompt ++ own`` splits exactly into the two parts merged by their
-log-sum-exp (the online-softmax / flash-attention identity)::
+A decode *slot* holds one sample: its query ``q[b]``, its own generated KV (valid up to
+``suffix_len[b]``), kept in fixed-size *pages* of a page pool (position s of slot b lives in
+page ``page_table[b, s // page]`` at offset ``s % page``), and the index ``prefix_index[b]`` of
+its prompt in a pool of prompt KVs ``prefix_k[k]`` (valid up to ``prefix_len[k]``), each stored
+once and shared by every slot of that prompt. Softmax attention over ``prompt ++ own`` splits
+exactly into the two parts merged by their log-sum-exp (the online-softmax / flash-attention
+identity)::
 
     o_p, lse_p = attend(q, prompt)          o_s, lse_s = attend(q, own)
     lse = logaddexp(lse_p, lse_s)
@@ -17,31 +19,31 @@ returns zeros.
 **Tiles.** The prompt part is computed per *tile*: the slots are ordered by (prompt, own length
 descending) and each prompt's run of slots is cut into tiles of ``tile`` slots (the last one
 padded), so one tile holds slots of a single prompt and its ``[tile * H / Hkv, Dh] x [Dh, P]``
-matmul reads the prompt's KV once for all of them. At most ``ceil(B / tile) + K`` tiles exist;
-only the ones in use are computed. ``plan_tiles`` builds this plan (jnp, on device).
+matmul reads the prompt's KV once for all of them. At most ``B // tile + K`` tiles exist; only
+the ones in use are computed. ``plan_tiles`` builds this plan (jnp, on device).
 
 **Layouts** (head-major, so a TPU block's last two dims are (positions, Dh)):
 ``q[B, H, Dh]``, ``prefix_k/v[K, Hkv, P, Dh]``, ``prefix_len[K]``, ``prefix_index[B]``,
-``suffix_k/v[B, Hkv, S, Dh]``, ``suffix_len[B]``. With ``layer=l`` the two KV stores carry a
-leading layer axis (``[L, K, ...]``, ``[L, B, ...]``) and layer ``l`` is read in place (a decode
-loop's caches are never copied per layer).
+``pages_k/v[NP, Hkv, page, Dh]``, ``page_table[B, MP]``, ``suffix_len[B]``. With ``layer=l`` the
+prompt pool and the page pool carry a leading layer axis (``[L, K, ...]``, ``[L, NP, ...]``) and
+layer ``l`` is read in place (a decode loop's caches are never copied per layer).
 
 Three implementations of :func:`slot_decode_attention`:
 
-* ``reference`` (jnp): one ``lax.fori_loop`` over the tiles in use; per tile the prompt part in one
-  matmul, then the slots' own KV in blocks of ``block_s`` up to the longest slot of the tile (slots
-  sorted by length, so the work follows the tokens generated, not the cache size).
+* ``reference`` (jnp): one ``lax.fori_loop`` over the prompt tiles in use, a matmul each; then the
+  slots sorted by own length in tiles of 16, each looping over its pages up to its longest slot
+  (the work follows the tokens generated, not the slots' capacity).
 * ``pallas``, Triton form (GPU): kernel 1, grid (tile, KV head), streams the tile's prompt KV in
-  blocks with an online softmax; kernel 2, grid (slot, KV head), streams the slot's own KV up to
-  its length. The two results merge by log-sum-exp in jnp.
-* ``pallas``, Mosaic form (TPU): the same two kernels, with the tile plan as scalar-prefetch
-  arguments so each grid step's block index (prompt, layer, own-KV block) comes from it: the
-  prompt KV block is the tile's prompt, own-KV blocks past a slot block's longest slot are
-  neither fetched again nor computed.
+  blocks with an online softmax; kernel 2, grid (slot, KV head), streams the slot's pages up to
+  its length, read through the page table. The two results merge by log-sum-exp in jnp.
+* ``pallas``, Mosaic form (TPU): the same two kernels, with the tile plan and the page table as
+  scalar-prefetch arguments so each grid step's block (layer, prompt, page) comes from them:
+  pages past a slot's length are neither fetched again (their index map repeats the last one)
+  nor computed.
 
 :func:`shared_prefix_decode_attention` keeps the earlier grouped form
 (``q[B, N, H, Dh]`` with ``prefix_k[B, P, Hkv, Dh]`` shared by the N samples of row b, or by
-``prefix_index[b, n]`` into a pool) on top of it.
+``prefix_index[b, n]`` into a pool; contiguous own KV ``[B, N, S, Hkv, Dh]``) on top of it.
 """
 from __future__ import annotations
 
@@ -109,8 +111,8 @@ def _round_up(x: int, m: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_slot_shapes(q, prefix_k, prefix_v, prefix_len, prefix_index, suffix_k, suffix_v,
-                       suffix_len, layer, suffix_rows=None) -> None:
+def _check_slot_shapes(q, prefix_k, prefix_v, prefix_len, prefix_index, pages_k, pages_v,
+                       page_table, suffix_len, layer) -> None:
     lead = 0 if layer is None else 1
     if q.ndim != 3:
         raise ValueError(f"q must be [B, H, Dh], got {q.shape}")
@@ -123,23 +125,20 @@ def _check_slot_shapes(q, prefix_k, prefix_v, prefix_len, prefix_index, suffix_k
         raise ValueError(f"num heads H={h} must be a multiple of num kv heads Hkv={hkv}")
     if prefix_v.shape != prefix_k.shape:
         raise ValueError(f"prefix_v shape {prefix_v.shape} != prefix_k shape {prefix_k.shape}")
-    rows_ok = suffix_rows is not None or suffix_k.shape[lead] == b
-    if (suffix_k.ndim != 4 + lead or not rows_ok
-            or suffix_k.shape[lead + 1] != hkv or suffix_k.shape[-1] != dh):
-        want = "[L, B, Hkv, S, Dh]" if lead else "[B, Hkv, S, Dh]"
-        raise ValueError(f"suffix_k must be {want} with B={b} (any B with suffix_rows), "
-                         f"Hkv={hkv}, Dh={dh}, got {suffix_k.shape}")
-    if suffix_rows is not None and suffix_rows.shape != (b,):
-        raise ValueError(f"suffix_rows must be [B={b}], got {suffix_rows.shape}")
-    if suffix_v.shape != suffix_k.shape:
-        raise ValueError(f"suffix_v shape {suffix_v.shape} != suffix_k shape {suffix_k.shape}")
-    if lead and prefix_k.shape[0] != suffix_k.shape[0]:
-        raise ValueError(f"prefix_k and suffix_k have different layer counts: "
-                         f"{prefix_k.shape[0]} vs {suffix_k.shape[0]}")
+    if pages_k.ndim != 4 + lead or pages_k.shape[lead + 1] != hkv or pages_k.shape[-1] != dh:
+        want = "[L, NP, Hkv, page, Dh]" if lead else "[NP, Hkv, page, Dh]"
+        raise ValueError(f"pages_k must be {want} with Hkv={hkv}, Dh={dh}, got {pages_k.shape}")
+    if pages_v.shape != pages_k.shape:
+        raise ValueError(f"pages_v shape {pages_v.shape} != pages_k shape {pages_k.shape}")
+    if lead and prefix_k.shape[0] != pages_k.shape[0]:
+        raise ValueError(f"prefix_k and pages_k have different layer counts: "
+                         f"{prefix_k.shape[0]} vs {pages_k.shape[0]}")
     if prefix_len.shape != (k_pool,):
         raise ValueError(f"prefix_len must be [K={k_pool}], got {prefix_len.shape}")
     if prefix_index.shape != (b,):
         raise ValueError(f"prefix_index must be [B={b}], got {prefix_index.shape}")
+    if page_table.ndim != 2 or page_table.shape[0] != b:
+        raise ValueError(f"page_table must be [B={b}, pages per slot], got {page_table.shape}")
     if suffix_len.shape != (b,):
         raise ValueError(f"suffix_len must be [B={b}], got {suffix_len.shape}")
 
@@ -224,33 +223,33 @@ def _stats_out(m, l, acc):
 
 
 def slot_decode_attention_reference(
-    q, prefix_k, prefix_v, prefix_len, prefix_index, suffix_k, suffix_v, suffix_len, *,
-    suffix_rows=None, layer=None, scale=None, tile=None, own_tile=16, block_s=16,
+    q, prefix_k, prefix_v, prefix_len, prefix_index, pages_k, pages_v, page_table, suffix_len, *,
+    layer=None, scale=None, tile=None, own_tile=16,
 ) -> jax.Array:
     """jnp slot decode attention (module docstring): ``out[B, H, Dh]`` in q's dtype, float32
     accumulation.
 
     Prompt part: a loop over the prompt tiles in use, one matmul each. Own part: the slots sorted
-    by own length (longest first), in tiles of ``own_tile``, each tile looping over blocks of
-    ``block_s`` positions up to its longest slot, so the work follows the tokens generated (not
-    the store length). The parts merge by log-sum-exp.
+    by own length (longest first), in tiles of ``own_tile``, each tile looping over its slots'
+    pages up to its longest slot, so the work follows the tokens generated (not the slots'
+    capacity). The parts merge by log-sum-exp.
     """
-    _check_slot_shapes(q, prefix_k, prefix_v, prefix_len, prefix_index, suffix_k, suffix_v,
-                       suffix_len, layer, suffix_rows)
-    if suffix_rows is None:
-        suffix_rows = jnp.arange(q.shape[0], dtype=jnp.int32)
+    _check_slot_shapes(q, prefix_k, prefix_v, prefix_len, prefix_index, pages_k, pages_v,
+                       page_table, suffix_len, layer)
     lead = 0 if layer is None else 1
     b, h, dh = q.shape
     k_pool, hkv, p_len = prefix_k.shape[lead], prefix_k.shape[lead + 1], prefix_k.shape[lead + 2]
-    s_len = suffix_k.shape[lead + 2]
+    n_pages, bs = pages_k.shape[lead], pages_k.shape[lead + 2]
+    max_pages = page_table.shape[1]
+    s_len = max_pages * bs
     g = h // hkv
     scale = dh**-0.5 if scale is None else scale
     tile = default_tile(b, k_pool) if tile is None else int(tile)
-    bs = next(x for x in (block_s, 8, 4, 2, 1) if s_len % x == 0)
     if layer is None:
         layer = 0
         prefix_k, prefix_v = prefix_k[None], prefix_v[None]
-        suffix_k, suffix_v = suffix_k[None], suffix_v[None]
+        pages_k, pages_v = pages_k[None], pages_v[None]
+    page_table = jnp.clip(page_table.astype(jnp.int32), 0, n_pages - 1)
     plan = plan_tiles(prefix_index, suffix_len, num_prefixes=k_pool, tile=tile, max_suffix=s_len)
     slen = jnp.where(prefix_index >= 0, suffix_len, 0).astype(jnp.int32)
     qf = (q.astype(jnp.float32) * scale).reshape(b, hkv, g, dh)
@@ -297,14 +296,14 @@ def slot_decode_attention_reference(
         r = jnp.maximum(rows, 0)
         qt = qf[r]                                               # [ts, Hkv, g, Dh]
         tl = jnp.where(ok, slen[r], 0)
-        store = suffix_rows[r]
+        table = page_table[r]                                    # [ts, MP]
 
         def block(j, st):
             m, l, acc = st
             start = j * bs
-            take = lambda x: _kv_block(jax.vmap(lambda row: jax.lax.dynamic_slice(
-                x, (layer, row, 0, start, 0), (1, 1, hkv, bs, dh))[0, 0])(store))
-            kb, vb = take(suffix_k), take(suffix_v)              # [ts, Hkv, bs, Dh]
+            take = lambda x: _kv_block(jax.vmap(lambda page: jax.lax.dynamic_slice(
+                x, (layer, page, 0, 0, 0), (1, 1, hkv, bs, dh))[0, 0])(table[:, j]))
+            kb, vb = take(pages_k), take(pages_v)                # [ts, Hkv, page, Dh]
             s = f32("tkgd,tksd->tkgs", qt.astype(kb.dtype), kb)
             msk = ((start + jnp.arange(bs))[None, :] < tl[:, None])[:, None, None, :]
             s = jnp.where(msk, s, _NEG)
@@ -412,38 +411,38 @@ def _prefix_kernel_mosaic(layer_ref, tp_ref, nt_ref, plen_ref, q_ref, pk_ref, pv
         lse_ref[...] = lse[:, None]
 
 
-def _own_kernel_triton(layer_ref, rows_ref, slen_ref, q_ref, sk_ref, sv_ref, o_ref, lse_ref, *,
-                       block_s):
+def _own_kernel_triton(layer_ref, table_ref, slen_ref, q_ref, pk_ref, pv_ref, o_ref, lse_ref):
     """Grid (slot, KV head). q_ref [Gp, Dh] (the slot's query heads of this KV head, padded);
-    sk_ref/sv_ref [L, B_store, S_pad, Dh] (this KV head, read in place at the layer and the
-    slot's store row)."""
+    pk_ref/pv_ref [L, NP, page, Dh] (this KV head), read in place at the layer and the slot's
+    pages (table_ref [B, MP])."""
     b = pl.program_id(0)
-    layer, row = layer_ref[0], rows_ref[b]
+    layer = layer_ref[0]
     q = q_ref[...].astype(jnp.float32)
     rows, dh = q.shape
+    page = pk_ref.shape[2]
     slen = slen_ref[b]
     state = (jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32),
              jnp.zeros((rows, dh), jnp.float32))
 
     def body(j, st):
-        start = pl.multiple_of(j * block_s, block_s)
-        k = sk_ref[layer, row, pl.ds(start, block_s), :].astype(jnp.float32)
-        v = sv_ref[layer, row, pl.ds(start, block_s), :].astype(jnp.float32)
-        pos = start + jax.lax.broadcasted_iota(jnp.int32, (rows, block_s), 1)
+        idx = table_ref[b, j]
+        k = pk_ref[layer, idx, :, :].astype(jnp.float32)
+        v = pv_ref[layer, idx, :, :].astype(jnp.float32)
+        pos = j * page + jax.lax.broadcasted_iota(jnp.int32, (rows, page), 1)
         return _online_step(st, _dot_t(q, k), pos < slen,
                             lambda p: jnp.dot(p, v, preferred_element_type=jnp.float32))
 
-    o, lse = _finish(jax.lax.fori_loop(0, (slen + block_s - 1) // block_s, body, state))
+    o, lse = _finish(jax.lax.fori_loop(0, (slen + page - 1) // page, body, state))
     o_ref[...] = o.astype(o_ref.dtype)
     lse_ref[...] = lse[:, None]
 
 
-def _own_kernel_mosaic(layer_ref, rows_ref, last_ref, slen_ref, q_ref, sk_ref, sv_ref, o_ref,
+def _own_kernel_mosaic(layer_ref, table_ref, last_ref, slen_ref, q_ref, sk_ref, sv_ref, o_ref,
                        lse_ref, m_sc, l_sc, acc_sc, *, block_s):
-    """Grid (slot, KV head, own-KV block j); scalar prefetch (layer, store rows, last block,
-    lengths) picks the blocks: those past the slot's length are neither fetched (their index map
-    repeats the last one) nor computed. q_ref [Gp, Dh]; sk_ref/sv_ref [block_s, Dh]; running
-    softmax state in VMEM scratch."""
+    """Grid (slot, KV head, page j); scalar prefetch (layer, flattened page table, last page,
+    lengths) picks each step's page: pages past the slot's length are neither fetched (their
+    index map repeats the last one) nor computed. q_ref [Gp, Dh]; sk_ref/sv_ref [page, Dh];
+    running softmax state in VMEM scratch."""
     b, j = pl.program_id(0), pl.program_id(2)
 
     @pl.when(j == 0)
@@ -472,40 +471,36 @@ def _own_kernel_mosaic(layer_ref, rows_ref, last_ref, slen_ref, q_ref, sk_ref, s
         lse_ref[...] = lse[:, None]
 
 
-def _block_for(n: int, candidates=(512, 256, 128, 64, 32, 16, 8)) -> int:
-    for c in candidates:
-        if n % c == 0:
-            return c
-    return n
-
-
 def slot_decode_attention_pallas(
-    q, prefix_k, prefix_v, prefix_len, prefix_index, suffix_k, suffix_v, suffix_len, *,
-    suffix_rows=None, layer=None, scale=None, tile=None, family=None, block_p=None, block_s=None,
+    q, prefix_k, prefix_v, prefix_len, prefix_index, pages_k, pages_v, page_table, suffix_len, *,
+    layer=None, scale=None, tile=None, family=None, block_p=None,
 ) -> jax.Array:
     """Pallas form of :func:`slot_decode_attention_reference` (same contract).
 
-    The KV stores are passed whole (with their layer axis) and read in place; q, the plan and the
-    two partial results are small. ``family``: "triton" or "mosaic" (default: by target).
-    ``block_p`` / ``block_s``: prompt / own-KV positions per step (defaults: up to 128, and the
-    largest power of two dividing S up to 128 on GPU, 2048 on TPU)."""
-    _check_slot_shapes(q, prefix_k, prefix_v, prefix_len, prefix_index, suffix_k, suffix_v,
-                       suffix_len, layer, suffix_rows)
-    if suffix_rows is None:
-        suffix_rows = jnp.arange(q.shape[0], dtype=jnp.int32)
-    suffix_rows = suffix_rows.astype(jnp.int32)
+    The prompt pool and the page pool are passed whole (with their layer axis) and read in place;
+    q, the plans and the two partial results are small. ``family``: "triton" or "mosaic"
+    (default: by target). ``block_p``: prompt positions per step (default up to 128). The own KV
+    is read a page at a time (pages of >= 16 positions on GPU, a multiple of 8 on TPU)."""
+    _check_slot_shapes(q, prefix_k, prefix_v, prefix_len, prefix_index, pages_k, pages_v,
+                       page_table, suffix_len, layer)
     family = kernel_family(family)
-    if jnp.uint16 in (prefix_k.dtype, suffix_k.dtype):
+    if jnp.uint16 in (prefix_k.dtype, pages_k.dtype):
         raise ValueError("the Pallas kernels take float KV stores (uint16 bit patterns are the "
                          "CPU reference's)")
     interpret = interpret_mode()
     if layer is None:
         layer = 0
         prefix_k, prefix_v = prefix_k[None], prefix_v[None]
-        suffix_k, suffix_v = suffix_k[None], suffix_v[None]
+        pages_k, pages_v = pages_k[None], pages_v[None]
     n_layers, k_pool, hkv, p_len, dh = prefix_k.shape
     b, h, _ = q.shape
-    s_len = suffix_k.shape[3]
+    n_pages, page = pages_k.shape[1], pages_k.shape[3]
+    max_pages = page_table.shape[1]
+    s_len = max_pages * page
+    if page % 8 or (family == "triton" and page < 16):
+        raise ValueError(f"page size {page} must be a multiple of 8 (and >= 16 on GPU) for the "
+                         "Pallas kernels")
+    page_table = jnp.clip(page_table.astype(jnp.int32), 0, n_pages - 1)
     g = h // hkv
     scale = dh**-0.5 if scale is None else scale
     tile = default_tile(b, k_pool) if tile is None else int(tile)
@@ -570,40 +565,34 @@ def slot_decode_attention_pallas(
     o_pref = jnp.zeros((b, hkv, gp, dh), jnp.float32).at[dest].set(o_p, mode="drop")
     lse_pref = jnp.full((b, hkv, gp), -jnp.inf, jnp.float32).at[dest].set(lse_p, mode="drop")
 
-    # kernel 2: the slots' own KV
-    n_store = suffix_k.shape[1]
-    block_s = block_s or min(_block_for(s_len, (2048, 1024, 512, 256, 128, 64, 32, 16, 8)),
-                             128 if family == "triton" else 2048)
-    if s_len % block_s or (family == "triton" and block_s < 16):
-        raise ValueError(f"suffix length S={s_len} must be a multiple of 8 (16 on GPU) for the "
-                         "Pallas kernel; allocate the own-KV store with a rounded-up length")
+    # kernel 2: the slots' own KV, page by page
     own_shapes = (jax.ShapeDtypeStruct((b, hkv, gp, dh), jnp.float32),
                   jax.ShapeDtypeStruct((b, hkv, gp, 1), jnp.float32))
     if family == "triton":
         full = lambda x: pl.BlockSpec(x.shape, lambda i, k: (0,) * x.ndim)
-        kv_spec = pl.BlockSpec((n_layers, n_store, None, s_len, dh), lambda i, k: (0, 0, k, 0, 0))
+        kv_spec = pl.BlockSpec((n_layers, n_pages, None, page, dh), lambda i, k: (0, 0, k, 0, 0))
         qo_spec = pl.BlockSpec((None, None, gp, dh), lambda i, k: (i, k, 0, 0))
         o_s, lse_s = pl.pallas_call(
-            functools.partial(_own_kernel_triton, block_s=block_s),
+            _own_kernel_triton,
             grid=(b, hkv),
-            in_specs=[full(layer_arr), full(suffix_rows), full(slen), qo_spec, kv_spec, kv_spec],
+            in_specs=[full(layer_arr), full(page_table), full(slen), qo_spec, kv_spec, kv_spec],
             out_specs=[qo_spec, pl.BlockSpec((None, None, gp, 1), lambda i, k: (i, k, 0, 0))],
             out_shape=own_shapes, interpret=interpret,
             compiler_params=_compiler_params(family, ("parallel", "parallel")),
             name="slot_decode_attention_own",
-        )(layer_arr, suffix_rows, slen, qs, suffix_k, suffix_v)
+        )(layer_arr, page_table, slen, qs, pages_k, pages_v)
     else:
         from jax.experimental.pallas import tpu as pltpu
-        ns = s_len // block_s
-        last = jnp.maximum((slen + block_s - 1) // block_s - 1, 0).astype(jnp.int32)
-        kv_spec = pl.BlockSpec((None, None, None, block_s, dh),
-                               lambda i, k, j, ly, rw, la, sl: (ly[0], rw[i], k,
-                                                                jnp.minimum(j, la[i]), 0))
+        last = jnp.maximum((slen + page - 1) // page - 1, 0).astype(jnp.int32)
+        kv_spec = pl.BlockSpec(
+            (None, None, None, page, dh),
+            lambda i, k, j, ly, tb, la, sl: (ly[0], tb[i * max_pages + jnp.minimum(j, la[i])], k,
+                                             0, 0))
         q_spec = pl.BlockSpec((None, None, gp, dh), lambda i, k, j, *_: (i, k, 0, 0))
         o_s, lse_s = pl.pallas_call(
-            functools.partial(_own_kernel_mosaic, block_s=block_s),
+            functools.partial(_own_kernel_mosaic, block_s=page),
             grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=4, grid=(b, hkv, ns),
+                num_scalar_prefetch=4, grid=(b, hkv, max_pages),
                 in_specs=[q_spec, kv_spec, kv_spec],
                 out_specs=[q_spec,
                            pl.BlockSpec((None, None, gp, 1), lambda i, k, j, *_: (i, k, 0, 0))],
@@ -613,15 +602,15 @@ def slot_decode_attention_pallas(
             out_shape=own_shapes, interpret=interpret,
             compiler_params=_compiler_params(family, ("parallel", "parallel", "arbitrary")),
             name="slot_decode_attention_own",
-        )(layer_arr, suffix_rows, last, slen, qs, suffix_k, suffix_v)
+        )(layer_arr, page_table.reshape(-1), last, slen, qs, pages_k, pages_v)
     out = _merge(o_pref, lse_pref, o_s, lse_s[..., 0])          # [B, Hkv, Gp, Dh]
     out = jnp.where((prefix_index >= 0)[:, None, None, None], out, 0.0)
     return out[:, :, :g].reshape(b, h, dh).astype(q.dtype)
 
 
 def slot_decode_attention(
-    q, prefix_k, prefix_v, prefix_len, prefix_index, suffix_k, suffix_v, suffix_len, *,
-    suffix_rows=None, layer=None, scale=None, impl="auto",
+    q, prefix_k, prefix_v, prefix_len, prefix_index, pages_k, pages_v, page_table, suffix_len, *,
+    layer=None, scale=None, impl="auto",
 ) -> jax.Array:
     """Decode attention of B slots (module docstring for shapes and layouts).
 
@@ -630,21 +619,19 @@ def slot_decode_attention(
       prefix_k, prefix_v: ``[K, Hkv, P, Dh]`` a pool of prompt KVs (``[L, K, ...]`` with layer).
       prefix_len: ``[K]`` valid prompt positions. prefix_index: ``[B]`` each slot's prompt
         (< 0: empty slot, output zeros).
-      suffix_k, suffix_v: ``[B, Hkv, S, Dh]`` each slot's own KV (``[L, B, ...]`` with layer).
+      pages_k, pages_v: ``[NP, Hkv, page, Dh]`` the page pool of the slots' own KV (``[L, NP,
+        ...]`` with layer); a uint16 pool holds bfloat16 bit patterns (reference only).
+      page_table: ``int32[B, MP]``: own position s of slot b is in page ``page_table[b, s //
+        page]`` (entries past the slot's length are ignored).
       suffix_len: ``[B]`` valid own positions.
-      suffix_rows: optional ``int32[B]``: slot b's own KV is row ``suffix_rows[b]`` of the store
-        (whose slot axis may then be longer than B): a shrunk batch of slots keeps its KV in place.
-      layer: int or traced int32: read layer ``layer`` of the stores in place.
+      layer: int or traced int32: read layer ``layer`` of the pools in place.
       impl: "auto" (kernels on GPU/TPU, reference on CPU), "reference" or "pallas".
     Returns ``out[B, H, Dh]`` = softmax attention over prompt ++ own KV, q's dtype.
     """
-    if resolve_impl(impl) == "pallas":
-        return slot_decode_attention_pallas(q, prefix_k, prefix_v, prefix_len, prefix_index,
-                                            suffix_k, suffix_v, suffix_len,
-                                            suffix_rows=suffix_rows, layer=layer, scale=scale)
-    return slot_decode_attention_reference(q, prefix_k, prefix_v, prefix_len, prefix_index,
-                                           suffix_k, suffix_v, suffix_len,
-                                           suffix_rows=suffix_rows, layer=layer, scale=scale)
+    fn = (slot_decode_attention_pallas if resolve_impl(impl) == "pallas"
+          else slot_decode_attention_reference)
+    return fn(q, prefix_k, prefix_v, prefix_len, prefix_index, pages_k, pages_v, page_table,
+              suffix_len, layer=layer, scale=scale)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -687,12 +674,18 @@ def _grouped(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, suffix_len, 
     s_len, hkv = suffix_k.shape[2], suffix_k.shape[3]
     if prefix_index is None:
         prefix_index = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, n))
-    s_pad = _round_up(s_len, 16)   # the kernels' own-KV blocks; padding is masked by suffix_len
-    own = lambda x: jnp.pad(x.reshape(b * n, s_len, hkv, dh).transpose(0, 2, 1, 3),
-                            ((0, 0), (0, 0), (0, s_pad - s_len), (0, 0)))
+    page = 16                      # contiguous own KV cut into pages; padding masked by length
+    s_pad = _round_up(s_len, page)
+    mp = s_pad // page
+
+    def own(x):   # [B, N, S, Hkv, Dh] -> pages [B*N*MP, Hkv, page, Dh]
+        x = jnp.pad(x.reshape(b * n, s_len, hkv, dh), ((0, 0), (0, s_pad - s_len), (0, 0), (0, 0)))
+        return x.reshape(b * n * mp, page, hkv, dh).transpose(0, 2, 1, 3)
+
+    table = jnp.arange(b * n * mp, dtype=jnp.int32).reshape(b * n, mp)
     pre = lambda x: x.transpose(0, 2, 1, 3)
     out = fn(q.reshape(b * n, h, dh), pre(prefix_k), pre(prefix_v), prefix_len,
-             prefix_index.reshape(b * n).astype(jnp.int32), own(suffix_k), own(suffix_v),
+             prefix_index.reshape(b * n).astype(jnp.int32), own(suffix_k), own(suffix_v), table,
              suffix_len.reshape(b * n).astype(jnp.int32), scale=scale)
     return out.reshape(b, n, h, dh)
 
@@ -713,7 +706,7 @@ def shared_prefix_decode_attention_pallas(
     scale=None, **kernel_options,
 ) -> jax.Array:
     """Grouped form of the Pallas kernels (contract of the grouped reference);
-    ``kernel_options`` (family, tile, block_p, block_s) go to :func:`slot_decode_attention_pallas`."""
+    ``kernel_options`` (family, tile, block_p) go to :func:`slot_decode_attention_pallas`."""
     return _grouped(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, suffix_len,
                     prefix_index, scale, functools.partial(slot_decode_attention_pallas,
                                                            **kernel_options))
@@ -739,8 +732,8 @@ def shared_prefix_decode_attention(
       impl: "auto" (kernel on GPU/TPU, reference on CPU), "reference" or "pallas".
 
     Returns ``out[B, N, H, Dh]``, exactly softmax attention over prefix ++ suffix. (This form
-    transposes the KV into the slot layout per call; a decode loop keeps its stores in that
-    layout and calls :func:`slot_decode_attention`.)
+    copies the KV into the slot layout per call; a decode loop keeps its pools in that layout
+    and calls :func:`slot_decode_attention`.)
     """
     if resolve_impl(impl) == "pallas":
         return shared_prefix_decode_attention_pallas(

@@ -44,9 +44,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from brorl_jax.models import ModelConfig
 from brorl_jax.rollout import programs
-from brorl_jax.rollout.plan import (MIN_SLOTS, PREFILL_SCORE_BYTES, SCHEDULES, SlotPlan,
-                                    bucket_prompt_length, plan_slots, resolve_eos_ids,
-                                    slot_buckets, stop_table, validate_inputs)
+from brorl_jax.rollout.plan import (KV_FRACTION, MIN_SLOTS, PAGE_SIZE, PREFILL_SCORE_BYTES,
+                                    SCHEDULES, TPU_PAGE_SIZE, SlotPlan, bucket_prompt_length,
+                                    plan_slots, resolve_eos_ids, slot_buckets, stop_table,
+                                    validate_inputs)
+from pallas_kernels import _backend
 from pallas_kernels.decode_attention import resolve_impl as _resolve_attention_impl
 from pallas_kernels.sampling import resolve_impl as _resolve_sampling_impl
 
@@ -233,10 +235,14 @@ class Engine:
         or a mapping {"attention": ..., "sampling": ...} to choose per kernel.
       schedule: "continuous" (refill finished slots, compact the tail) or "lockstep".
       min_slots: the smallest slot bucket the tail is compacted to.
+      page_size: positions per KV page (default: 128 when tracing for TPU, else 16).
+      kv_fraction: with a memory budget, the share of the slots' full length their pages cover
+        (``plan.KV_FRACTION``; 1 = never wait for a page).
     """
 
     def __init__(self, model_cfg: ModelConfig, *, mesh: Any = None, impl: str = "auto",
-                 schedule: str = "continuous", min_slots: int = MIN_SLOTS):
+                 schedule: str = "continuous", min_slots: int = MIN_SLOTS,
+                 page_size: int | None = None, kv_fraction: float = KV_FRACTION):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if not isinstance(min_slots, int) or min_slots < 1:
@@ -246,6 +252,10 @@ class Engine:
         self._kernel_impls()   # validate now
         self.schedule = schedule
         self.min_slots = min_slots
+        self.page_size = page_size
+        if not 0 < kv_fraction <= 1:
+            raise ValueError(f"kv_fraction must be in (0, 1], got {kv_fraction!r}")
+        self.kv_fraction = kv_fraction
         if mesh is None:
             mesh = Mesh(np.asarray(jax.devices()[:1]), ("devices",))
         if isinstance(mesh, Mesh) and jax.process_count() > 1:
@@ -263,7 +273,8 @@ class Engine:
               temperature, top_k, top_p) -> programs.Spec:
         return programs.Spec(
             cfg=self.cfg, prompt_len=int(prompt_len), max_new_tokens=int(max_new_tokens),
-            cache_len=plan.cache_len, pool=plan.pool, share=plan.share,
+            page_size=plan.page_size, max_pages=plan.max_pages, num_pages=plan.num_pages,
+            pool=plan.pool, share=plan.share,
             rollouts_per_prompt=int(rollouts_per_prompt), temperature=float(temperature),
             top_k=int(top_k), top_p=float(top_p),
             attention_impl=_resolve_attention_impl(self._kernel_impls()[0]),
@@ -307,7 +318,8 @@ class Engine:
             num_slots, = extra
             fn = self._smap(lambda dev: ((programs.init_pool(spec),
                                           programs.init_slots(spec, num_slots),
-                                          programs.init_stats()), None), 0, 0)
+                                          programs.init_kv(spec), programs.init_stats()), None),
+                            0, 0)
         elif name == "admit":
             fn = self._smap(lambda dev, params, tokens, lengths, entries, gids, stop, seed, pool: (
                 programs.admit(params, pool, tokens, lengths, entries, gids, stop, seed,
@@ -316,11 +328,11 @@ class Engine:
             fn = self._smap(lambda dev, free, pool: (programs.release(pool, free), None), 1, 1,
                             donate=(1,))
         elif name == "decode":
-            def decode(dev, params, stop, seed, final, pool, slots, stats):
-                pool, slots, stats, sm = programs.decode(params, pool, slots, stats, stop, seed,
-                                                         final, spec=spec, dev=dev)
-                return (pool, slots, stats), sm
-            fn = self._smap(decode, 4, 3, donate=(4, 5, 6))
+            def decode(dev, params, stop, seed, final, pool, slots, kv, stats):
+                pool, slots, kv, stats, sm = programs.decode(params, pool, slots, kv, stats, stop,
+                                                             seed, final, spec=spec, dev=dev)
+                return (pool, slots, kv, stats), sm
+            fn = self._smap(decode, 4, 4, donate=(4, 5, 6, 7))
         elif name == "compact":
             num_slots, = extra
             fn = self._smap(lambda dev, slots: (programs.compact(slots, num_slots=num_slots), None),
@@ -342,10 +354,12 @@ class Engine:
     # ------------------------------------------------------------------ planning
     def plan(self, num_prompts: int, prompt_len: int, rollouts_per_prompt: int,
              max_new_tokens: int, memory_budget_bytes: int | None = None) -> SlotPlan:
-        """Slots and pool entries per device for a call (see ``plan.plan_slots``)."""
+        """Slots, pages and pool entries per device for a call (see ``plan.plan_slots``)."""
+        page = self.page_size or (TPU_PAGE_SIZE if _backend.backend() == "tpu" else PAGE_SIZE)
         return plan_slots(self.cfg, num_prompts, prompt_len, rollouts_per_prompt, max_new_tokens,
                           memory_budget_bytes, num_devices=self.num_devices,
-                          min_slots=self.min_slots)
+                          min_slots=self.min_slots, page_size=page,
+                          kv_fraction=self.kv_fraction)
 
     def lower_decode(self, params: Any, *, prompt_len: int, rollouts_per_prompt: int,
                      max_new_tokens: int, num_prompts: int = 1, slots: int | None = None,
@@ -365,14 +379,14 @@ class Engine:
         d = self.num_devices
         shapes = jax.eval_shape(lambda: (programs.init_pool(spec),
                                          programs.init_slots(spec, plan.slots),
-                                         programs.init_stats()))
+                                         programs.init_kv(spec), programs.init_stats()))
         sds = lambda x: jax.ShapeDtypeStruct((d,) + tuple(x.shape), x.dtype)
-        pool, slots_, stats = jax.tree.map(sds, shapes)
+        pool, slots_, kv, stats = jax.tree.map(sds, shapes)
         abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
         args = (jax.tree.map(abstract, params),
                 jax.ShapeDtypeStruct((self.cfg.vocab_size,), jnp.bool_),
                 jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((), jnp.bool_),
-                pool, slots_, stats)
+                pool, slots_, kv, stats)
         traced = self._program("decode", spec).trace(*args)
         return traced.lower(lowering_platforms=(platform,) if platform else None)
 
@@ -420,8 +434,8 @@ class Engine:
         cfg, g_total, n, s = self.cfg, len(prompts), spec.rollouts_per_prompt, spec.max_new_tokens
         k_pool, d = spec.pool, self.num_devices
         num_slots = plan.slots
-        pool, slots, stats = self._program("init", spec, num_slots)()[0]
-        jax.block_until_ready(slots["sk"])
+        pool, slots, kv, stats = self._program("init", spec, num_slots)()[0]
+        jax.block_until_ready(kv["pages_k"])
         t_init = time.perf_counter() - t_start
         entry_gid = [-1] * k_pool
         next_prompt = 0
@@ -463,8 +477,9 @@ class Engine:
         decode = self._program("decode", spec)
         while delivered + len(ready) < g_total and not should_stop():
             t0 = time.perf_counter()
-            (pool, slots, stats), sm = decode(params, stop, seed_key,
-                                              np.bool_(next_prompt >= g_total), pool, slots, stats)
+            (pool, slots, kv, stats), sm = decode(params, stop, seed_key,
+                                                  np.bool_(next_prompt >= g_total), pool, slots,
+                                                  kv, stats)
             # hand out the groups of the previous return while this decode call runs
             for item in ready:
                 yield self._hand_out(item, prompts, spec, t_start)
@@ -494,9 +509,7 @@ class Engine:
                 for smaller in self._buckets_below(num_slots, spec):
                     if int(sm["live"]) > smaller:
                         break
-                    small = {n_: v for n_, v in slots.items() if n_ not in ("sk", "sv")}
-                    small = self._program("compact", spec, smaller)(small)[0]
-                    slots = dict(small, sk=slots["sk"], sv=slots["sv"])
+                    slots = self._program("compact", spec, smaller)(slots)[0]
                     num_slots = smaller
                     counters["compactions"] += 1
                     progressed = True
@@ -516,6 +529,8 @@ class Engine:
             occupancy=live / max(counters["slot_steps"], 1),
             decode_forward_rows=counters["slot_steps"],
             assigned=int(final["assigned"].sum()), refills=int(final["refills"].sum()),
+            page_size=plan.page_size, pages_per_device=plan.num_pages,
+            stalls=int(final["stalls"].sum()), restarts=int(final["restarts"].sum()),
             compactions=counters["compactions"], round_trips=counters["round_trips"],
             admissions=counters["admissions"], prefill_seconds=t_prefill,
             decode_seconds=t_decode, init_seconds=t_init,

@@ -18,8 +18,15 @@ from brorl_jax.models.transformer import dtype_of
 # Attention-score bytes allowed per prefill call ([Ga, H, P, P] f32); more prompts are admitted in
 # several calls.
 PREFILL_SCORE_BYTES = 256 * 2**20
-# Own-KV store length is rounded up to this (the kernels' own-KV blocks).
-CACHE_ALIGN = 16
+# Positions per page of own KV (the slots' KV is paged: a page table per slot). 16 suits the
+# jnp reference (its block) and Triton (>= 16 rows per dot); TPU kernels read 128 at a time.
+PAGE_SIZE = 16
+TPU_PAGE_SIZE = 128
+# The share of a slot's capacity (max_new_tokens) its KV pages cover on average, in a memory
+# budget: lengths are long-tailed, so the live KV of a slot averages well below its capacity.
+# A sample that finds no free page waits (its RNG is keyed by step index, so nothing changes);
+# if every live sample waits, the youngest is restarted (same tokens again).
+KV_FRACTION = 0.25
 # Smallest slot bucket the tail is compacted to: below ~32 rows a decode step costs about the same
 # whatever the rows (reading the weights dominates, on CPU as on GPU), so smaller programs would
 # only add compiles.
@@ -54,18 +61,32 @@ def kv_bytes(cfg: ModelConfig, num_sequences: int, length: int) -> int:
             * cfg.head_dim * _itemsize(cfg))
 
 
-def cache_len(max_new_tokens: int) -> int:
-    """Positions of a slot's own-KV store."""
-    return -(-max_new_tokens // CACHE_ALIGN) * CACHE_ALIGN
+def cache_len(max_new_tokens: int, page_size: int = PAGE_SIZE) -> int:
+    """Positions a slot can hold: max_new_tokens rounded up to whole pages."""
+    return -(-max_new_tokens // page_size) * page_size
 
 
-def slot_bytes(cfg: ModelConfig, max_new_tokens: int) -> int:
-    """Device memory of one decode slot: its own KV (``cache_len`` positions), its logits row and
-    the sampling temporaries (~4 f32 rows of V), activations and attention temporaries."""
+def page_bytes(cfg: ModelConfig, page_size: int = PAGE_SIZE) -> int:
+    """One page of own KV: K and V of ``page_size`` positions, all layers."""
+    return kv_bytes(cfg, 1, page_size)
+
+
+def slot_bytes(cfg: ModelConfig, max_new_tokens: int, page_size: int = PAGE_SIZE) -> int:
+    """Device memory of one decode slot besides its KV pages: its logits row and the sampling
+    temporaries (~4 f32 rows of V), activations, attention temporaries, its page-table row."""
     activations = 4 * (4 * cfg.hidden_size + 3 * cfg.intermediate_size
                        + 4 * cfg.num_attention_heads * cfg.head_dim)
-    return (kv_bytes(cfg, 1, cache_len(max_new_tokens)) + 4 * 4 * cfg.vocab_size + activations
-            + 64)
+    pages = cache_len(max_new_tokens, page_size) // page_size
+    return 4 * 4 * cfg.vocab_size + activations + 4 * pages + 64
+
+
+def pages_for(slots: int, max_new_tokens: int, page_size: int = PAGE_SIZE,
+              kv_fraction: float = KV_FRACTION) -> int:
+    """Pages planned for ``slots`` slots: ``kv_fraction`` of their full length (the share of a
+    slot's capacity that is live on average), never less than one whole sample nor than one page
+    per slot."""
+    full = cache_len(max_new_tokens, page_size) // page_size
+    return max(full, slots, math.ceil(slots * full * kv_fraction))
 
 
 def pool_entry_bytes(cfg: ModelConfig, prompt_len: int, share: int, max_new_tokens: int) -> int:
@@ -94,14 +115,21 @@ def pool_size_for(slots: int, share: int, num_prompts: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class SlotPlan:
     """Per-device decode layout: ``slots`` decode slots, ``pool`` prompt entries, ``share``
-    samples of each prompt, own-KV stores of ``cache_len`` positions; the tail is compacted
-    through ``buckets`` (descending slot counts)."""
+    samples of each prompt; own KV in ``num_pages`` pages of ``page_size`` positions (a slot
+    holds up to ``max_pages`` of them); the tail is compacted through ``buckets`` (descending
+    slot counts)."""
     slots: int
     pool: int
     share: int
-    cache_len: int
+    page_size: int
+    max_pages: int
+    num_pages: int
     buckets: tuple[int, ...]
     bytes_per_device: int
+
+    @property
+    def cache_len(self) -> int:
+        return self.page_size * self.max_pages
 
 
 def slot_buckets(slots: int, min_slots: int = MIN_SLOTS) -> tuple[int, ...]:
@@ -117,10 +145,16 @@ def slot_buckets(slots: int, min_slots: int = MIN_SLOTS) -> tuple[int, ...]:
 
 
 def rollout_bytes(cfg: ModelConfig, num_prompts: int, prompt_len: int, rollouts_per_prompt: int,
-                  max_new_tokens: int, slots: int, *, num_devices: int = 1) -> int:
-    """Working memory per device of ``slots`` decode slots and their prompt pool."""
+                  max_new_tokens: int, slots: int, *, num_devices: int = 1,
+                  page_size: int = PAGE_SIZE, kv_fraction: float = KV_FRACTION,
+                  num_pages: int | None = None) -> int:
+    """Working memory per device of ``slots`` decode slots, their KV pages (``num_pages``, default
+    :func:`pages_for`) and their prompt pool."""
     share = -(-rollouts_per_prompt // num_devices)
-    return (slots * slot_bytes(cfg, max_new_tokens)
+    if num_pages is None:
+        num_pages = pages_for(slots, max_new_tokens, page_size, kv_fraction)
+    return (slots * slot_bytes(cfg, max_new_tokens, page_size)
+            + (num_pages + 1) * page_bytes(cfg, page_size)     # +1: the write-off page
             + pool_size_for(slots, share, num_prompts)
             * pool_entry_bytes(cfg, prompt_len, share, max_new_tokens)
             + results_bytes(share, max_new_tokens)    # the results' spare entry (programs.py)
@@ -129,43 +163,50 @@ def rollout_bytes(cfg: ModelConfig, num_prompts: int, prompt_len: int, rollouts_
 
 def plan_slots(cfg: ModelConfig, num_prompts: int, prompt_len: int, rollouts_per_prompt: int,
                max_new_tokens: int, memory_budget_bytes: int | None, *, num_devices: int = 1,
-               min_slots: int = MIN_SLOTS) -> SlotPlan:
-    """Decode slots and prompt-pool entries per device from the memory budget.
+               min_slots: int = MIN_SLOTS, page_size: int = PAGE_SIZE,
+               kv_fraction: float = KV_FRACTION) -> SlotPlan:
+    """Decode slots, KV pages and prompt-pool entries per device from the memory budget.
 
     ``memory_budget_bytes`` covers the rollout's working memory over all ``num_devices`` (not the
-    parameters; :func:`rollout_bytes` per device). Without a budget every sample gets a slot. A
-    budget below one slot and its pool raises ``ValueError`` naming the minimum.
+    parameters; :func:`rollout_bytes` per device). Without a budget every sample gets a slot and
+    pages for its full length (nothing ever waits for a page). With a budget, the slots are the
+    most that fit with :func:`pages_for` pages each (``kv_fraction`` of their capacity), and the
+    pages take the rest of the budget. A budget below one slot with one whole sample's pages and
+    its pool raises ``ValueError`` naming the minimum.
     """
+    if not 0 < kv_fraction <= 1:
+        raise ValueError(f"kv_fraction must be in (0, 1], got {kv_fraction}")
     share = -(-rollouts_per_prompt // num_devices)
     samples = num_prompts * share
-    need = lambda b: rollout_bytes(cfg, num_prompts, prompt_len, rollouts_per_prompt,
-                                   max_new_tokens, b, num_devices=num_devices)
+    max_pages = cache_len(max_new_tokens, page_size) // page_size
+    need = lambda b, pages=None: rollout_bytes(
+        cfg, num_prompts, prompt_len, rollouts_per_prompt, max_new_tokens, b,
+        num_devices=num_devices, page_size=page_size, kv_fraction=kv_fraction, num_pages=pages)
     if memory_budget_bytes is None:
         slots = samples
+        pages = slots * max_pages
     else:
         budget = int(memory_budget_bytes) // num_devices
         if need(1) > budget:
-            per_slot = slot_bytes(cfg, max_new_tokens)
             raise ValueError(
-                f"memory_budget_bytes={memory_budget_bytes} is too small: one decode slot needs "
-                f"{per_slot} bytes and its prompt pool {need(1) - per_slot} more per device; pass "
-                f"at least {need(1) * num_devices} (over {num_devices} device(s)) or shorter "
-                "prompts or a smaller max_new_tokens")
+                f"memory_budget_bytes={memory_budget_bytes} is too small: one decode slot with "
+                f"the pages of a whole sample and its prompt pool needs {need(1)} bytes per "
+                f"device; pass at least {need(1) * num_devices} (over {num_devices} device(s)) "
+                "or shorter prompts or a smaller max_new_tokens")
         # need() grows with b: bisect the largest b that fits
         lo, hi = 1, max(1, samples)
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if need(mid) <= budget else (lo, mid - 1)
         slots = lo
-    if slots >= 8:   # the own-KV store is allocated in rows of 8; round up only when it all fits
-        up = -(-slots // 8) * 8
-        fits = memory_budget_bytes is None or (
-            slots >= samples and need(up) <= int(memory_budget_bytes) // num_devices)
-        slots = up if fits else slots // 8 * 8
+        # the rest of the budget buys pages (no more than every slot's full length)
+        spare = budget - need(slots, 0)
+        pages = max(max_pages, min(slots * max_pages, spare // page_bytes(cfg, page_size)))
     pool = pool_size_for(min(slots, samples), share, num_prompts)
-    return SlotPlan(slots=slots, pool=pool, share=share, cache_len=cache_len(max_new_tokens),
+    return SlotPlan(slots=slots, pool=pool, share=share, page_size=page_size,
+                    max_pages=max_pages, num_pages=int(pages),
                     buckets=slot_buckets(slots, min(min_slots, slots)),
-                    bytes_per_device=need(slots))
+                    bytes_per_device=need(slots, pages))
 
 
 def validate_inputs(

@@ -1,7 +1,7 @@
 """The rollout's device programs, written for one device (engine.py runs them under shard_map).
 
 State (per device; ``K`` pool entries, ``B`` slots, ``Nd`` samples of each prompt on this device,
-``S`` = max_new_tokens, ``Sc`` its rounded own-KV length):
+``S`` = max_new_tokens, ``NP`` pages of ``ps`` positions, ``MP`` = S / ps pages per slot at most):
 
   pool   prefix_k/v [L, K, Hkv, P, Dh]  the prompts' KV, stored once, shared by their slots
          plen, gid [K]                  prompt length and global prompt index (-1: free entry)
@@ -14,10 +14,17 @@ State (per device; ``K`` pool entries, ``B`` slots, ``Nd`` samples of each promp
   slots  entry, sample, t, cur [B]      pool entry (-1: empty), sample index, index of the current
                                         token, current token
          used [B]                       the slot has held a sample (a new one is a refill)
-         row [B]                        the slot's row in the own-KV store
-         sk, sv [L, Bs, Hkv, Sc, Dh]    the own-KV store (Bs = the planned slots; a compacted
-                                        batch of B < Bs slots keeps its KV rows in place)
-  stats  steps, live, assigned, refills (scalars)
+         table [B, MP]                  the slot's pages (own position s is in page table[s//ps])
+  kv     pages_k/v [L, NP+1, Hkv, ps, Dh]  the page pool (page NP takes writes of idle slots)
+         free [NP+1], top               a stack of free pages: free[:top]
+  stats  steps, live, assigned, refills, stalls, restarts (scalars)
+
+Compacting the slots (tail) gathers only the small per-slot arrays: the pages stay in place.
+A slot writing the first position of a page takes a free page (older samples first). One that
+finds none waits a step (its token t is redrawn from the same key when it runs: nothing
+changes); if every live sample waits, the youngest that holds pages is restarted from its token 0
+and gives its pages back (its tokens come out the same). Without a memory budget there is a page
+for every position of every slot, and nothing ever waits.
 
 A sample's token 0 is drawn at admission from the prompt's last prefill logits; its step-t token
 (t >= 1) is drawn in a decode step. Sample ``n`` of prompt ``g`` uses the uniforms of
@@ -46,7 +53,9 @@ class Spec:
     cfg: ModelConfig
     prompt_len: int            # P, bucketed
     max_new_tokens: int        # S
-    cache_len: int             # Sc >= S
+    page_size: int             # ps
+    max_pages: int             # MP
+    num_pages: int             # NP
     pool: int                  # K
     share: int                 # Nd
     rollouts_per_prompt: int   # N
@@ -138,18 +147,25 @@ def init_pool(spec: Spec) -> dict:
 
 
 def init_slots(spec: Spec, num_slots: int) -> dict:
-    c = spec.cfg
-    kv = (c.num_hidden_layers, num_slots, c.num_key_value_heads, spec.cache_len, c.head_dim)
-    dt = kv_store_dtype(c)
     i32 = functools.partial(jnp.zeros, (num_slots,), jnp.int32)
     return dict(entry=jnp.full((num_slots,), -1, jnp.int32), sample=i32(), t=i32(), cur=i32(),
-                used=jnp.zeros((num_slots,), bool), row=jnp.arange(num_slots, dtype=jnp.int32),
-                sk=jnp.zeros(kv, dt), sv=jnp.zeros(kv, dt))
+                used=jnp.zeros((num_slots,), bool),
+                table=jnp.zeros((num_slots, spec.max_pages), jnp.int32))
+
+
+def init_kv(spec: Spec) -> dict:
+    c = spec.cfg
+    shape = (c.num_hidden_layers, spec.num_pages + 1, c.num_key_value_heads, spec.page_size,
+             c.head_dim)
+    dt = kv_store_dtype(c)
+    return dict(pages_k=jnp.zeros(shape, dt), pages_v=jnp.zeros(shape, dt),
+                free=jnp.arange(spec.num_pages + 1, dtype=jnp.int32),
+                top=jnp.asarray(spec.num_pages, jnp.int32))
 
 
 def init_stats() -> dict:
     z = jnp.zeros((), jnp.int32)
-    return dict(steps=z, live=z, assigned=z, refills=z)
+    return dict(steps=z, live=z, assigned=z, refills=z, stalls=z, restarts=z)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -238,9 +254,10 @@ def shrink_target(num_slots: int, spec: Spec) -> int | None:
     return buckets[1] if len(buckets) > 1 else None
 
 
-def _refill(pool, slots, spec: Spec, allow):
+def _refill(pool, slots, spec: Spec, allow, cap):
     """Free slots take the next pending samples, oldest prompt first (so a slot whose prompt still
-    has pending samples takes one of them: that prompt is the oldest with any)."""
+    has pending samples takes one of them: that prompt is the oldest with any); at most ``cap``
+    of them (free pages beyond one per live sample)."""
     k = spec.pool
     gid, qlen, qnext = pool["gid"], pool["qlen"], pool["qnext"]
     free = slots["entry"] < 0
@@ -249,7 +266,7 @@ def _refill(pool, slots, spec: Spec, allow):
     cum = jnp.cumsum(pend[order])
     start = cum - pend[order]
     rank = jnp.cumsum(free.astype(jnp.int32)) - 1
-    take = free & allow & (rank < cum[-1])
+    take = free & allow & (rank < jnp.minimum(cum[-1], cap))
     j = jnp.clip(jnp.searchsorted(cum, rank, side="right"), 0, k - 1)
     e = order[j]
     pos = jnp.clip(qnext[e] + rank - start[j], 0, spec.share - 1)
@@ -274,67 +291,117 @@ def kv_store_dtype(cfg: ModelConfig):
     return jnp.dtype(jnp.uint16) if dt == jnp.bfloat16 and _backend.backend() == "cpu" else dt
 
 
-def _write_kv(store, layer, rows, t, values):
-    """store[layer, rows[b], :, t[b], :] = values[b]: one scatter, in place. In bounds by
-    construction (``promise_in_bounds``: a bounds-checked scatter costs a pass over the store)."""
-    if store.dtype == jnp.uint16:
+def _write_kv(pages, layer, page, offset, values):
+    """pages[layer, page[b], :, offset[b], :] = values[b]: one scatter, in place. In bounds by
+    construction (``promise_in_bounds``: a bounds-checked scatter costs a pass over the pool)."""
+    if pages.dtype == jnp.uint16:
         values = jax.lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint16)
-    return store.at[layer, rows, :, t, :].set(values.astype(store.dtype),
-                                              mode="promise_in_bounds")
+    return pages.at[layer, page, :, offset, :].set(values.astype(pages.dtype),
+                                                   mode="promise_in_bounds")
 
 
-def _forward(params, pool, slots, active, spec: Spec):
-    """One decode step of every slot: logits f32[B, V]; writes each slot's K/V at its position."""
+def _forward(params, pool, slots, kv, go, spec: Spec):
+    """One decode step of every slot: logits f32[B, V]. Slots in ``go`` write their K/V at their
+    position (the others into the write-off page) and attend; the rest compute unused rows."""
     c = spec.cfg
     b = slots["entry"].shape[0]
-    h, dh = c.num_attention_heads, c.head_dim
+    h, dh, ps = c.num_attention_heads, c.head_dim, spec.page_size
     entry = jnp.maximum(slots["entry"], 0)
-    t = jnp.minimum(slots["t"], spec.cache_len - 1)
-    positions = (pool["plen"][entry] + slots["t"])[:, None]
-    prefix_index = jnp.where(active, slots["entry"], -1)
-    own_len = jnp.where(active, slots["t"] + 1, 0)
-    rows = slots["row"]
+    t = slots["t"]
+    positions = (pool["plen"][entry] + t)[:, None]
+    prefix_index = jnp.where(go, slots["entry"], -1)
+    own_len = jnp.where(go, t + 1, 0)
+    col = jnp.minimum(t // ps, spec.max_pages - 1)
+    page = jnp.where(go, slots["table"][jnp.arange(b), col], spec.num_pages)
+    offset = jnp.where(go, t % ps, 0)
 
     def layer(carry, xs):
-        x, sk, sv = carry
+        x, gk, gv = carry
         layer_params, li = xs
         q, k_new, v_new = layer_qkv(layer_params, c, x, positions)
-        sk = _write_kv(sk, li, rows, t, k_new[:, 0])
-        sv = _write_kv(sv, li, rows, t, v_new[:, 0])
+        gk = _write_kv(gk, li, page, offset, k_new[:, 0])
+        gv = _write_kv(gv, li, page, offset, v_new[:, 0])
         attn = slot_decode_attention(q[:, 0], pool["prefix_k"], pool["prefix_v"], pool["plen"],
-                                     prefix_index, sk, sv, own_len, suffix_rows=rows, layer=li,
+                                     prefix_index, gk, gv, slots["table"], own_len, layer=li,
                                      impl=spec.attention_impl)
         x = layer_finish(layer_params, c, x, attn.reshape(b, 1, h, dh).astype(x.dtype))
-        return (x, sk, sv), None
+        return (x, gk, gv), None
 
     x0 = embed(params, c, slots["cur"][:, None])
-    (x, sk, sv), _ = jax.lax.scan(
-        layer, (x0, slots["sk"], slots["sv"]),
+    (x, gk, gv), _ = jax.lax.scan(
+        layer, (x0, kv["pages_k"], kv["pages_v"]),
         (params["layers"], jnp.arange(c.num_hidden_layers, dtype=jnp.int32)))
     logits = lm_logits(params, c, final_norm(params, c, x))[:, 0]
-    return logits, dict(slots, sk=sk, sv=sv)
+    return logits, dict(kv, pages_k=gk, pages_v=gv)
 
 
-def decode_step(params, pool, slots, stats, stop, seed_key, *, spec: Spec, dev):
-    """Refill free slots, run one decode step of every slot, record the sampled tokens and free
-    the slots whose sample stopped or reached max_new_tokens."""
+def _push_pages(kv, table, counts, spec: Spec):
+    """Give back ``table[b, :counts[b]]`` of every slot b (counts 0 for the others)."""
+    b, mp = table.shape
+    offsets = jnp.cumsum(counts) - counts
+    j = jnp.arange(mp)[None, :]
+    dest = jnp.where(j < counts[:, None], kv["top"] + offsets[:, None] + j, spec.num_pages)
+    free = kv["free"].at[dest.reshape(-1)].set(table.reshape(-1), mode="promise_in_bounds")
+    return dict(kv, free=free, top=kv["top"] + jnp.sum(counts))
+
+
+def _take_pages(slots, kv, active, spec: Spec):
+    """A slot about to write the first position of a page takes a free one, older samples
+    first. Returns (slots, kv, stalled)."""
+    b = slots["entry"].shape[0]
+    t = slots["t"]
+    need = active & (t % spec.page_size == 0)
+    order = jnp.argsort(jnp.where(need, -t, jnp.iinfo(jnp.int32).max), stable=True)
+    rank = jnp.zeros((b,), jnp.int32).at[order].set(jnp.arange(b, dtype=jnp.int32))
+    got = need & (rank < kv["top"])
+    page = kv["free"][jnp.clip(kv["top"] - 1 - rank, 0, spec.num_pages)]
+    col = jnp.minimum(t // spec.page_size, spec.max_pages - 1)
+    rows = jnp.arange(b)
+    table = slots["table"].at[rows, col].set(jnp.where(got, page, slots["table"][rows, col]))
+    kv = dict(kv, top=kv["top"] - jnp.sum(got, dtype=jnp.int32))
+    return dict(slots, table=table), kv, need & ~got
+
+
+def _restart_youngest(pool, slots, kv, stuck, spec: Spec):
+    """When every live sample waits for a page: the youngest one holding pages starts over from
+    its token 0 and gives its pages back (its draws are keyed by step: same tokens again)."""
+    t = slots["t"]
+    holds = (slots["entry"] >= 0) & (t > 0)
+    victim = jnp.argmin(jnp.where(holds, t, jnp.iinfo(jnp.int32).max))
+    hit = stuck & (jnp.arange(t.shape[0]) == victim)
+    kv = _push_pages(kv, slots["table"], jnp.where(hit, t // spec.page_size, 0), spec)
+    entry = jnp.maximum(slots["entry"], 0)
+    first = pool["res_tok"][entry, slots["sample"], 0]
+    slots = dict(slots, t=jnp.where(hit, 0, t), cur=jnp.where(hit, first, slots["cur"]))
+    return slots, kv
+
+
+def decode_step(params, pool, slots, kv, stats, stop, seed_key, *, spec: Spec, dev):
+    """Refill free slots, give pages to the slots that need one, run one decode step of every
+    slot, record the sampled tokens and free the slots (and pages) of the samples that stopped or
+    reached max_new_tokens."""
     k, nd, n, s = spec.pool, spec.share, spec.rollouts_per_prompt, spec.max_new_tokens
     was_used = slots["used"]
+    live0 = jnp.sum(slots["entry"] >= 0, dtype=jnp.int32)
     allow = jnp.all(slots["entry"] < 0) if spec.lockstep else jnp.bool_(True)
-    pool, slots, take = _refill(pool, slots, spec, allow)
+    pool, slots, take = _refill(pool, slots, spec, allow, jnp.maximum(kv["top"] - live0, 0))
     active = slots["entry"] >= 0
-    logits, slots = _forward(params, pool, slots, active, spec)
+    slots, kv, stalled = _take_pages(slots, kv, active, spec)
+    go = active & ~stalled
+    stuck = jnp.any(active) & ~jnp.any(go)
+    slots, kv = _restart_youngest(pool, slots, kv, stuck, spec)
+    logits, kv = _forward(params, pool, slots, kv, go, spec)
     entry = jnp.maximum(slots["entry"], 0)
     sid = jnp.maximum(pool["gid"][entry], 0) * n + dev * nd + slots["sample"]
     tok, logp = _sampler(spec)(logits, sample_keys_for(seed_key, sid), slots["t"] + 1)
     t_out = slots["t"] + 1                                   # index of the new token
     inb = "promise_in_bounds"                               # see the state notes above
-    at = jnp.where(active, entry, k)                         # inactive slots write to entry K
+    at = jnp.where(go, entry, k)                             # idle slots write to entry K
     t_at = jnp.minimum(t_out, s - 1)
     res_tok = pool["res_tok"].at[at, slots["sample"], t_at].set(tok, mode=inb)
     res_logp = pool["res_logp"].at[at, slots["sample"], t_at].set(logp, mode=inb)
     is_stop = stop[tok]
-    finish = active & (is_stop | (t_out + 1 >= s))
+    finish = go & (is_stop | (t_out + 1 >= s))
     fin_at = jnp.where(finish, entry, k)
     pool = dict(
         pool, res_tok=res_tok, res_logp=res_logp,
@@ -342,20 +409,25 @@ def decode_step(params, pool, slots, stats, stop, seed_key, *, spec: Spec, dev):
         res_fin=pool["res_fin"].at[fin_at, slots["sample"]].set(is_stop, mode=inb),
         done=pool["done"] + jnp.zeros((k + 1,), jnp.int32).at[fin_at].add(1, mode=inb)[:k],
     )
+    # pages of positions 0..t of a finished sample go back
+    kv = _push_pages(kv, slots["table"],
+                     jnp.where(finish, slots["t"] // spec.page_size + 1, 0), spec)
     slots = dict(slots, entry=jnp.where(finish, -1, slots["entry"]),
-                 t=jnp.where(active, t_out, slots["t"]), cur=jnp.where(active, tok, slots["cur"]))
+                 t=jnp.where(go, t_out, slots["t"]), cur=jnp.where(go, tok, slots["cur"]))
     stats = dict(steps=stats["steps"] + 1,
-                 live=stats["live"] + jnp.sum(active, dtype=jnp.int32),
+                 live=stats["live"] + jnp.sum(go, dtype=jnp.int32),
                  assigned=stats["assigned"] + jnp.sum(take, dtype=jnp.int32),
-                 refills=stats["refills"] + jnp.sum(take & was_used, dtype=jnp.int32))
-    return pool, slots, stats
+                 refills=stats["refills"] + jnp.sum(take & was_used, dtype=jnp.int32),
+                 stalls=stats["stalls"] + jnp.sum(stalled, dtype=jnp.int32),
+                 restarts=stats["restarts"] + stuck.astype(jnp.int32))
+    return pool, slots, kv, stats
 
 
-def decode(params, pool, slots, stats, stop, seed_key, final, *, spec: Spec, dev):
+def decode(params, pool, slots, kv, stats, stop, seed_key, final, *, spec: Spec, dev):
     """Decode steps until a group completes, the tail can shrink to the next slot bucket
     (``final``: no prompt is left to admit, nothing pending, live slots fit), or nothing is left.
 
-    Returns (pool, slots, stats, summary)."""
+    Returns (pool, slots, kv, stats, summary)."""
     num_slots = slots["entry"].shape[0]
     target = shrink_target(num_slots, spec)
 
@@ -369,14 +441,13 @@ def decode(params, pool, slots, stats, stop, seed_key, final, *, spec: Spec, dev
     def body(carry):
         return decode_step(params, *carry, stop, seed_key, spec=spec, dev=dev)
 
-    pool, slots, stats = jax.lax.while_loop(lambda c: ~stop_now(c[0], c[1]), body,
-                                            (pool, slots, stats))
-    return pool, slots, stats, summary(pool, slots, spec, stats["steps"])
+    pool, slots, kv, stats = jax.lax.while_loop(lambda c: ~stop_now(c[0], c[1]), body,
+                                                (pool, slots, kv, stats))
+    return pool, slots, kv, stats, summary(pool, slots, spec, stats["steps"])
 
 
 def compact(slots, *, num_slots: int):
-    """Keep ``num_slots`` slots, the live ones first. ``slots`` without the KV store: the KV
-    stays where it is, the kept slots carry their ``row`` in it."""
+    """Keep ``num_slots`` slots, the live ones first, with their page tables (the pages stay)."""
     keep = jnp.argsort(slots["entry"] < 0, stable=True)[:num_slots]
     return {name: v[keep] for name, v in slots.items()}
 

@@ -71,8 +71,7 @@ def test_kernel_matches_reference(shape, family):
     args = _inputs(*shape, seed=1)
     ref = shared_prefix_decode_attention_reference(*args)
     # small blocks and tiles so the prompt and own-KV loops take several (partial) blocks
-    out = shared_prefix_decode_attention_pallas(*args, family=family, tile=2, block_p=16,
-                                                block_s=16)
+    out = shared_prefix_decode_attention_pallas(*args, family=family, tile=2, block_p=16)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=1e-5)
 
 
@@ -106,41 +105,47 @@ def test_bad_shapes_raise():
 
 
 # ----------------------------------------------------------------------------------------------
-# The slot form: a pool of prompts, per-slot prompt index, KV stores with a layer axis, store rows
+# The slot form: a pool of prompts, per-slot prompt index, paged own KV, a layer axis
 # ----------------------------------------------------------------------------------------------
 
 
-def _slot_inputs(b, k, h, hkv, dh, p, s, *, layers=2, store=None, seed=0, dtype=jnp.float32):
+def _slot_inputs(b, k, h, hkv, dh, p, page, max_pages, *, layers=2, spare_pages=5, seed=0,
+                 dtype=jnp.float32):
+    """Slots with random prompts (20% empty), own lengths up to max_pages * page, each slot's
+    pages scattered over a shared pool (a random permutation: no two slots share a page)."""
     rng = np.random.default_rng(seed)
-    store = store or b
+    n_pages = b * max_pages + spare_pages
 
     def normal(*shape):
         return jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
 
     q = normal(b, h, dh)
     pk, pv = normal(layers, k, hkv, p, dh), normal(layers, k, hkv, p, dh)
-    sk, sv = normal(layers, store, hkv, s, dh), normal(layers, store, hkv, s, dh)
+    gk, gv = normal(layers, n_pages, hkv, page, dh), normal(layers, n_pages, hkv, page, dh)
+    table = rng.permutation(n_pages)[: b * max_pages].reshape(b, max_pages)
     plen = rng.integers(1, p + 1, (k,))
     pidx = rng.integers(0, k, (b,))
     pidx[rng.random(b) < 0.2] = -1                      # empty slots
-    slen = rng.integers(0, s + 1, (b,))
-    slen[0] = s
-    rows = rng.permutation(store)[:b]
-    return (q, pk, pv, jnp.asarray(plen, jnp.int32), jnp.asarray(pidx, jnp.int32), sk, sv,
-            jnp.asarray(slen, jnp.int32), jnp.asarray(rows, jnp.int32))
+    slen = rng.integers(0, max_pages * page + 1, (b,))
+    slen[0] = max_pages * page
+    i32 = lambda x: jnp.asarray(x, jnp.int32)
+    return q, pk, pv, i32(plen), i32(pidx), gk, gv, i32(table), i32(slen)
 
 
-def _slot_brute_force(q, pk, pv, plen, pidx, sk, sv, slen, rows, layer):
-    q, pk, pv, sk, sv = (np.asarray(a, np.float64) for a in (q, pk, pv, sk, sv))
+def _slot_brute_force(q, pk, pv, plen, pidx, gk, gv, table, slen, layer):
+    q, pk, pv, gk, gv = (np.asarray(a, np.float64) for a in (q, pk, pv, gk, gv))
     b, h, dh = q.shape
     g = h // pk.shape[2]
+    page = gk.shape[3]
     out = np.zeros_like(q)
     for i in range(b):
         if pidx[i] < 0:
             continue
-        kp, r = int(pidx[i]), int(rows[i])
-        k = np.concatenate([pk[layer, kp, :, : int(plen[kp])], sk[layer, r, :, : int(slen[i])]], 1)
-        v = np.concatenate([pv[layer, kp, :, : int(plen[kp])], sv[layer, r, :, : int(slen[i])]], 1)
+        kp, n = int(pidx[i]), int(slen[i])
+        own = lambda x: np.concatenate([x[layer, int(table[i, j])] for j in range(table.shape[1])],
+                                       axis=1)[:, :n]          # [Hkv, n, Dh]
+        k = np.concatenate([pk[layer, kp, :, : int(plen[kp])], own(gk)], 1)
+        v = np.concatenate([pv[layer, kp, :, : int(plen[kp])], own(gv)], 1)
         for hh in range(h):
             sc = k[hh // g] @ q[i, hh] / np.sqrt(dh)
             w = np.exp(sc - sc.max())
@@ -148,38 +153,35 @@ def _slot_brute_force(q, pk, pv, plen, pidx, sk, sv, slen, rows, layer):
     return out
 
 
-# (slots, pool, H, Hkv, Dh, P, S, store rows): GQA 1-6, more store rows than slots
-SLOT_SHAPES = [(13, 3, 4, 2, 16, 37, 32, 20), (8, 1, 6, 1, 8, 16, 16, 8), (24, 5, 12, 2, 16, 9, 48, 30)]
+# (slots, pool, H, Hkv, Dh, P, page, pages per slot): GQA 2 / 6 / 6, one to several pages
+SLOT_SHAPES = [(13, 3, 4, 2, 16, 37, 16, 3), (8, 1, 6, 1, 8, 16, 16, 1), (24, 5, 12, 2, 16, 9, 8, 4)]
 
 
 @pytest.mark.parametrize("shape", SLOT_SHAPES)
 def test_slot_reference_matches_brute_force(shape):
-    b, k, h, hkv, dh, p, s, store = shape
-    *args, rows = _slot_inputs(b, k, h, hkv, dh, p, s, store=store)
-    out = slot_decode_attention_reference(*args, suffix_rows=rows, layer=1)
-    want = _slot_brute_force(*args, rows, 1)
-    np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, rtol=1e-5)
+    args = _slot_inputs(*shape)
+    out = slot_decode_attention_reference(*args, layer=1)
+    np.testing.assert_allclose(np.asarray(out), _slot_brute_force(*args, 1), atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["triton", "mosaic"])
 @pytest.mark.parametrize("shape", SLOT_SHAPES[:2])
 def test_slot_kernels_match_reference(shape, family):
     """Both kernel structures (GPU: in-kernel loops; TPU: scalar-prefetch grid), interpreted."""
-    b, k, h, hkv, dh, p, s, store = shape
-    *args, rows = _slot_inputs(b, k, h, hkv, dh, p, s, store=store, seed=4)
+    args = _slot_inputs(*shape, seed=4)
     layer = jnp.int32(1)       # traced, as in the decode loop's layer scan
-    ref = slot_decode_attention_reference(*args, suffix_rows=rows, layer=layer)
-    out = slot_decode_attention_pallas(*args, suffix_rows=rows, layer=layer, family=family)
+    ref = slot_decode_attention_reference(*args, layer=layer)
+    out = slot_decode_attention_pallas(*args, layer=layer, family=family)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=1e-5)
 
 
-def test_slot_reference_reads_uint16_stores_as_bfloat16():
-    *args, rows = _slot_inputs(9, 2, 4, 2, 16, 12, 16, dtype=jnp.bfloat16, seed=5)
-    q, pk, pv, plen, pidx, sk, sv, slen = args
+def test_slot_reference_reads_uint16_pages_as_bfloat16():
+    q, pk, pv, plen, pidx, gk, gv, table, slen = _slot_inputs(9, 2, 4, 2, 16, 12, 16, 2,
+                                                              dtype=jnp.bfloat16, seed=5)
     bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16)
-    want = slot_decode_attention_reference(*args, suffix_rows=rows, layer=0)
-    got = slot_decode_attention_reference(q, pk, pv, plen, pidx, bits(sk), bits(sv), slen,
-                                          suffix_rows=rows, layer=0)
+    want = slot_decode_attention_reference(q, pk, pv, plen, pidx, gk, gv, table, slen, layer=0)
+    got = slot_decode_attention_reference(q, pk, pv, plen, pidx, bits(gk), bits(gv), table, slen,
+                                          layer=0)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
@@ -205,7 +207,8 @@ def test_grouped_form_with_a_prompt_pool():
 # Lowering for GPU (Triton) and TPU (Mosaic) at the real models' shapes, on this CPU machine
 # ----------------------------------------------------------------------------------------------
 # (query heads, KV heads): Qwen2.5-1.5B (GQA 6), Qwen2.5-7B (7), Qwen3-8B / Llama-3.1-8B (4);
-# head dim 128; 64 slots, a pool of 4 prompts of 1024 positions, own KV of 16384.
+# head dim 128; 64 slots, a pool of 4 prompts of 1024 positions, own KV of up to 16384 positions in
+# pages of 128 (a page pool a quarter of 64 x 16384).
 MODEL_HEADS = {"qwen2.5-1.5b": (12, 2), "qwen2.5-7b": (28, 4), "qwen3-8b/llama-3.1-8b": (32, 8)}
 _CUSTOM_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 
@@ -218,21 +221,21 @@ def tpu_abstract_mesh():
 
 
 def lower_slot_attention(platform, heads, kv_heads, dtype, *, slots=64, pool=4, prompt=1024,
-                         own=16384, layers=2, head_dim=128) -> str:
+                         own=16384, page=128, layers=2, head_dim=128) -> str:
     import contextlib
 
     import pallas_kernels
     sds = jax.ShapeDtypeStruct
     kv_pool = sds((layers, pool, kv_heads, prompt, head_dim), dtype)
-    kv_own = sds((layers, slots, kv_heads, own, head_dim), dtype)
+    pages = sds((layers, slots * own // page // 4, kv_heads, page, head_dim), dtype)
     i32 = lambda *shape: sds(shape, jnp.int32)
-    f = jax.jit(lambda q, pk, pv, pln, pidx, sk, sv, sln, rows, layer: slot_decode_attention(
-        q, pk, pv, pln, pidx, sk, sv, sln, suffix_rows=rows, layer=layer, impl="pallas"))
+    f = jax.jit(lambda q, pk, pv, pln, pidx, gk, gv, tab, sln, layer: slot_decode_attention(
+        q, pk, pv, pln, pidx, gk, gv, tab, sln, layer=layer, impl="pallas"))
     mesh = (jax.sharding.use_abstract_mesh(tpu_abstract_mesh()) if platform == "tpu"
             else contextlib.nullcontext())
     with pallas_kernels.compile_target(platform), mesh:
         return f.trace(sds((slots, heads, head_dim), dtype), kv_pool, kv_pool, i32(pool),
-                       i32(slots), kv_own, kv_own, i32(slots), i32(slots), i32()).lower(
+                       i32(slots), pages, pages, i32(slots, own // page), i32(slots), i32()).lower(
             lowering_platforms=(platform,)).as_text()
 
 

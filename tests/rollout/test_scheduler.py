@@ -176,3 +176,17 @@ def test_bad_engine_arguments(model):
     with pytest.raises(ValueError, match="memory_budget_bytes"):
         Engine(model.config).generate(model.params, PROMPTS, rollouts_per_prompt=2,
                                       max_new_tokens=4, memory_budget_bytes=-5)
+
+
+def test_short_of_pages_samples_wait_or_restart_and_come_out_the_same(model):
+    """8 slots but pages for only 8 x 16 positions while every sample runs 40 tokens (3 pages):
+    slots wait for pages and, when all of them wait, the youngest restarts; the samples still
+    equal the naive path's."""
+    engine = Engine(model.config, kv_fraction=0.25)
+    kw = dict(rollouts_per_prompt=N, max_new_tokens=40, temperature=1.0, seed=3, eos_ids=[])
+    budget = rollout_bytes(model.config, len(PROMPTS), P_BUCKET, N, 40, 8, kv_fraction=0.25)
+    r = engine.generate(model.params, PROMPTS, memory_budget_bytes=budget, **kw)
+    st = r.stats
+    assert st["num_slots"] == 8 and st["pages_per_device"] == 8 and st["page_size"] == 16
+    assert st["stalls"] > 0 and st["restarts"] > 0
+    _check_same(r, generate_naive(model, PROMPTS, **kw), "short of pages")
