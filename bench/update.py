@@ -7,6 +7,16 @@ accumulation) for N in {16, 64, 256, 512} rollouts per prompt at a fixed number 
 Goal: peak memory flat in N (it is set by micro_batch_size, not by the batch), time ~linear in the
 number of tokens. Each N runs in its own subprocess; memory is the peak above the resident params,
 optimizer state and batch (host RSS on CPU, device peak bytes on GPU/TPU).
+
+    python bench/update.py --long-tail              # packed vs padded vs uniform lengths
+
+Long-tail case (issue 15): G=2 prompts x N=64, prompts of 32 tokens, response lengths geometric with
+mean 32, capped at 256. One step = reference log-prob pass + the update (pi_old pass + PPO step),
+timed for the same rollouts packed (algo.assemble_update_batch, rows of 32 + 256 tokens) and padded
+(pack=False, every row 288 tokens), and for a batch whose responses all have the mean length
+(32 + 32 = 64 tokens per row, no padding: the rate the update should reach). Rate = real tokens
+(prompt + response) per second. Goal: packed >= 0.7 x the uniform rate. The three run in one
+process, interleaved, --repeats times each; medians are reported.
 """
 from __future__ import annotations
 
@@ -16,27 +26,24 @@ import os
 import sys
 import time
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def child(a) -> None:
     import jax
-    import numpy as np
 
     from _measure import current_rss_bytes, device_peak_bytes, peak_rss_bytes
-    from brorl_jax.algo import (AlgoConfig, OptimizerConfig, create_train_state, make_optimizer,
-                                make_update_step)
-    from brorl_jax.models import ModelConfig, init_params
+    from brorl_jax.algo import create_train_state, make_optimizer, make_update_step
+    from brorl_jax.config import algo_config, optimizer_config
+    from brorl_jax.models import init_params
 
-    mc = ModelConfig(model_type="qwen2", vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=4 * a.hidden,
-                     num_hidden_layers=a.layers, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=a.hidden // 4, rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-6,
-                     attention_bias=True, qk_norm=False, tie_word_embeddings=True,
-                     max_position_embeddings=a.seq, bos_token_id=None, eos_token_ids=(1,))
+    mc = _model_config(a, a.seq)
     n = a.n
-    cfg = AlgoConfig(rollouts_per_prompt=n, prompts_per_step=a.prompts, micro_batch_size=a.micro,
-                     ppo_mini_batches=a.mini_batches)
-    opt = make_optimizer(OptimizerConfig(learning_rate=1e-6))
+    cfg = algo_config(rollouts_per_prompt=n, prompts_per_step=a.prompts, micro_batch_size=a.micro,
+                      ppo_mini_batches=a.mini_batches)
+    opt = make_optimizer(optimizer_config(lr=1e-6))
     state = create_train_state(init_params(mc, jax.random.PRNGKey(0)), opt)
     rows, t = cfg.batch_rows, a.seq
     rng = np.random.default_rng(0)
@@ -63,10 +70,134 @@ def child(a) -> None:
                                   "finite": float(m["finite"])}), flush=True)
 
 
+def _model_config(a, max_len):
+    from brorl_jax.models import ModelConfig
+    return ModelConfig(model_type="qwen2", vocab_size=a.vocab, hidden_size=a.hidden,
+                       intermediate_size=4 * a.hidden, num_hidden_layers=a.layers,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=a.hidden // 4,
+                       rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-6,
+                       attention_bias=True, qk_norm=False, tie_word_embeddings=True,
+                       max_position_embeddings=max_len, bos_token_id=None, eos_token_ids=(1,))
+
+
+def long_tail_rollouts(a, lengths, rng):
+    """G x N rollouts with the given response lengths [G, N] (tokens past a length are 0)."""
+    g, n = lengths.shape
+    s = int(lengths.max())
+    mask = np.arange(s)[None, None, :] < lengths[..., None]
+    prompts = [list(map(int, rng.integers(2, a.vocab, a.prompt_len))) for _ in range(g)]
+    tokens = rng.integers(2, a.vocab, (g, n, s)) * mask
+    logprobs = np.where(mask, -3.0 + 0.1 * rng.normal(size=(g, n, s)), 0.0).astype(np.float32)
+    adv = rng.normal(size=(g, n)).astype(np.float32)
+    return prompts, tokens, logprobs, mask, adv
+
+
+def _divisor_at_most(n: int, k: int) -> int:
+    return max(d for d in range(1, max(1, min(n, k)) + 1) if n % d == 0)
+
+
+def long_tail_child(a) -> None:
+    import jax
+
+    from brorl_jax.algo import (assemble_update_batch, create_train_state, make_logprob_fn,
+                                make_optimizer, make_update_step)
+    from brorl_jax.config import algo_config, optimizer_config
+    from brorl_jax.models import init_params
+
+    g, n = a.prompts, a.n
+    width = a.prompt_len + a.cap
+    rng = np.random.default_rng(a.seed)
+    lengths = np.minimum(rng.geometric(1.0 / a.mean, (g, n)), a.cap)
+    uniform = np.full((g, n), a.mean)
+    mc = _model_config(a, width)
+    params = init_params(mc, jax.random.PRNGKey(0))
+    opt = make_optimizer(optimizer_config(lr=1e-6))
+    base = dict(rollouts_per_prompt=n, prompts_per_step=g, ppo_mini_batches=a.mini_batches,
+                kl_coef=1e-4)
+    mini_rows = g * n // a.mini_batches
+    variants = {}
+    for name, lens, pack in (("uniform", uniform, False), ("packed", lengths, True),
+                             ("padded", lengths, False)):
+        args = long_tail_rollouts(a, lens, np.random.default_rng(a.seed + 1))
+        t = a.prompt_len + (a.mean if name == "uniform" else a.cap)
+        micro = max(1, a.micro_tokens // t)
+        if pack:
+            batch = assemble_update_batch(*args, seq_len=t, mini_batches=a.mini_batches,
+                                          row_multiple=micro)
+        else:
+            micro = _divisor_at_most(mini_rows, micro)
+            batch = assemble_update_batch(*args, seq_len=t, pack=False)
+        cfg = algo_config(micro_batch_tokens=micro * t, **base)
+        real = int(sum(len(p) for p in args[0]) * n + lens.sum())
+        variants[name] = dict(batch=jax.device_put(batch), cfg=cfg, real_tokens=real,
+                              rows=batch["input_tokens"].shape[0], width=t, micro_rows=micro,
+                              update=jax.jit(make_update_step(mc, cfg, opt)),
+                              ref=jax.jit(make_logprob_fn(mc, cfg)))
+    state = create_train_state(params, opt)
+
+    def step(v):
+        inputs = {k: x for k, x in v["batch"].items() if k != "ref_logprobs"}
+        ref_lp, _, _ = v["ref"](state.ref_params, inputs)
+        new_state, metrics = v["update"](state, dict(v["batch"], ref_logprobs=ref_lp),
+                                         jax.random.PRNGKey(0))
+        jax.block_until_ready(new_state)
+        return metrics
+
+    times = {k: [] for k in variants}
+    for v in variants.values():             # compile and warm up
+        m = step(v)
+        v["n_tokens"] = float(m["n_tokens"])
+    for _ in range(a.repeats):
+        for name, v in variants.items():
+            t0 = time.perf_counter()
+            step(v)
+            times[name].append(time.perf_counter() - t0)
+    out = {name: dict(time_s=float(np.median(times[name])), times=times[name],
+                      real_tokens=v["real_tokens"], rows=v["rows"], width=v["width"],
+                      micro_rows=v["micro_rows"], loss_tokens=v["n_tokens"])
+           for name, v in variants.items()}
+    out["mean_response"] = float(lengths.mean())
+    out["max_response"] = int(lengths.max())
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def long_tail_main(a) -> None:
+    import jax
+
+    from _measure import run_child
+    print(f"# bench/update.py --long-tail  backend={jax.default_backend()}  layers={a.layers} "
+          f"D={a.hidden} V={a.vocab}  G={a.prompts} N={a.n} prompt={a.prompt_len} "
+          f"responses ~ geometric(mean {a.mean}) capped at {a.cap}  ppo_mini_batches={a.mini_batches} "
+          f"micro_batch_tokens~{a.micro_tokens}  median of {a.repeats}")
+    r = run_child(os.path.abspath(__file__),
+                  ["--long-tail", "--prompts", str(a.prompts), "--n", str(a.n), "--layers", str(a.layers),
+                   "--hidden", str(a.hidden), "--vocab", str(a.vocab), "--mini-batches", str(a.mini_batches),
+                   "--prompt-len", str(a.prompt_len), "--mean", str(a.mean), "--cap", str(a.cap),
+                   "--micro-tokens", str(a.micro_tokens), "--repeats", str(a.repeats),
+                   "--seed", str(a.seed)], a.timeout)
+    if "error" in r:
+        print(f"error: {r['error']}")
+        return
+    print(f"# sampled response lengths: mean {r['mean_response']:.1f}, max {r['max_response']}")
+    print("| batch | rows x width | micro rows | real tokens | computed tokens | time (s) | "
+          "tokens/s | rate / uniform |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    uni = r["uniform"]["real_tokens"] / r["uniform"]["time_s"]
+    labels = {"uniform": "uniform (every response = mean, padded)",
+              "packed": "long-tail, packed (default)", "padded": "long-tail, padded (pack=False)"}
+    for name in ("uniform", "packed", "padded"):
+        v = r[name]
+        rate = v["real_tokens"] / v["time_s"]
+        print(f"| {labels[name]} | {v['rows']} x {v['width']} | {v['micro_rows']} | {v['real_tokens']} | "
+              f"{v['rows'] * v['width']} | {v['time_s']:.2f} | {rate:.0f} | {rate / uni:.2f} |", flush=True)
+    print("times (s): " + "; ".join(f"{k}: " + ", ".join(f"{t:.2f}" for t in r[k]["times"])
+                                     for k in ("uniform", "packed", "padded")))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ns", type=int, nargs="+", default=[16, 64, 256, 512])
-    ap.add_argument("--prompts", type=int, default=1)
+    ap.add_argument("--prompts", type=int, default=None, help="prompts (default 1; --long-tail: 2)")
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
@@ -74,9 +205,29 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=8, help="micro_batch_size (rows)")
     ap.add_argument("--mini-batches", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--long-tail", action="store_true",
+                    help="packed vs padded vs uniform response lengths (see the docstring)")
+    ap.add_argument("--prompt-len", type=int, default=32, help="long-tail: prompt tokens")
+    ap.add_argument("--mean", type=int, default=32, help="long-tail: mean response length")
+    ap.add_argument("--cap", type=int, default=256, help="long-tail: max response length")
+    ap.add_argument("--micro-tokens", type=int, default=1024,
+                    help="long-tail: tokens per micro-batch (algo.micro_batch_tokens). On CPU keep it "
+                         "<= 1024 or a multiple: the chunked log-prob pads a micro-batch's tokens "
+                         "to whole 1024-token blocks")
+    ap.add_argument("--repeats", type=int, default=3, help="long-tail: timed steps per variant")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--n", type=int, help="--long-tail: rollouts per prompt (default 64)")
     a = ap.parse_args()
+    if not a.long_tail:
+        a.prompts = a.prompts or 1
+    if a.long_tail:
+        a.n, a.prompts = a.n or 64, a.prompts or 2
+        if a.child:
+            long_tail_child(a)
+        else:
+            long_tail_main(a)
+        return
     if a.child:
         child(a)
         return

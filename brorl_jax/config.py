@@ -62,37 +62,49 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.select_rule = "dedup_then_balanced"  # | dedup | balanced
 
     # --- the update (algorithm) ------------------------------------------------------------
+    # Every key here is a field of brorl_jax.algo.AlgoConfig under the same name.
     c.algo = ml_collections.ConfigDict()
     c.algo.prompts_per_step = 128         # B after dynamic-sampling filtering [BroRL Table 1]
-    c.algo.advantage = "reinforce_pp_baseline"  # | grpo | rloo
-    c.algo.dynamic_sampling = True        # keep groups with 0 < #correct < N
+    c.algo.advantage = "reinforce_pp_baseline"  # algo.ADVANTAGES [BroRL 3.1]
+    c.algo.advantage_eps = 1e-6                # GRPO: (R - mean) / (std + eps) [veRL core_algos]
+    c.algo.whiten_eps = 1e-8                   # batch whitening: / sqrt(var + eps) [veRL masked_whiten]
+    c.algo.dynamic_sampling = True        # keep only groups with a learning signal [BroRL 3.1]
+    c.algo.dynamic_sampling_rule = "correct_count"  # algo.GROUP_FILTERS: 0 < #correct < N [BroRL 3.1]
     c.algo.correct_threshold = 1.0        # a sample counts as correct when reward >= this
     c.algo.generation_batch_multiplier = 1.5   # NeMo-RL ProRLv2 value (over-generate per round)
     c.algo.max_generation_rounds = 10          # NeMo-RL dynamic_sampling_max_gen_batches
     c.algo.dynamic_sampling_cap_policy = "error"         # error | pad (train on what was kept, rest masked)
     c.algo.clip_eps_low = 0.2                  # [ProRLv2]
     c.algo.clip_eps_high = 0.28                # [ProRLv2]
-    c.algo.loss_agg = "token_mean"             # | seq_mean_token_mean
+    c.algo.dual_clip_c = 3.0                   # A < 0: loss <= -c A; 0 = off [veRL default clip_ratio_c]
+    c.algo.loss_agg = "token_mean"             # algo.LOSS_AGG (NeMo-RL token_level_loss)
     c.algo.ppo_mini_batches = 1                # optimizer steps per RL step (not stated)
+    c.algo.ppo_epochs = 1                      # passes over the batch per RL step (not stated)
     c.algo.micro_batch_size = 64               # sequences per gradient-accumulation micro-batch
-    c.algo.tis = True                          # truncated importance sampling (ICE-POP)
-    c.algo.tis_low = 0.5
-    c.algo.tis_high = 5.0
+    c.algo.micro_batch_tokens = 0              # tokens per micro-batch (whole rows); 0 = micro_batch_size rows
+    c.algo.pack_sequences = True               # several sequences per update row (docs/algo.md); False = one per row
+    c.algo.tis_mode = "truncate"               # algo.TIS_MODES: min(w, tis_high) [BroRL 3.1 cites Yao et al.]
+    c.algo.tis_low = 0.5                       # ICE-POP's lower bound (tis_mode="ice_pop")
+    c.algo.tis_high = 2.0                      # truncation C [veRL rollout_is_threshold, Yao et al.]
+    c.algo.recompute_old_logprobs = True       # trainer-side pi_old at step start (veRL old_log_prob)
     c.algo.kl_coef = 1e-4                      # NeMo-RL / OpenRLHF ProRLv2 configs
-    c.algo.kl_estimator = "k2"                 # k1 | k2 | k3
-    c.algo.kl_clamp = 10.0                     # clamp of the log ratio [ProRLv2]
-    c.algo.ref_reset_every = 0                 # steps between reference resets; 0 = never
+    c.algo.kl_estimator = "k2"                 # algo.KL_ESTIMATORS [ProRLv2]
+    c.algo.kl_clamp = 10.0                     # k2's log-ratio clamp [ProRLv2]; k1/k3 as veRL
+    c.algo.ref_reset_every = 200               # steps between reference resets [ProRLv2: 200-500]; 0 = never
     c.algo.reset_optimizer_on_ref_reset = False  # ProRL v1: True, ProRLv2: False
     c.algo.entropy_coef = 0.0                  # entropy bonus, off (not in the paper)
-    c.algo.reward_clip_low = -math.inf         # clip the shaped reward (not in the paper; off)
-    c.algo.reward_clip_high = math.inf
-    c.algo.advantage_normalizer = "batch"      # | ema: EMA of the batch std (not in the paper)
-    c.algo.advantage_ema_decay = 0.99
     c.algo.length_penalty = False              # scheduled cosine length penalty [ProRLv2], off
-    c.algo.length_penalty_coef = 0.0
-    c.algo.length_penalty_eta_min = -0.5
-    c.algo.length_penalty_eta_max = 0.0
+    c.algo.length_penalty_coef = 0.1           # lambda_len (not stated)
+    c.algo.length_penalty_eta_min = -1.0       # eta at the length limit (not stated)
+    c.algo.length_penalty_eta_max = 0.0        # eta at length 0 (not stated)
+    c.algo.length_penalty_on_steps = 100       # ProRLv2 example: 100 steps on, 500 off
+    c.algo.length_penalty_off_steps = 500
     c.algo.logprob_impl = "auto"               # auto | pallas | chunked | naive
+    # Options NOT in the paper (docs/options.md), all off by default:
+    c.algo.reward_clip_low = -math.inf         # clip the shaped reward
+    c.algo.reward_clip_high = math.inf
+    c.algo.advantage_normalizer = "batch"      # algo.ADVANTAGE_NORMALIZERS; ema: EMA of the batch std
+    c.algo.advantage_ema_decay = 0.99
 
     # --- optimiser -------------------------------------------------------------------------
     c.optim = ml_collections.ConfigDict()
@@ -154,27 +166,45 @@ def default_config() -> ml_collections.ConfigDict:
     return c
 
 
-ALLOWED = {
-    "model.dtype": ("float32", "bfloat16"),
-    "model.param_dtype": ("float32", "bfloat16"),
-    "model.attention_impl": ("reference", "xla", "cudnn"),
-    "rollout.impl": ("auto", "pallas", "reference"),
-    "algo.advantage": ("reinforce_pp_baseline", "grpo", "rloo"),
-    "algo.dynamic_sampling_cap_policy": ("error", "pad"),
-    "algo.loss_agg": ("token_mean", "seq_mean_token_mean"),
-    "algo.kl_estimator": ("k1", "k2", "k3"),
-    "algo.logprob_impl": ("auto", "pallas", "chunked", "naive"),
-    "optim.name": ("adamw", "lion"),
-    "optim.schedule": ("constant", "warmup_cosine"),
-    "rollout.select_rule": ("dedup_then_balanced", "dedup", "balanced"),
-    "algo.advantage_normalizer": ("batch", "ema"),
-}
+def choices() -> dict[str, tuple[str, ...]]:
+    """Every key whose value is a name, and the names allowed: read from the registries that
+    implement them (adding an estimator, filter or verifier there adds it here)."""
+    from brorl_jax import algo
+    from brorl_jax.models.config import ATTENTION_IMPLS
+    from brorl_jax.algo import policies
+    from pallas_kernels.fused_logprob import IMPLS as LOGPROB_IMPLS
+    from pallas_kernels.sampling import IMPLS as ROLLOUT_IMPLS
+    return {
+        "model.dtype": ("float32", "bfloat16"),
+        "model.param_dtype": ("float32", "bfloat16"),
+        "model.attention_impl": ATTENTION_IMPLS,
+        "rollout.impl": ROLLOUT_IMPLS,
+        "rollout.select_rule": policies.SELECT_RULES,
+        "algo.advantage": tuple(algo.ADVANTAGES),
+        "algo.dynamic_sampling_rule": tuple(algo.GROUP_FILTERS),
+        "algo.dynamic_sampling_cap_policy": algo.CAP_POLICIES,
+        "algo.loss_agg": tuple(algo.LOSS_AGG),
+        "algo.kl_estimator": tuple(algo.KL_ESTIMATORS),
+        "algo.tis_mode": tuple(algo.TIS_MODES),
+        "algo.logprob_impl": LOGPROB_IMPLS,
+        "algo.advantage_normalizer": tuple(policies.ADVANTAGE_NORMALIZERS),
+        "optim.name": algo.OPTIMIZERS,
+        "optim.schedule": algo.SCHEDULES,
+    }
+
 
 POSITIVE = (
     "rollout.rollouts_per_prompt", "rollout.max_new_tokens", "algo.prompts_per_step",
-    "algo.ppo_mini_batches", "algo.micro_batch_size", "algo.max_generation_rounds",
-    "data.max_prompt_len", "optim.base_lr", "optim.base_batch", "rewards.num_workers",
-    "rewards.timeout_s", "eval.samples_per_prompt", "eval.num_prompts", "train.keep_checkpoints",
+    "algo.ppo_mini_batches", "algo.ppo_epochs", "algo.micro_batch_size",
+    "algo.max_generation_rounds", "algo.kl_clamp", "data.max_prompt_len", "optim.base_lr",
+    "optim.base_batch", "rewards.num_workers", "rewards.timeout_s", "eval.samples_per_prompt",
+    "eval.num_prompts", "train.keep_checkpoints", "train.checkpoint_every", "train.log_every",
+)
+NON_NEGATIVE = (
+    "algo.kl_coef", "algo.clip_eps_high", "algo.ref_reset_every", "algo.micro_batch_tokens",
+    "algo.advantage_eps", "algo.whiten_eps", "algo.entropy_coef", "algo.length_penalty_on_steps",
+    "algo.length_penalty_off_steps", "train.steps", "eval.every", "sft.steps",
+    "optim.warmup_steps", "rollout.memory_budget_gb",
 )
 
 
@@ -204,7 +234,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
     Raises on: a key the schema does not have (with the closest known key), a value whose type
     differs from the schema's (ints are accepted where floats are expected), a value outside its
-    allowed set or range, and inconsistent combinations.
+    allowed set or range, and inconsistent combinations. This is the only validation of the
+    algorithm's settings: AlgoConfig is derived from a validated config (algo_config).
     """
     schema = _flatten(default_config())
     given = _flatten(cfg)
@@ -230,19 +261,23 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
 
-    for key, allowed in ALLOWED.items():
+    for key, allowed in choices().items():
         if _get(cfg, key) not in allowed:
             errors.append(f"config key '{key}' is {_get(cfg, key)!r}; allowed: "
                           + ", ".join(repr(a) for a in allowed) + ".")
     for key in POSITIVE:
         if not _get(cfg, key) > 0:
             errors.append(f"config key '{key}' must be > 0, got {_get(cfg, key)!r}.")
+    for key in NON_NEGATIVE:
+        if not _get(cfg, key) >= 0:
+            errors.append(f"config key '{key}' must be >= 0, got {_get(cfg, key)!r}.")
     a, r = cfg.algo, cfg.rollout
     if not 0.0 <= a.clip_eps_low < 1.0:
         errors.append(f"config key 'algo.clip_eps_low' must be in [0, 1), got {a.clip_eps_low}.")
-    if a.clip_eps_high < 0.0:
-        errors.append(f"config key 'algo.clip_eps_high' must be >= 0, got {a.clip_eps_high}.")
-    if a.tis and not 0.0 <= a.tis_low < 1.0 < a.tis_high:
+    if a.dual_clip_c != 0 and not a.dual_clip_c > 1.0:
+        errors.append(f"config key 'algo.dual_clip_c' must be 0 (off) or > 1, got "
+                      f"{a.dual_clip_c}.")
+    if a.tis_mode != "off" and not 0.0 <= a.tis_low < 1.0 < a.tis_high:
         errors.append(f"config keys 'algo.tis_low'/'algo.tis_high' must satisfy "
                       f"0 <= tis_low < 1 < tis_high, got {a.tis_low}, {a.tis_high}.")
     if r.temperature < 0:
@@ -252,24 +287,28 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         errors.append(f"config key 'rollout.top_p' must be in (0, 1], got {r.top_p}.")
     if r.top_k < 0:
         errors.append(f"config key 'rollout.top_k' must be >= 0 (0 = off), got {r.top_k}.")
-    if a.dynamic_sampling and r.rollouts_per_prompt < 2:
-        errors.append("dynamic sampling needs 'rollout.rollouts_per_prompt' >= 2 (a group of one "
-                      "is always all-correct or all-wrong); set algo.dynamic_sampling=False.")
+    if r.rollouts_per_prompt < 2:
+        errors.append("config key 'rollout.rollouts_per_prompt' must be >= 2: the group "
+                      "baselines of every advantage estimator need several responses per prompt.")
     if a.generation_batch_multiplier < 1.0:
         errors.append("config key 'algo.generation_batch_multiplier' must be >= 1.0, got "
                       f"{a.generation_batch_multiplier}.")
     samples = a.prompts_per_step * r.rollouts_per_prompt
-    if samples % a.ppo_mini_batches:
+    if samples <= 0 or a.ppo_mini_batches <= 0 or a.micro_batch_size <= 0:
+        pass                                   # already reported as a range error
+    elif samples % a.ppo_mini_batches:
         errors.append(f"algo.prompts_per_step * rollout.rollouts_per_prompt = {samples} samples "
                       f"must divide into 'algo.ppo_mini_batches'={a.ppo_mini_batches} equal "
                       "mini-batches.")
-    elif (samples // a.ppo_mini_batches) % a.micro_batch_size:
+    elif (samples // a.ppo_mini_batches) % min(a.micro_batch_size, samples // a.ppo_mini_batches):
         errors.append(f"each PPO mini-batch has {samples // a.ppo_mini_batches} samples, which "
                       f"'algo.micro_batch_size'={a.micro_batch_size} does not divide; pick a "
                       "divisor.")
+    if cfg.model.attention_impl == "cudnn" and cfg.model.dtype == "float32":
+        errors.append("config key 'model.attention_impl'='cudnn' needs a 16-bit compute dtype "
+                      "(cuDNN flash attention takes fp16/bf16 only); set model.dtype='bfloat16' "
+                      "or use attention_impl='xla'.")
     errors += _validate_options(cfg)
-    if cfg.eval.samples_per_prompt < 1:
-        errors.append("config key 'eval.samples_per_prompt' must be >= 1.")
     if not 0.0 < cfg.eval.top_p <= 1.0:
         errors.append(f"config key 'eval.top_p' must be in (0, 1], got {cfg.eval.top_p}.")
     for axis in ("data", "fsdp", "tensor"):
@@ -285,8 +324,8 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 
 def _validate_options(cfg: ml_collections.ConfigDict) -> list[str]:
-    """Checks of the opt-in options that are not in the paper (brorl_jax/train/options.py)."""
-    from brorl_jax.train.options import parse_adaptive_n, parse_temperature_schedule
+    """Checks of the opt-in options that are not in the paper (brorl_jax/algo/policies.py)."""
+    from brorl_jax.algo.policies import parse_adaptive_n, parse_temperature_schedule
     errors = []
     a, r, o = cfg.algo, cfg.rollout, cfg.optim
     try:
@@ -326,14 +365,28 @@ def _validate_options(cfg: ml_collections.ConfigDict) -> list[str]:
     if not 0.0 <= a.advantage_ema_decay < 1.0:
         errors.append("config key 'algo.advantage_ema_decay' must be in [0, 1), got "
                       f"{a.advantage_ema_decay}.")
-    if o.warmup_steps < 0:
-        errors.append(f"config key 'optim.warmup_steps' must be >= 0, got {o.warmup_steps}.")
     if not 0.0 <= o.final_lr_ratio <= 1.0:
         errors.append(f"config key 'optim.final_lr_ratio' must be in [0, 1], got "
                       f"{o.final_lr_ratio}.")
     return errors
 
 
+def describe() -> str:
+    """Every config key with its default, and the allowed names where a key picks from a
+    registry: what `--help` shows below the flags."""
+    allowed = choices()
+    lines = ["Config keys (override with --config.KEY=VALUE):"]
+    for key, value in _flatten(default_config()).items():
+        line = f"  {key} = {value!r}"
+        if key in allowed:
+            line += "   (" + " | ".join(allowed[key]) + ")"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# What the rest of the code reads: values derived from a validated config
+# ------------------------------------------------------------------------------------------------
 def samples_per_step(cfg: ml_collections.ConfigDict) -> int:
     """Samples that enter one update: prompts_per_step (post-filter) x rollouts_per_prompt."""
     return cfg.algo.prompts_per_step * cfg.rollout.rollouts_per_prompt
@@ -351,7 +404,36 @@ def derived_learning_rate(cfg: ml_collections.ConfigDict) -> tuple[float, str]:
     base = cfg.optim.base_lr
     if not cfg.optim.scale_lr_with_batch:
         return base, f"lr = optim.base_lr = {base:g} (batch scaling off)"
+    from brorl_jax.algo import scaled_learning_rate
     b = samples_per_step(cfg)
-    factor = math.sqrt(b / cfg.optim.base_batch)
-    return base * factor, (f"lr = base_lr {base:g} x sqrt({b} / {cfg.optim.base_batch}) = "
-                           f"{base:g} x {factor:.4g} = {base * factor:.4g}")
+    lr = scaled_learning_rate(base, cfg.optim.base_batch, b)
+    return lr, (f"lr = base_lr {base:g} x sqrt({b} / {cfg.optim.base_batch}) = "
+                f"{base:g} x {math.sqrt(b / cfg.optim.base_batch):.4g} = {lr:.4g}")
+
+
+def _with_overrides(cfg, overrides: dict, owner) -> ml_collections.ConfigDict:
+    """A copy of cfg (default_config() when None) with `overrides` given by the field names of
+    `owner` (AlgoConfig / OptimizerConfig), set in the run config where those fields live."""
+    cfg = (default_config() if cfg is None else cfg).copy_and_resolve_references()
+    for name, value in overrides.items():
+        cfg[owner.section_of(name)][name] = value
+    return validate(cfg)
+
+
+def algo_config(cfg: ml_collections.ConfigDict | None = None, **overrides):
+    """The update's frozen AlgoConfig from a run config (default: the schema's defaults), with
+    `overrides` by field name (= config key name), validated like a config file."""
+    from brorl_jax.algo import AlgoConfig
+    if cfg is not None and not overrides:
+        return AlgoConfig.from_run_config(cfg)
+    return AlgoConfig.from_run_config(_with_overrides(cfg, overrides, AlgoConfig))
+
+
+def optimizer_config(cfg: ml_collections.ConfigDict | None = None, **overrides):
+    """The optimizer's OptimizerConfig from a run config: the learning rate by the sqrt batch
+    rule (derived_learning_rate), warm-up and decay converted from RL steps to optimizer updates
+    (ppo_mini_batches x ppo_epochs per RL step). `overrides` by optim.* key name."""
+    from brorl_jax.algo import OptimizerConfig
+    if cfg is None or overrides:
+        cfg = _with_overrides(cfg, overrides, OptimizerConfig)
+    return OptimizerConfig.from_run_config(cfg, derived_learning_rate(cfg)[0])

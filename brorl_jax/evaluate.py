@@ -9,23 +9,13 @@ prompt, pass@1 as their mean) unless the config's eval section says otherwise.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 
-from absl import app, flags
-from ml_collections import config_flags
+from brorl_jax import cli
 
-import configs
-
-_FLAGS: dict = {}  # defined when run as a command, not at import (see brorl_jax/main.py)
-
-
-def _define_flags() -> None:
-    _FLAGS["config"] = config_flags.DEFINE_config_file(
-        "config", os.path.join(os.path.dirname(configs.__file__), "demo.py"), "Config.")
-    _FLAGS["workdir"] = flags.DEFINE_string("workdir", None, "Evaluate this run's checkpoint "
-                                            "(else the model at config.model.path).")
-    _FLAGS["step"] = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+FLAGS = [cli.Flag("string", "workdir", None, "Evaluate this run's checkpoint (else the model at "
+                  "config.model.path)."),
+         cli.Flag("integer", "step", None, "Checkpoint step (default: the latest).")]
 
 
 def evaluate(cfg, workdir: str | None = None, step: int | None = None) -> dict:
@@ -45,13 +35,10 @@ def evaluate(cfg, workdir: str | None = None, step: int | None = None) -> dict:
         trainer.close()
 
 
-def main(argv):
-    del argv
-    from absl import logging
-    logging.set_verbosity(logging.WARNING)
-    print(json.dumps(evaluate(_FLAGS["config"].value, _FLAGS["workdir"].value, _FLAGS["step"].value), indent=1))
+def main(values: dict) -> int:
+    print(json.dumps(evaluate(values["config"], values["workdir"], values["step"]), indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main)
+    cli.run(main, FLAGS)

@@ -6,24 +6,11 @@ The result loads with transformers' AutoModelForCausalLM and with brorl_jax.mode
 """
 from __future__ import annotations
 
-import os
+from brorl_jax import cli
 
-from absl import app, flags
-from ml_collections import config_flags
-
-import configs
-
-_FLAGS: dict = {}  # defined when run as a command, not at import (see brorl_jax/main.py)
-
-
-def _define_flags() -> None:
-    _FLAGS["config"] = config_flags.DEFINE_config_file(
-        "config", os.path.join(os.path.dirname(configs.__file__), "demo.py"), "Config of the run.")
-    _FLAGS["workdir"] = flags.DEFINE_string("workdir", None, "The run's work directory.",
-                                            required=True)
-    _FLAGS["step"] = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
-    _FLAGS["out"] = flags.DEFINE_string("out", None, "Output Hugging Face directory.",
-                                        required=True)
+FLAGS = [cli.Flag("string", "workdir", None, "The run's work directory.", required=True),
+         cli.Flag("integer", "step", None, "Checkpoint step (default: the latest)."),
+         cli.Flag("string", "out", None, "Output Hugging Face directory.", required=True)]
 
 
 def export(cfg, workdir: str, out: str, step: int | None = None) -> int:
@@ -34,15 +21,11 @@ def export(cfg, workdir: str, out: str, step: int | None = None) -> int:
     return step
 
 
-def main(argv):
-    del argv
-    from absl import logging
-    logging.set_verbosity(logging.WARNING)
-    f = {k: v.value for k, v in _FLAGS.items()}
-    step = export(f["config"], f["workdir"], f["out"], f["step"])
-    print(f"exported step {step} of {f['workdir']} to {f['out']}")
+def main(values: dict) -> int:
+    step = export(values["config"], values["workdir"], values["out"], values["step"])
+    print(f"exported step {step} of {values['workdir']} to {values['out']}")
+    return 0
 
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main)
+    cli.run(main, FLAGS)

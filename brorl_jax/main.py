@@ -8,60 +8,27 @@ latest complete checkpoint.
 from __future__ import annotations
 
 import os
-import sys
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from brorl_jax import cli
 
-import configs
-
-_DEFAULT_CONFIG = os.path.join(os.path.dirname(configs.__file__), "demo.py")
-
-# Flags are defined when the command runs, not at import: several CLI modules (main, evaluate,
-# export, experiments) define --config, and importing two of them into one process (a test, a
-# notebook) must not collide in absl's global flag registry.
-_FLAGS: dict = {}
+FLAGS = [cli.Flag("string", "workdir", None, "Where checkpoints, metrics.jsonl, TensorBoard "
+                  "events and plots go. Default: runs/<config name>.")]
 
 
-def _define_flags() -> None:
-    if _FLAGS:
-        return
-    _FLAGS["config"] = config_flags.DEFINE_config_file(
-        "config", _DEFAULT_CONFIG, "Config file (configs/NAME.py), optionally with ':preset'.")
-    _FLAGS["workdir"] = flags.DEFINE_string(
-        "workdir", None, "Where checkpoints, metrics.jsonl, TensorBoard events and plots go. "
-        "Default: runs/<config name>.")
-
-
-def main(argv) -> int:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from brorl_jax.config import ConfigError, validate
-
-    cfg = _FLAGS["config"].value
-    try:
-        validate(cfg)
-    except ConfigError as e:
-        print(str(e), file=sys.stderr)
-        return 2
+def main(values: dict) -> int:
+    from brorl_jax.config import validate
+    cfg = validate(values["config"])
     # Heavy imports after validation so a bad config fails in a second.
     from brorl_jax.parallel.distributed import maybe_initialize_distributed
     from brorl_jax.train.loop import train
     maybe_initialize_distributed()
-    workdir = _FLAGS["workdir"].value or os.path.join("runs", cfg.name)
-    logging.set_verbosity(logging.WARNING)
-    try:
-        train(cfg, workdir)
-    except ConfigError as e:     # a setting that only fails against the devices (mesh sizes)
-        print(str(e), file=sys.stderr)
-        return 2
+    train(cfg, values["workdir"] or os.path.join("runs", cfg.name))
     return 0
 
 
 def run() -> None:
     """Console-script entry (`brorl-jax`)."""
-    _define_flags()
-    app.run(lambda argv: sys.exit(main(argv)))
+    cli.run(main, FLAGS)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ def get_config(arg: str | None = None):
     # absolute number is not stated: we use 4 for both recipes.
     c.algo.ppo_mini_batches = 4
     c.algo.micro_batch_size = 64
-    c.algo.ref_reset_every = 0                 # schedule not stated for the continuation runs
     c.optim.base_lr = 1e-6
     c.optim.base_batch = 512 * 16              # ProRL's samples per step
     c.eval.every = 25

@@ -20,7 +20,7 @@ import nbformat
 NOTEBOOK_PATH = Path(__file__).resolve().parent / "quickstart.ipynb"
 
 # (cell type, source). Sources are dedented; keep markdown short and the facts those of
-# arXiv 2510.01180 (see /work/shared/paper_notes.md when editing).
+# arXiv 2510.01180.
 CELLS: list[tuple[str, str]] = [
     ("markdown", r"""
         # brorl_jax quickstart
@@ -238,8 +238,8 @@ CELLS: list[tuple[str, str]] = [
         t0 = time.perf_counter()
         trainer = Trainer(cfg, run_dir)
         try:
-            last = trainer.run()
-            trained_params = trainer.state.params
+            result = trainer.run()
+            last, trained_params = result.metrics, result.state.params
         finally:
             trainer.close()                         # stops the reward worker processes
         print(f"{cfg.train.steps} BroRL steps (plus warm start) in {time.perf_counter() - t0:.0f}s")

@@ -4,16 +4,19 @@ This package never imports brorl_jax. Kernels interpret on CPU and compile on GP
 comes from the backend (`interpret_mode()`), or from `compile_target("cuda" | "tpu")` when
 tracing for a device this machine does not have.
 """
-from pallas_kernels._backend import backend, compile_target, interpret_mode, jax_triton_available
+from pallas_kernels._backend import (backend, compile_target, interpret_mode, jax_triton_available,
+                                     kernel_family, tpu_abstract_mesh)
 
-__all__ = ["backend", "compile_target", "interpret_mode", "jax_triton_available"]
+__all__ = ["backend", "compile_target", "interpret_mode", "jax_triton_available", "kernel_family",
+           "tpu_abstract_mesh"]
 
 # fused log-prob / entropy over vocab tiles (algo update); reference beside it.
-from pallas_kernels.fused_logprob import fused_logprob, fused_logprob_stats  # noqa: E402
+from pallas_kernels.fused_logprob import (  # noqa: E402
+    fused_logprob, fused_logprob_stats, fused_logprob_vocab_shard)
 from pallas_kernels.fused_logprob_reference import (  # noqa: E402
     fused_logprob_reference, fused_logprob_stats_reference)
 
-__all__ += ["fused_logprob", "fused_logprob_stats", "fused_logprob_reference",
+__all__ += ["fused_logprob", "fused_logprob_stats", "fused_logprob_vocab_shard", "fused_logprob_reference",
             "fused_logprob_stats_reference"]
 
 # rollout: sort-free token sampling and shared-prefix decode attention; references beside them.

@@ -23,11 +23,12 @@ top-k/top-p filtering: that is what a trainer recomputes from the same logits at
 (the truncated importance-sampling ratio of BroRL Sec. 3.1 compares exactly these two numbers).
 Greedy (``temperature == 0``) returns ``argmax`` (first index on ties) and ``log_softmax(logits)``.
 
-Kernel: the k-th largest logit and the nucleus threshold are found without sorting, by a 32-step
-bitwise search on the order-preserving integer image of the float32 logits (each step is one
-compare-and-reduce over the row); the inverse-CDF index is found the same way over ceil(log2 V) bits.
-Everything is elementwise ops plus row reductions, so it lowers to Triton (GPU) and Mosaic (TPU) and
-interprets on CPU.
+Kernel: the k-th largest logit and the nucleus threshold are found without sorting, by a radix-16
+search on the order-preserving integer image of the float32 logits (8 passes over the vocabulary,
+each counting 15 candidate thresholds); the inverse-CDF index by one pass of running prefix sums.
+The vocabulary is swept in tiles, never held whole (see the comment above the kernel). Everything is
+elementwise ops, row reductions and an in-tile prefix sum, so it lowers to Triton (GPU, explicit
+Triton parameters) and Mosaic (TPU) and interprets on CPU.
 """
 from __future__ import annotations
 
@@ -36,12 +37,14 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend
 from pallas_kernels._backend import interpret_mode
 
-_IMPLS = ("auto", "reference", "pallas")
+_IMPLS = ("auto", "reference", "pallas", "triton")   # triton: sampling_triton (jax_triton)
+IMPLS = ("auto", "reference", "pallas")   # what the rollout may ask of all its kernels (rollout.impl)
 
 
 def _check_args(logits: jax.Array, temperature: float, top_k: int, top_p: float) -> None:
@@ -55,9 +58,14 @@ def _check_args(logits: jax.Array, temperature: float, top_k: int, top_p: float)
         raise ValueError(f"top_p must be in (0, 1] (1 = no nucleus filtering), got {top_p}")
 
 
-def resolve_impl(impl: str) -> str:
-    """"auto" -> the Pallas kernel on GPU/TPU, the jnp reference on CPU (interpreting is slow)."""
-    return _backend.resolve_impl(impl, _IMPLS, on_cpu="reference")
+def resolve_impl(impl: str, logits: jax.Array | None = None) -> str:
+    """"auto" -> the Pallas kernel on GPU/TPU, the jnp reference on CPU (interpreting is slow) or
+    where the kernel does not compile for these logits (sampling_unsupported_reason; logged once)."""
+    check = None
+    if logits is not None:
+        check = lambda: sampling_unsupported_reason(logits.shape, logits.dtype)
+    return _backend.resolve_impl(impl, _IMPLS, on_cpu="reference", kernel="sample_tokens",
+                                 check=check)
 
 
 def sampling_uniforms(key: jax.Array, num_samples: int) -> jax.Array:
@@ -140,87 +148,354 @@ def _inverse_cdf(weights: jax.Array, uniforms: jax.Array, block: int = 128) -> j
 
 
 # ----------------------------------------------------------------------------------------------
-# Pallas kernel (sort-free)
+# Pallas kernel (sort-free, vocabulary in tiles)
 # ----------------------------------------------------------------------------------------------
+#
+# A block of rows is swept over its vocabulary tiles several times ("passes"); per row only a few
+# column vectors of state survive between tiles, so no block ever holds a whole vocabulary row:
+#   stats     row max m and sum exp(x/T - m/T) (online), or for greedy the first argmax;
+#   topk x8   radix-16 search for the k-th largest key: per pass 4 bits, 15 candidate counts;
+#   mass      kept mass after top-k (the top-p target is a share of it);
+#   topp x8   radix-16 search for the nucleus threshold (15 candidate masses per pass);
+#   mass      final kept mass W;
+#   cdf       running prefix sum of the kept weights: the token is the first index whose
+#             inclusive prefix exceeds u * W (in-tile prefix: cumsum on Triton, a triangular
+#             matmul on 128-lane chunks on Mosaic, which has no cumsum).
+# Passes that filtering does not need are left out (plain sampling: stats + cdf).
+# Family "triton": one program per row block, each pass a loop over tiles read from global memory.
+# Family "mosaic": grid (row block, pass, tile), the tile DMA'd into VMEM, state in VMEM scratch.
+
+_RADIX_BITS = 4
+_N_CAND = (1 << _RADIX_BITS) - 1
+_N_SEARCH = 32 // _RADIX_BITS
+_INT_MIN = -(1 << 31)
+# (rows per block, vocab tile) per family. Triton: an [8, 1024] f32 tile is 32 KiB of registers
+# over 4 warps. Mosaic: [32, 2048] f32 tiles (256 KiB, double-buffered) keep the grid short.
+_TILES = {"triton": (8, 1024), "mosaic": (32, 2048)}
+_CHUNK = 128   # Mosaic in-tile prefix sums: one [rows, 128] @ [128, 128] matmul per lane chunk
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _i32(v: int) -> int:
+    """Python int -> the int32 with the same low 32 bits."""
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= (1 << 31) else v
 
 
 def _ordered_key(x: jax.Array) -> jax.Array:
-    """Monotone map float32 -> uint32: a < b  <=>  key(a) < key(b) (for non-NaN floats)."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    sign = bits >> 31
-    # negative floats: flip every bit; non-negative: flip only the sign bit
-    return jnp.where(sign == 1, ~bits, bits | jnp.uint32(0x80000000))
+    """Monotone map float32 -> int32: a < b  <=>  key(a) < key(b) (for non-NaN floats)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
 
 
-def _largest_key_with(pred, num_bits: int = 32) -> jax.Array:
-    """Largest ``t`` (uint32, per row) with ``pred(t)`` true, for a predicate monotone decreasing
-    in ``t`` and true at 0. Built bit by bit from the top: ``num_bits`` reductions over the row."""
+def _plan_passes(vocab: int, temperature: float, top_k: int, top_p: float) -> list[str]:
+    if temperature == 0.0:
+        return ["stats"]
+    passes = ["stats"]
+    topk = 0 < top_k < vocab
+    if topk:
+        passes += ["topk"] * _N_SEARCH
+    if top_p < 1.0:
+        if topk:
+            passes += ["mass_k"]
+        passes += ["topp"] * _N_SEARCH
+    if topk or top_p < 1.0:
+        passes += ["mass"]
+    return passes + ["cdf"]
 
-    def body(i, ans):
-        cand = ans | (jnp.uint32(1) << (jnp.uint32(num_bits - 1) - i.astype(jnp.uint32)))
-        return jnp.where(pred(cand), cand, ans)
 
-    rows = pred(jnp.uint32(0)).shape
-    return jax.lax.fori_loop(0, num_bits, body, jnp.zeros(rows, jnp.uint32))
+class _St:
+    """Names of the per-row state columns ([rows, 1]; f32 unless noted)."""
+    F32 = ("m", "s", "wk", "w", "base", "xtok", "xlast")
+    I32 = ("arg", "kans", "pans", "tok", "found", "last")
 
 
-def _sampling_kernel(logits_ref, u_ref, tok_ref, logp_ref, *, vocab, temperature, top_k, top_p):
-    x = logits_ref[...].astype(jnp.float32)  # [R, Vp]; columns >= vocab are padding
-    rows, vpad = x.shape
-    col = jax.lax.broadcasted_iota(jnp.int32, (rows, vpad), 1)
+def _init_state(rows):
+    st = {k: jnp.zeros((rows, 1), jnp.float32) for k in _St.F32}
+    st.update({k: jnp.zeros((rows, 1), jnp.int32) for k in _St.I32})
+    st["m"] = jnp.full((rows, 1), -jnp.inf, jnp.float32)
+    st["last"] = jnp.full((rows, 1), -1, jnp.int32)
+    return st
+
+
+def _in_tile_prefix_count(e, shifted_target, family):
+    """(#positions p of the tile with sum_{i<=p} e_i <= shifted_target, tile sum), per row."""
+    if family == "triton":
+        csum = jnp.cumsum(e, axis=-1)
+        return jnp.sum(jnp.where(csum <= shifted_target, 1, 0), axis=-1, keepdims=True), \
+            jnp.sum(e, axis=-1, keepdims=True)
+    r = lax.broadcasted_iota(jnp.int32, (_CHUNK, _CHUNK), 0)
+    c = lax.broadcasted_iota(jnp.int32, (_CHUNK, _CHUNK), 1)
+    upper = jnp.where(r <= c, 1.0, 0.0).astype(jnp.float32)
+    run = jnp.zeros((e.shape[0], 1), jnp.float32)
+    cnt = jnp.zeros((e.shape[0], 1), jnp.int32)
+    for k in range(e.shape[1] // _CHUNK):   # static lane-aligned chunks
+        ek = e[:, k * _CHUNK:(k + 1) * _CHUNK]
+        csum = run + jnp.dot(ek, upper, preferred_element_type=jnp.float32,
+                             precision=lax.Precision.HIGHEST)
+        cnt = cnt + jnp.sum(jnp.where(csum <= shifted_target, 1, 0), axis=-1, keepdims=True)
+        run = run + jnp.sum(ek, axis=-1, keepdims=True)
+    return cnt, run
+
+
+def _tile_step(kind, st, x, col0, u, shift, *, vocab, temperature, top_k, top_p, family):
+    """Fold one tile x [rows, bv] (f32, columns col0..col0+bv) into state st for pass `kind`.
+    shift: the radix position of a search pass (traced int32 scalar)."""
+    rows, bv = x.shape
+    lcol = lax.broadcasted_iota(jnp.int32, (rows, bv), 1)
+    col = col0 + lcol
     valid = col < vocab
     x = jnp.where(valid, x, -jnp.inf)
-    m = jnp.max(x, axis=-1, keepdims=True)
-    if temperature == 0.0:
-        # first index attaining the max
-        tok = jnp.min(jnp.where(x == m, col, vpad), axis=-1)
-        lse = m[:, 0] + jnp.log(jnp.sum(jnp.exp(x - m), axis=-1))
-        x_tok = jnp.max(jnp.where(col == tok[:, None], x, -jnp.inf), axis=-1)
-        tok_ref[...] = tok.astype(jnp.int32)[:, None]
-        logp_ref[...] = (x_tok - lse)[:, None]
-        return
-    e = jnp.exp((x - m) / temperature)  # 0 on padding
+    st = dict(st)
+    if kind == "stats":
+        tmax = jnp.max(x, axis=-1, keepdims=True)
+        m_new = jnp.maximum(st["m"], tmax)
+        if temperature == 0.0:
+            first = jnp.min(jnp.where(x == tmax, col, jnp.int32(2**31 - 1)), axis=-1, keepdims=True)
+            st["arg"] = jnp.where(tmax > st["m"], first, st["arg"])
+            t = 1.0
+        else:
+            t = temperature
+        zm_new = m_new / t
+        scale = jnp.where(st["m"] == -jnp.inf, 0.0, jnp.exp(st["m"] / t - zm_new))
+        st["s"] = st["s"] * scale + jnp.sum(jnp.exp(x / t - zm_new), axis=-1, keepdims=True)
+        st["m"] = m_new
+        return st
+    e = jnp.exp((x - st["m"]) / temperature)           # 0 on padding
+    key = _ordered_key(x)
     kept = valid
-    if top_k > 0 or top_p < 1.0:
-        key = _ordered_key(x)
-    if 0 < top_k < vocab:
-        # k-th largest key: the largest t with #(key >= t) >= k
-        kth = _largest_key_with(
-            lambda t: jnp.sum(jnp.where(kept & (key >= t[..., None]), 1, 0), axis=-1) >= top_k
-        )
-        kept = kept & (key >= kth[:, None])
-    if top_p < 1.0:
-        ek = jnp.where(kept, e, 0.0)
-        target = top_p * jnp.sum(ek, axis=-1)
-        # nucleus threshold: the largest t whose upper set holds at least top_p of the mass
-        thr = _largest_key_with(
-            lambda t: jnp.sum(jnp.where(key >= t[..., None], ek, 0.0), axis=-1) >= target
-        )
-        kept = kept & (key >= thr[:, None])
+    if 0 < top_k < vocab and kind != "topk":
+        kept = kept & (key >= (st["kans"] ^ jnp.int32(_INT_MIN)))
+    if kind in ("topp", "mass", "cdf") and top_p < 1.0:
+        if kind != "topp":
+            kept = kept & (key >= (st["pans"] ^ jnp.int32(_INT_MIN)))
+    if kind in ("topk", "topp"):
+        name = "kans" if kind == "topk" else "pans"
+        unit = jnp.int32(1) << shift
+        ek = None if kind == "topk" else jnp.where(kept, e, 0.0)
+        for c in range(1, _N_CAND + 1):   # candidates ans | c << shift, as signed thresholds
+            thr = (st[name] | (jnp.int32(c) * unit)) ^ jnp.int32(_INT_MIN)
+            if kind == "topk":
+                val = jnp.sum(jnp.where(valid & (key >= thr), 1.0, 0.0), axis=-1, keepdims=True)
+            else:
+                val = jnp.sum(jnp.where(key >= thr, ek, 0.0), axis=-1, keepdims=True)
+            # accumulate candidate c's count/mass across tiles in st["acc{c}"]
+            st[f"acc{c}"] = st[f"acc{c}"] + val
+        return st
     ek = jnp.where(kept, e, 0.0)
-    target = u_ref[...][:, 0] * jnp.sum(ek, axis=-1)
-    # token = largest p with sum_{i < p} ek_i <= target (then ek_p > 0, so p is a kept token)
-    nbits = max(1, int(vpad - 1).bit_length())
+    if kind in ("mass_k", "mass"):
+        st["wk" if kind == "mass_k" else "w"] = st["wk" if kind == "mass_k" else "w"] + jnp.sum(
+            ek, axis=-1, keepdims=True)
+        return st
+    # cdf
+    w_total = st["w"] if (0 < top_k < vocab or top_p < 1.0) else st["s"]
+    target = u * w_total
+    cnt, tsum = _in_tile_prefix_count(ek, target - st["base"], family)
+    crossing = (st["found"] == 0) & (st["base"] + tsum > target) & (cnt < bv)
+    x_at = jnp.sum(jnp.where(lcol == cnt, x, 0.0), axis=-1, keepdims=True)
+    st["tok"] = jnp.where(crossing, col0 + cnt, st["tok"])
+    st["xtok"] = jnp.where(crossing, x_at, st["xtok"])
+    st["found"] = jnp.where(crossing, 1, st["found"])
+    st["base"] = st["base"] + tsum
+    last = jnp.max(jnp.where(kept, lcol, -1), axis=-1, keepdims=True)
+    x_last = jnp.sum(jnp.where(lcol == last, x, 0.0), axis=-1, keepdims=True)
+    st["xlast"] = jnp.where(last >= 0, x_last, st["xlast"])
+    st["last"] = jnp.where(last >= 0, col0 + last, st["last"])
+    return st
 
-    def prefix_le(p):
-        return jnp.sum(jnp.where(col < p[:, None].astype(jnp.int32), ek, 0.0), axis=-1) <= target
 
-    def body(i, pos):
-        cand = pos + (jnp.int32(1) << (nbits - 1 - i))
-        return jnp.where((cand < vpad) & prefix_le(cand), cand, pos)
-
-    tok = jax.lax.fori_loop(0, nbits, body, jnp.zeros((rows,), jnp.int32))
-    last_kept = jnp.max(jnp.where(kept, col, -1), axis=-1)
-    tok = jnp.minimum(tok, last_kept)
-    z = x / temperature
-    zmax = m[:, 0] / temperature
-    lse = zmax + jnp.log(jnp.sum(jnp.exp(z - zmax[:, None]), axis=-1))
-    z_tok = jnp.max(jnp.where(col == tok[:, None], z, -jnp.inf), axis=-1)
-    tok_ref[...] = tok[:, None]
-    logp_ref[...] = (z_tok - lse)[:, None]
+def _search_finish(kind, st, shift, *, top_k, top_p):
+    """After a search pass over all tiles: fix the next radix digit, reset the accumulators."""
+    st = dict(st)
+    name = "kans" if kind == "topk" else "pans"
+    if kind == "topk":
+        bound = jnp.float32(top_k)
+    else:
+        bound = top_p * st["wk"]
+    n_true = sum(jnp.where(st[f"acc{c}"] >= bound, 1, 0) for c in range(1, _N_CAND + 1))
+    st[name] = st[name] | (n_true * (jnp.int32(1) << shift))
+    for c in range(1, _N_CAND + 1):
+        st[f"acc{c}"] = jnp.zeros_like(st[f"acc{c}"])
+    return st
 
 
-@functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p", "block_rows"))
+def _pass_finish(kind, st, *, vocab, top_k):
+    st = dict(st)
+    if kind == "stats" and not (0 < top_k < vocab):
+        st["wk"] = st["s"]      # top-p without top-k: its target is a share of the whole mass
+    return st
+
+
+def _outputs(st, temperature):
+    if temperature == 0.0:
+        lse = st["m"] + jnp.log(st["s"])
+        return st["arg"], st["m"] - lse
+    lse = st["m"] / temperature + jnp.log(st["s"])
+    tok = jnp.where(st["found"] == 1, st["tok"], st["last"])
+    x_tok = jnp.where(st["found"] == 1, st["xtok"], st["xlast"])
+    return tok, x_tok / temperature - lse
+
+
+def _all_state(rows):
+    st = _init_state(rows)
+    st.update({f"acc{c}": jnp.zeros((rows, 1), jnp.float32) for c in range(1, _N_CAND + 1)})
+    return st
+
+
+def _pass_groups(passes):
+    """[(kind, first pass index, count)] for runs of equal kinds."""
+    groups = []
+    for i, k in enumerate(passes):
+        if groups and groups[-1][0] == k and k in ("topk", "topp"):
+            groups[-1][2] += 1
+        else:
+            groups.append([k, i, 1])
+    return [tuple(g) for g in groups]
+
+
+def _triton_sampling_kernel(x_ref, u_ref, tok_ref, logp_ref, *, passes, bv, n_v, cfg):
+    rows = tok_ref.shape[0]
+    u = u_ref[...]
+    st = _all_state(rows)
+
+    def sweep(kind, st, shift):
+        def body(j, st):
+            col0 = pl.multiple_of(j * bv, bv)
+            x = x_ref[:, pl.ds(col0, bv)].astype(jnp.float32)
+            return _tile_step(kind, st, x, col0, u, shift, **cfg)
+        return lax.fori_loop(0, n_v, body, st)
+
+    for kind, _, count in _pass_groups(passes):
+        if kind in ("topk", "topp"):
+            def search(i, st, kind=kind):
+                shift = jnp.int32(32 - _RADIX_BITS) - i * _RADIX_BITS
+                st = sweep(kind, st, shift)
+                return _search_finish(kind, st, shift, top_k=cfg["top_k"], top_p=cfg["top_p"])
+            st = lax.fori_loop(0, count, search, st)
+        else:
+            st = _pass_finish(kind, sweep(kind, st, jnp.int32(0)), vocab=cfg["vocab"],
+                              top_k=cfg["top_k"])
+    tok, logp = _outputs(st, cfg["temperature"])
+    tok_ref[...] = tok
+    logp_ref[...] = logp
+
+
+def _mosaic_sampling_kernel(x_ref, u_ref, tok_ref, logp_ref, *scratch, passes, names, cfg):
+    p, j = pl.program_id(1), pl.program_id(2)
+    n_v = pl.num_programs(2)
+    refs = dict(zip(names, scratch))
+    rows, bv = x_ref.shape
+
+    @pl.when((p == 0) & (j == 0))
+    def _():
+        for k, v in _all_state(rows).items():
+            refs[k][...] = v
+
+    def load():
+        return {k: r[...] for k, r in refs.items()}
+
+    def store(st):
+        for k, v in st.items():
+            refs[k][...] = v
+
+    x = x_ref[...].astype(jnp.float32)
+    col0 = j * bv
+    for kind, first, count in _pass_groups(passes):
+        @pl.when((p >= first) & (p < first + count))
+        def _(kind=kind, first=first):
+            shift = jnp.int32(32 - _RADIX_BITS) - (p - first) * _RADIX_BITS
+            st = _tile_step(kind, load(), x, col0, u_ref[...], shift, **cfg)
+
+            @pl.when(j == n_v - 1)
+            def _():
+                if kind in ("topk", "topp"):
+                    store(_search_finish(kind, st, shift, top_k=cfg["top_k"], top_p=cfg["top_p"]))
+                else:
+                    store(_pass_finish(kind, st, vocab=cfg["vocab"], top_k=cfg["top_k"]))
+
+            @pl.when(j < n_v - 1)
+            def _():
+                store(st)
+
+    @pl.when((p == len(passes) - 1) & (j == n_v - 1))
+    def _():
+        tok, logp = _outputs(load(), cfg["temperature"])
+        tok_ref[...] = tok
+        logp_ref[...] = logp
+
+
+def sampling_unsupported_reason(shape, dtype) -> str | None:
+    """None when the sampling kernel compiles for logits of this shape/dtype on the current target
+    (see _backend.compile_target), else why not; impl="auto" then uses the reference."""
+    if len(shape) != 2:
+        return f"logits must be [samples, vocab], got shape {shape}"
+    if jnp.dtype(dtype).name not in _DTYPES:
+        return f"dtype {jnp.dtype(dtype).name} (the kernel takes {_DTYPES})"
+    if _backend.under_auto_partitioned_mesh():
+        return "traced under a mesh outside shard_map (GSPMD cannot partition a Pallas call)"
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p", "block_rows",
+                                             "block_v", "family", "target"))
+def _sample_tokens_pallas(logits, uniforms, *, temperature, top_k, top_p, block_rows, block_v,
+                          family, target):
+    del target   # part of the jit cache key only: a trace for a compile target is not reused
+    s, vocab = logits.shape
+    rows, bv = _TILES[family]
+    rows = block_rows or rows
+    if block_v:
+        bv = block_v
+    if family == "triton":   # Triton loads must be powers of two
+        bv = min(bv, 1 << max(4, (vocab - 1).bit_length()))
+    else:                    # Mosaic: lane-dense tiles, rows in whole sublane groups
+        bv = min(bv, -(-vocab // _CHUNK) * _CHUNK)
+        rows = -(-rows // 8) * 8
+    vpad = -(-vocab // bv) * bv
+    spad = -(-s // rows) * rows
+    x = logits
+    if (spad, vpad) != (s, vocab):
+        x = jnp.pad(x, ((0, spad - s), (0, vpad - vocab)))
+    u = jnp.pad(uniforms.astype(jnp.float32), (0, spad - s))[:, None]
+    passes = _plan_passes(vocab, float(temperature), int(top_k), float(top_p))
+    cfg = dict(vocab=vocab, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+               family=family)
+    out_shape = [jax.ShapeDtypeStruct((spad, 1), jnp.int32),
+                 jax.ShapeDtypeStruct((spad, 1), jnp.float32)]
+    n_v = vpad // bv
+    if family == "triton":
+        tok, logp = pl.pallas_call(
+            functools.partial(_triton_sampling_kernel, passes=passes, bv=bv, n_v=n_v, cfg=cfg),
+            grid=(spad // rows,),
+            in_specs=[pl.BlockSpec((rows, vpad), lambda i: (i, 0)),
+                      pl.BlockSpec((rows, 1), lambda i: (i, 0))],
+            out_specs=[pl.BlockSpec((rows, 1), lambda i: (i, 0))] * 2,
+            out_shape=out_shape,
+            interpret=interpret_mode(),
+            compiler_params=_backend.compiler_params("triton", num_warps=4, num_stages=2),
+            name="sample_tokens",
+        )(x, u)
+    else:
+        from jax.experimental.pallas import tpu as pltpu
+        st = _all_state(rows)
+        names = tuple(st)
+        scratch = [pltpu.VMEM((rows, 1), st[k].dtype) for k in names]
+        tok, logp = pl.pallas_call(
+            functools.partial(_mosaic_sampling_kernel, passes=passes, names=names, cfg=cfg),
+            grid=(spad // rows, len(passes), n_v),
+            in_specs=[pl.BlockSpec((rows, bv), lambda i, p, j: (i, j)),
+                      pl.BlockSpec((rows, 1), lambda i, p, j: (i, 0))],
+            out_specs=[pl.BlockSpec((rows, 1), lambda i, p, j: (i, 0))] * 2,
+            out_shape=out_shape,
+            scratch_shapes=scratch,
+            interpret=interpret_mode(),
+            compiler_params=_backend.compiler_params(
+                "mosaic", dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+            name="sample_tokens",
+        )(x, u)
+    return tok[:s, 0], logp[:s, 0]
+
+
 def sample_tokens_pallas(
     logits: jax.Array,
     uniforms: jax.Array,
@@ -228,42 +503,20 @@ def sample_tokens_pallas(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    block_rows: int = 8,
+    block_rows: int | None = None,
+    block_v: int | None = None,
+    family: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Pallas sampling kernel, same contract as :func:`sample_tokens_reference`.
 
-    Grid over blocks of ``block_rows`` rows; each program holds its rows' full (power-of-two padded)
-    vocabulary, which is why ``block_rows * V`` should stay within on-chip memory (8 x 32k f32 = 1 MiB).
+    Rows in blocks of ``block_rows``, the vocabulary in tiles of ``block_v`` (None: per-family
+    defaults, see _TILES); ``family`` None = the target's (see _backend.kernel_family).
     """
     _check_args(logits, temperature, top_k, top_p)
-    s, vocab = logits.shape
-    vpad = 1 << max(0, (vocab - 1).bit_length())  # Triton blocks must be powers of two
-    spad = -(-s // block_rows) * block_rows
-    x = jnp.pad(logits.astype(jnp.float32), ((0, spad - s), (0, vpad - vocab)))
-    u = jnp.pad(uniforms.astype(jnp.float32), (0, spad - s))[:, None]
-    kernel = functools.partial(
-        _sampling_kernel, vocab=vocab, temperature=float(temperature), top_k=int(top_k),
-        top_p=float(top_p),
-    )
-    tok, logp = pl.pallas_call(
-        kernel,
-        grid=(spad // block_rows,),
-        in_specs=[
-            pl.BlockSpec((block_rows, vpad), lambda i: (i, 0)),
-            pl.BlockSpec((block_rows, 1), lambda i: (i, 0)),
-        ],
-        out_specs=[
-            pl.BlockSpec((block_rows, 1), lambda i: (i, 0)),
-            pl.BlockSpec((block_rows, 1), lambda i: (i, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((spad, 1), jnp.int32),
-            jax.ShapeDtypeStruct((spad, 1), jnp.float32),
-        ],
-        interpret=interpret_mode(),
-        name="sample_tokens",
-    )(x, u)
-    return tok[:s, 0], logp[:s, 0]
+    return _sample_tokens_pallas(
+        logits, uniforms, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+        block_rows=block_rows, block_v=block_v, family=_backend.kernel_family(family),
+        target=_backend.backend())
 
 
 def sample_tokens(
@@ -282,7 +535,8 @@ def sample_tokens(
       key_or_uniforms: a PRNG key (one uniform per row is drawn from it) or ``uniforms[S]`` in [0, 1).
       temperature: softmax temperature; 0 means greedy (argmax).
       top_k: keep the k highest logits (0 = off). top_p: nucleus mass in (0, 1] (1 = off).
-      impl: "auto" (kernel on GPU/TPU, reference on CPU), "reference" or "pallas".
+      impl: "auto" (Pallas kernel on GPU/TPU, reference on CPU), "reference", "pallas", or
+        "triton" (the jax_triton kernel of sampling_triton: GPU, plain/greedy sampling only).
 
     Returns:
       ``tokens[S] int32`` and ``logp[S] f32 = log_softmax(logits / T)[token]`` before filtering.
@@ -295,5 +549,10 @@ def sample_tokens(
         raise ValueError(
             f"uniforms must have shape [samples] = ({logits.shape[0]},), got {uniforms.shape}"
         )
-    fn = sample_tokens_pallas if resolve_impl(impl) == "pallas" else sample_tokens_reference
+    use = resolve_impl(impl, logits)
+    if use == "triton":
+        from pallas_kernels.sampling_triton import sample_tokens_triton
+        fn = sample_tokens_triton
+    else:
+        fn = sample_tokens_pallas if use == "pallas" else sample_tokens_reference
     return fn(logits, uniforms, temperature=temperature, top_k=top_k, top_p=top_p)

@@ -1,24 +1,26 @@
-"""Dynamic sampling with fixed shapes (DAPO; BroRL §3.1; veRL recipe/dapo, paper_notes §1.5).
+"""Dynamic sampling (DAPO; BroRL §3.1; veRL recipe/dapo): which prompt groups enter the update.
 
-Rule: keep a prompt group only if 0 < #correct < N (all-correct and all-wrong groups carry zero
-group-baseline advantage, so they only dilute the batch). Generation is repeated in rounds of
-ceil(generation_batch_multiplier * prompts_per_step) prompts until prompts_per_step groups are
-kept or max_generation_rounds is hit; then
+A group is one prompt's rollouts. Generation runs in rounds of
+ceil(generation_batch_multiplier * prompts_per_step) prompts; after scoring, a group filter
+(`GROUP_FILTERS`, chosen by `algo.dynamic_sampling_rule`) keeps the groups that carry a learning
+signal, and kept groups are appended, whole and in arrival order, to a budget of
+prompts_per_step * rollouts_per_prompt rows. Groups usually hold N rows; options not in the paper
+(adaptive N) make them vary, and a group that no longer fits the rows left is dropped (veRL drops
+surplus groups the same way). The batch is full once less room is left than the largest possible
+group. At `max_generation_rounds`:
 
-  cap policy "error" (veRL default): raise DynamicSamplingError with a message that says what to raise;
-  cap policy "pad": fill the missing groups with zeros and group_valid=False, so the batch handed
-                    to the compiled update keeps its fixed shape [prompts_per_step * N, ...] and the
-                    padded rows are masked out (loss_mask False, advantage 0).
+  cap policy "error" (veRL default): raise DynamicSamplingError saying what to raise;
+  cap policy "pad": train on what was kept; the remaining rows are padding (loss-masked).
 
-Surplus kept groups beyond prompts_per_step are dropped (veRL truncates the same way). Everything
-here is host-side numpy: it decides which rows exist, never what shape the jitted update sees.
-pass_rate = kept groups / generated groups (BroRL Table 2: 41% at N=16, 62% at N=512).
+Everything here is host-side numpy: it decides which rows exist, never what shape the compiled
+update sees. pass_rate = groups the filter kept / groups generated (BroRL Table 2: 41% at N=16,
+62% at N=512).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -27,83 +29,134 @@ class DynamicSamplingError(RuntimeError):
     """The generation-round cap was hit before the step's batch was full (cap policy "error")."""
 
 
-def select_groups(rewards, correct_threshold: float = 1.0) -> np.ndarray:
-    """Kept mask bool [G] for rewards [G, N]: 0 < #(reward >= correct_threshold) < N."""
+# ------------------------------------------------------------------------------------------------
+# Group filters: rewards [n] of one group -> keep it? (the registry is the list of choices)
+# ------------------------------------------------------------------------------------------------
+def keep_mixed_correct(rewards: np.ndarray, correct_threshold: float) -> bool:
+    """BroRL §3.1 / DAPO: 0 < #(reward >= correct_threshold) < n."""
+    n_correct = int(np.sum(np.asarray(rewards) >= correct_threshold))
+    return 0 < n_correct < len(rewards)
+
+
+def keep_reward_std(rewards: np.ndarray, correct_threshold: float) -> bool:
+    """veRL DAPO recipe (`filter_groups`, metric std > 0) and NeMo-RL: the rewards are not all
+    equal. Same as correct_count for 0/1 rewards; also keeps groups with partial credit."""
+    del correct_threshold
+    r = np.asarray(rewards, np.float64)
+    return bool(len(r) > 1 and np.std(r) > 0)
+
+
+GROUP_FILTERS: dict[str, Callable[[np.ndarray, float], bool]] = {
+    "correct_count": keep_mixed_correct,
+    "reward_std": keep_reward_std,
+}
+CAP_POLICIES = ("error", "pad")
+
+
+def get_group_filter(name: str) -> Callable[[np.ndarray, float], bool]:
+    try:
+        return GROUP_FILTERS[name]
+    except KeyError:
+        raise ValueError(f"unknown dynamic_sampling_rule {name!r}; allowed: "
+                         f"{sorted(GROUP_FILTERS)}") from None
+
+
+def select_groups(rewards, correct_threshold: float = 1.0, rule: str = "correct_count") -> np.ndarray:
+    """Kept mask bool [G] for rewards [G, N] under the group filter `rule`."""
     r = np.asarray(rewards)
     if r.ndim != 2:
         raise ValueError(f"rewards must be [G, N]; got shape {r.shape}")
-    n_correct = np.sum(r >= correct_threshold, axis=1)
-    return (n_correct > 0) & (n_correct < r.shape[1])
+    keep = get_group_filter(rule)
+    return np.array([keep(row, correct_threshold) for row in r], bool)
 
 
 def generation_batch_size(prompts_per_step: int, generation_batch_multiplier: float) -> int:
     """Prompts generated per round: ceil(multiplier * prompts_per_step). With BroRL's 62% pass
-    rate a multiplier of ~1.6 fills a step in one round (paper_notes §1.5, derived)."""
+    rate a multiplier of ~1.6 fills a step in one round (veRL's gen_batch_size)."""
     return max(1, math.ceil(generation_batch_multiplier * prompts_per_step))
 
 
+# ------------------------------------------------------------------------------------------------
+# Groups and the sampler
+# ------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
-class DynamicSampler:
-    """Accumulates kept prompt groups over generation rounds for one RL step.
+class Group:
+    """One prompt's rollouts (n of them): tokens / logprobs / mask [n, S], lengths / rewards /
+    shaped [n] (rewards = the verifier's scores, which the filter reads; shaped = the reward that
+    enters the advantage: length penalty, clipping), prompt_ids the prompt's tokens, index the
+    prompt's position in the data loader (adaptive N keys its statistics by it)."""
+    prompt_ids: list[int]
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    mask: np.ndarray
+    lengths: np.ndarray
+    rewards: np.ndarray
+    shaped: np.ndarray
+    index: int = -1
 
-    Usage:
-        sampler = DynamicSampler.from_config(algo_cfg)
-        while sampler.need_more():                      # raises on the cap with policy "error"
-            out = generate(next_prompts(sampler.generation_batch_size))
-            sampler.add(rewards[G, N], {"tokens": [G, N, S], ...})   # arrays with leading G
-        batch, group_valid, stats = sampler.finalize()  # leading dim exactly prompts_per_step
+    @property
+    def n(self) -> int:
+        return len(self.rewards)
+
+
+@dataclasses.dataclass
+class GroupSampler:
+    """Accumulates the kept groups of one RL step over generation rounds (module docstring).
+
+        sampler = GroupSampler.from_config(algo_cfg)
+        while sampler.need_more():           # raises at the round cap with policy "error"
+            sampler.add_round(groups_of_this_round)
+        sampler.groups, sampler.stats()
     """
-    prompts_per_step: int
-    rollouts_per_prompt: int
-    generation_batch_multiplier: float = 1.0
+    row_budget: int
+    max_group_rows: int
     max_generation_rounds: int = 8
     cap_policy: str = "error"
+    rule: str = "correct_count"
     correct_threshold: float = 1.0
     enabled: bool = True
     rounds: int = 0
     generated_groups: int = 0
-    kept_groups: int = 0
-    _kept: list = dataclasses.field(default_factory=list)
-    _template: dict = dataclasses.field(default_factory=dict)   # one group's shape per array
+    passed_groups: int = 0
+    rows_used: int = 0
+    groups: list = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
-        if self.cap_policy not in ("error", "pad"):
-            raise ValueError(f"cap_policy must be 'error' or 'pad'; got {self.cap_policy!r}")
-        if self.max_generation_rounds < 1:
-            raise ValueError(f"max_generation_rounds must be >= 1; got {self.max_generation_rounds}")
+        if self.cap_policy not in CAP_POLICIES:
+            raise ValueError(f"cap_policy must be one of {CAP_POLICIES}; got {self.cap_policy!r}")
+        get_group_filter(self.rule)
 
     @classmethod
-    def from_config(cls, cfg) -> "DynamicSampler":
-        """From an AlgoConfig."""
-        return cls(prompts_per_step=cfg.prompts_per_step, rollouts_per_prompt=cfg.rollouts_per_prompt,
-                   generation_batch_multiplier=cfg.generation_batch_multiplier,
+    def from_config(cls, cfg, *, row_budget: int | None = None,
+                    max_group_rows: int | None = None) -> "GroupSampler":
+        """From an AlgoConfig; row_budget defaults to prompts_per_step * rollouts_per_prompt (a
+        process's share under several processes), max_group_rows to rollouts_per_prompt."""
+        return cls(row_budget=cfg.batch_rows if row_budget is None else row_budget,
+                   max_group_rows=max_group_rows or cfg.rollouts_per_prompt,
                    max_generation_rounds=cfg.max_generation_rounds,
-                   cap_policy=cfg.dynamic_sampling_cap_policy,
+                   cap_policy=cfg.dynamic_sampling_cap_policy, rule=cfg.dynamic_sampling_rule,
                    correct_threshold=cfg.correct_threshold, enabled=cfg.dynamic_sampling)
 
     @property
-    def generation_batch_size(self) -> int:
-        return generation_batch_size(self.prompts_per_step, self.generation_batch_multiplier)
-
-    @property
     def full(self) -> bool:
-        return self.kept_groups >= self.prompts_per_step
+        return self.row_budget - self.rows_used < self.max_group_rows
 
     @property
     def pass_rate(self) -> float:
-        """Kept groups / generated groups so far (nan before any round)."""
-        return self.kept_groups / self.generated_groups if self.generated_groups else float("nan")
+        """Groups the filter kept / groups generated (nan before any round)."""
+        return self.passed_groups / self.generated_groups if self.generated_groups else math.nan
 
     def _cap_message(self) -> str:
-        return (f"dynamic sampling kept {self.kept_groups} of {self.generated_groups} groups "
-                f"(needed {self.prompts_per_step}; pass rate {self.pass_rate:.1%}) after {self.rounds} "
-                f"rounds; raise algo.max_generation_rounds (now {self.max_generation_rounds}) or "
-                f"algo.generation_batch_multiplier (now {self.generation_batch_multiplier}), or set "
-                f"algo.dynamic_sampling_cap_policy='pad' to train on a partly masked batch")
+        return (f"dynamic sampling filled {self.rows_used} of {self.row_budget} rows with "
+                f"{len(self.groups)} groups after {self.rounds} rounds ({self.passed_groups} of "
+                f"{self.generated_groups} groups kept by the '{self.rule}' rule, pass rate "
+                f"{self.pass_rate:.1%}); raise algo.max_generation_rounds (now "
+                f"{self.max_generation_rounds}) or algo.generation_batch_multiplier, or set "
+                "algo.dynamic_sampling_cap_policy='pad' to train on a partly masked batch")
 
     def need_more(self) -> bool:
-        """True while another generation round is needed and allowed. At the cap with policy
-        "error" it raises DynamicSamplingError; with "pad" it returns False (finalize pads)."""
+        """True while another round is needed and allowed; at the cap, "error" raises
+        DynamicSamplingError and "pad" returns False."""
         if self.full:
             return False
         if self.rounds >= self.max_generation_rounds:
@@ -112,56 +165,24 @@ class DynamicSampler:
             return False
         return True
 
-    def add(self, rewards, arrays: Mapping[str, Any]) -> np.ndarray:
-        """Record one generation round: rewards [G, N] and per-group arrays with leading dim G.
-        Returns the kept mask [G]."""
-        r = np.asarray(rewards)
-        if r.ndim != 2 or r.shape[1] != self.rollouts_per_prompt:
-            raise ValueError(f"rewards must be [G, N={self.rollouts_per_prompt}]; got shape {r.shape}")
-        for k, v in arrays.items():
-            if np.shape(v)[0] != r.shape[0]:
-                raise ValueError(f"arrays[{k!r}] has leading dim {np.shape(v)[0]}, rewards has G={r.shape[0]}")
-        kept = select_groups(r, self.correct_threshold) if self.enabled else np.ones(r.shape[0], bool)
-        if not self._template:
-            self._template = {k: np.zeros_like(np.asarray(v)[:1]) for k, v in arrays.items()}
-            self._template["rewards"] = np.zeros_like(r[:1])
+    def add_round(self, groups: Sequence[Group]) -> np.ndarray:
+        """Records one generation round; returns the filter's kept mask [len(groups)]."""
         self.rounds += 1
-        self.generated_groups += r.shape[0]
-        self.kept_groups += int(kept.sum())
-        if kept.any():
-            part = {k: np.asarray(v)[kept] for k, v in arrays.items()}
-            part["rewards"] = r[kept]
-            self._kept.append(part)
+        keep_fn = get_group_filter(self.rule)
+        kept = np.zeros(len(groups), bool)
+        for i, grp in enumerate(groups):
+            kept[i] = keep_fn(grp.rewards, self.correct_threshold) if self.enabled else True
+            self.generated_groups += 1
+            if not kept[i]:
+                continue
+            self.passed_groups += 1
+            if self.rows_used + grp.n <= self.row_budget:
+                self.groups.append(grp)
+                self.rows_used += grp.n
         return kept
 
-    def finalize(self) -> tuple[dict[str, np.ndarray], np.ndarray, dict[str, float]]:
-        """-> (arrays with leading dim prompts_per_step (+ "rewards" [P, N]), group_valid bool [P],
-        stats). Raises if not full under policy "error"."""
-        if not self.full and self.cap_policy == "error":
-            raise DynamicSamplingError(self._cap_message())
-        if not self._template:
-            raise DynamicSamplingError("DynamicSampler.finalize() called before any add()")
-        p = self.prompts_per_step
-        out = {}
-        for k in self._template:
-            parts = [part[k] for part in self._kept] or [self._template[k][:0]]
-            cat = np.concatenate(parts, axis=0)[:p]
-            if cat.shape[0] < p:  # "pad" policy: zeros, masked by group_valid
-                cat = np.concatenate([cat, np.zeros((p - cat.shape[0],) + cat.shape[1:], cat.dtype)])
-            out[k] = cat
-        n_valid = min(self.kept_groups, p)
-        group_valid = np.arange(p) < n_valid
-        stats = {"pass_rate": self.pass_rate, "generation_rounds": float(self.rounds),
-                 "generated_groups": float(self.generated_groups), "kept_groups": float(self.kept_groups),
-                 "padded_groups": float(p - n_valid)}
-        return out, group_valid, stats
-
-
-def run_dynamic_sampling(sampler: DynamicSampler,
-                         generate_round: Callable[[int, int], tuple[Any, Mapping[str, Any]]]):
-    """Drive `sampler`: generate_round(round_index, num_prompts) -> (rewards [G, N], arrays).
-    Returns sampler.finalize()."""
-    while sampler.need_more():
-        rewards, arrays = generate_round(sampler.rounds, sampler.generation_batch_size)
-        sampler.add(rewards, arrays)
-    return sampler.finalize()
+    def stats(self) -> dict[str, float]:
+        return {"pass_rate": self.pass_rate, "generation_rounds": float(self.rounds),
+                "generated_groups": float(self.generated_groups),
+                "kept_groups": float(len(self.groups)),
+                "padded_rows": float(self.row_budget - self.rows_used)}

@@ -3,14 +3,14 @@ sqrt batch-size learning-rate rule.
 
 ProRL v1 §3.2: AdamW, constant LR 2e-6. BroRL §4.2.1: when the batch grows from B0 to B, the LR is
 scaled by sqrt(B / B0). The papers do not say what "batch" counts; with samples per step
-(128 x 512 = 65,536 vs 512 x 16 = 8,192) the factor is sqrt(8) ~ 2.83 (paper_notes §1.3).
+(128 x 512 = 65,536 vs 512 x 16 = 8,192; BroRL Table 1) the factor is sqrt(8) ~ 2.83.
 A warmup + cosine schedule is available but is NOT part of the paper's recipe.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any
 
 import optax
 
@@ -25,64 +25,57 @@ def scaled_learning_rate(base_lr: float, base_batch: int, new_batch: int) -> flo
     return base_lr * math.sqrt(new_batch / base_batch)
 
 
-def explain_scaled_learning_rate(base_lr: float, base_batch: int, new_batch: int) -> str:
-    """One line showing the derived value, for logs and configs."""
-    lr = scaled_learning_rate(base_lr, base_batch, new_batch)
-    return (f"learning_rate = base_lr * sqrt(new_batch / base_batch) = {base_lr:g} * sqrt({new_batch} / "
-            f"{base_batch}) = {base_lr:g} * {math.sqrt(new_batch / base_batch):.4f} = {lr:.6g} "
-            f"(BroRL §4.2.1 sqrt rule; batch counted in samples per step)")
-
-
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    name: str = "adamw"
-    learning_rate: float = 1e-6            # ProRLv2 OpenRLHF example (impl); ProRL v1: 2e-6
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.01             # NeMo-RL default (impl; not in paper)
-    max_grad_norm: float = 1.0             # global-norm clip (veRL/NeMo default; not in paper)
-    schedule: str = "constant"             # "warmup_cosine" is NOT in the paper
-    warmup_steps: int = 0
-    decay_steps: int = 1000
-    end_lr_fraction: float = 0.0
+    """The optimizer's frozen view of the run config's `optim` section (same key names; defaults
+    and checks live in brorl_jax.config). Two fields are derived: learning_rate (optim.lr or the
+    sqrt batch rule) and the schedule lengths in optimizer updates (`warmup_updates`,
+    `decay_updates`: RL steps x ppo_mini_batches x ppo_epochs). Build with
+    brorl_jax.config.optimizer_config(cfg) or optimizer_config(**overrides) in tests."""
+    name: str
+    learning_rate: float
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    grad_clip: float                 # global-norm clip; 0 = none
+    schedule: str
+    warmup_updates: int
+    decay_updates: int
+    final_lr_ratio: float
 
-    def __post_init__(self):
-        if self.name not in OPTIMIZERS:
-            raise ValueError(f"OptimizerConfig.name must be one of {OPTIMIZERS}; got {self.name!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"OptimizerConfig.schedule must be one of {SCHEDULES}; got {self.schedule!r}")
-        if self.learning_rate <= 0:
-            raise ValueError(f"OptimizerConfig.learning_rate must be > 0; got {self.learning_rate}")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ValueError("OptimizerConfig.max_grad_norm must be > 0 or None (no clipping)")
+    @staticmethod
+    def section_of(name: str) -> str:
+        """The run-config section an override by field name goes to."""
+        return "optim"
 
     @classmethod
-    def from_mapping(cls, mapping: Mapping[str, Any]) -> "OptimizerConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        items = dict(mapping.items())
-        unknown = sorted(set(items) - known)
-        if unknown:
-            raise ValueError(f"OptimizerConfig: unknown keys {unknown}; allowed: {sorted(known)}")
-        return cls(**items)
+    def from_run_config(cls, cfg: Any, learning_rate: float) -> "OptimizerConfig":
+        o = cfg.optim
+        per_step = cfg.algo.ppo_mini_batches * cfg.algo.ppo_epochs
+        return cls(name=o.name, learning_rate=float(learning_rate), b1=o.b1, b2=o.b2, eps=o.eps,
+                   weight_decay=o.weight_decay, grad_clip=o.grad_clip, schedule=o.schedule,
+                   warmup_updates=o.warmup_steps * per_step,
+                   decay_updates=max(cfg.train.steps, o.warmup_steps + 1) * per_step,
+                   final_lr_ratio=o.final_lr_ratio)
 
 
 def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+    """The learning rate as a function of optimizer updates done."""
     if cfg.schedule == "constant":
         return optax.constant_schedule(cfg.learning_rate)
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
-        decay_steps=max(cfg.decay_steps, cfg.warmup_steps + 1),
-        end_value=cfg.learning_rate * cfg.end_lr_fraction)
+        init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_updates,
+        decay_steps=max(cfg.decay_updates, cfg.warmup_updates + 1),
+        end_value=cfg.learning_rate * cfg.final_lr_ratio)
 
 
-def make_optimizer(cfg: OptimizerConfig | None = None) -> optax.GradientTransformation:
-    """optax chain: clip_by_global_norm(max_grad_norm) -> adamw | lion with the LR schedule."""
-    cfg = cfg or OptimizerConfig()
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+    """optax chain: clip_by_global_norm(grad_clip) -> adamw | lion with the LR schedule."""
     lr = learning_rate_schedule(cfg)
     if cfg.name == "adamw":
         opt = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
     else:
         opt = optax.lion(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
-    parts = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm else []
+    parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
     return optax.chain(*parts, opt)

@@ -11,6 +11,10 @@ One call of `update(state, batch, rng)`:
      non-finite (params and optimizer state kept; metrics["skipped"] counts skipped steps).
 Log-probs come from pallas_kernels.fused_logprob on the final hidden states: the [tokens, V]
 logits are never materialised.
+
+Both batch layouts of algo.batch work: padded rows, or packed rows (several sequences per row,
+segment ids; docs/algo.md "Sequence packing"). Micro-batches hold algo.micro_batch_tokens //
+row width rows (or micro_batch_size rows when it is 0).
 """
 from __future__ import annotations
 
@@ -23,12 +27,11 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from brorl_jax.algo.batch import UPDATE_KEYS as BATCH_KEYS
+from brorl_jax.algo.batch import is_packed
 from brorl_jax.algo.config import AlgoConfig
 from brorl_jax.algo.losses import get_loss_agg, policy_loss
 from pallas_kernels import fused_logprob, fused_logprob_stats
-
-BATCH_KEYS = ("input_tokens", "positions", "loss_mask", "targets", "old_logprobs", "ref_logprobs",
-              "advantages")
 
 
 @flax.struct.dataclass
@@ -61,16 +64,20 @@ def reset_reference(state: TrainState, optimizer: optax.GradientTransformation |
 
 def maybe_reset_reference(state: TrainState, cfg: AlgoConfig,
                           optimizer: optax.GradientTransformation | None = None) -> tuple[TrainState, bool]:
-    """Reset every cfg.ref_reset_interval RL steps (host-side check on state.step)."""
+    """After an update: reset pi_ref every cfg.ref_reset_every RL steps (host-side check on
+    state.step, the RL steps done). Without a KL term there is no reference to reset."""
     step = int(state.step)
-    if cfg.ref_reset_interval > 0 and step > 0 and step % cfg.ref_reset_interval == 0:
+    if (cfg.ref_reset_every > 0 and cfg.kl_coef > 0 and state.ref_params is not None
+            and step > 0 and step % cfg.ref_reset_every == 0):
         return reset_reference(state, optimizer, reset_optimizer=cfg.reset_optimizer_on_ref_reset), True
     return state, False
 
 
 class PolicyFns(NamedTuple):
     """How the update reaches a model: hidden(params, tokens, positions, attention_mask, remat) ->
-    final normed hidden [B, T, D]; lm_head(params) -> [D, V]."""
+    final normed hidden [B, T, D]; lm_head(params) -> [D, V]. attention_mask is None, a bool
+    padding mask [B, T], or, for packed rows, the int32 segment ids [B, T] (0 = padding; a
+    token attends only within its segment)."""
     hidden: Callable[..., jax.Array]
     lm_head: Callable[[Any], jax.Array]
 
@@ -80,10 +87,24 @@ def model_policy_fns(model_cfg) -> PolicyFns:
     from brorl_jax.models import transformer
 
     def hidden(params, tokens, positions, attention_mask, remat):
+        mask, segments = split_attention_arg(attention_mask)
         return transformer.forward(params, model_cfg, tokens, positions=positions,
-                                   attention_mask=attention_mask, return_hidden=True, remat=remat)
+                                   attention_mask=mask, segment_ids=segments, return_hidden=True,
+                                   remat=remat)
 
     return PolicyFns(hidden=hidden, lm_head=lambda params: transformer.lm_head_matrix(params, model_cfg))
+
+
+def split_attention_arg(attention_mask):
+    """PolicyFns' attention argument -> (padding mask or None, segment ids or None)."""
+    if attention_mask is not None and jnp.issubdtype(attention_mask.dtype, jnp.integer):
+        return None, attention_mask
+    return attention_mask, None
+
+
+def _attention_arg(mb: dict):
+    """What PolicyFns.hidden gets as attention_mask: segment ids for packed rows."""
+    return mb["segment_ids"] if "segment_ids" in mb else mb.get("attention_mask")
 
 
 def _resolve_policy(model_cfg, policy: PolicyFns | None) -> PolicyFns:
@@ -102,7 +123,7 @@ def _token_logprobs(policy: PolicyFns, params, mb: dict, cfg: AlgoConfig, *, rem
     pallas_kernels.fused_logprob when given (e.g. the vocab-parallel shard_map version)."""
     tokens = mb["input_tokens"]
     b, t = tokens.shape
-    h = policy.hidden(params, tokens, mb["positions"], mb.get("attention_mask"), remat)
+    h = policy.hidden(params, tokens, mb["positions"], _attention_arg(mb), remat)
     w = policy.lm_head(params).astype(h.dtype)
     h2, tg = h.reshape(b * t, h.shape[-1]), mb["targets"].reshape(b * t)
     if stats:
@@ -112,22 +133,50 @@ def _token_logprobs(policy: PolicyFns, params, mb: dict, cfg: AlgoConfig, *, rem
     return logp.reshape(b, t), ent.reshape(b, t), None
 
 
+def micro_batch_rows(cfg: AlgoConfig, seq_len: int) -> int:
+    """Rows per micro-batch: algo.micro_batch_tokens // seq_len (a row is never split), or
+    algo.micro_batch_size rows when micro_batch_tokens is 0."""
+    if cfg.micro_batch_tokens <= 0:
+        return cfg.micro_batch_size
+    if cfg.micro_batch_tokens < seq_len:
+        raise ValueError(f"algo.micro_batch_tokens={cfg.micro_batch_tokens} is less than one row of "
+                         f"{seq_len} tokens; set it to at least {seq_len} (rows are never split)")
+    return cfg.micro_batch_tokens // seq_len
+
+
+def _micro_name(cfg: AlgoConfig) -> str:
+    return (f"algo.micro_batch_tokens={cfg.micro_batch_tokens}" if cfg.micro_batch_tokens > 0
+            else f"algo.micro_batch_size={cfg.micro_batch_size}")
+
+
 def _check_batch(batch: dict, cfg: AlgoConfig) -> tuple[int, int, int]:
+    """-> (rows, mini-batch rows, micro-batch rows). A packed batch's mini-batches are padded to
+    whole micro-batches in the step; a padded batch's must divide."""
     missing = [k for k in BATCH_KEYS if k not in batch]
     if missing:
         raise ValueError(f"update batch is missing {missing}; required keys: {list(BATCH_KEYS)}")
+    packed = is_packed(batch)
+    if packed and "attention_mask" in batch:
+        raise ValueError("a packed batch (segment_ids) must not also have attention_mask: "
+                         "segment id 0 marks padding")
     rows, seq = batch["input_tokens"].shape
-    for k in BATCH_KEYS:
-        want = (rows,) if k == "advantages" else (rows, seq)
+    for k in BATCH_KEYS + (("segment_ids",) if packed else ()):
+        want = (rows,) if (k == "advantages" and not packed) else (rows, seq)
         if batch[k].shape != want:
-            raise ValueError(f"batch[{k!r}] has shape {batch[k].shape}, expected {want}")
+            raise ValueError(f"batch[{k!r}] has shape {batch[k].shape}, expected {want}"
+                             + (" (packed rows: per-token advantages)" if k == "advantages" and packed
+                                else ""))
+    if packed and "pack_units" in batch and len(batch["pack_units"]) % cfg.ppo_mini_batches:
+        raise ValueError(f"the packed batch has {len(batch['pack_units'])} packing units, not a "
+                         f"multiple of algo.ppo_mini_batches={cfg.ppo_mini_batches}: pass "
+                         f"mini_batches=algo.ppo_mini_batches to assemble_update_batch")
     if rows % cfg.ppo_mini_batches:
         raise ValueError(f"batch rows {rows} not divisible by algo.ppo_mini_batches={cfg.ppo_mini_batches}")
     mini = rows // cfg.ppo_mini_batches
-    micro = min(cfg.micro_batch_size, mini)
-    if mini % micro:
+    micro = min(micro_batch_rows(cfg, seq), mini)
+    if not packed and mini % micro:
         raise ValueError(f"mini-batch rows {mini} (= {rows} / ppo_mini_batches) not divisible by "
-                         f"algo.micro_batch_size={cfg.micro_batch_size}")
+                         f"{micro} rows per micro-batch ({_micro_name(cfg)})")
     return rows, mini, micro
 
 
@@ -136,6 +185,19 @@ def _split(tree, n: int, shard_rows=None):
     mesh) keeps the rows of each part spread over the batch devices after the reshape."""
     out = jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), tree)
     return shard_rows(out) if shard_rows is not None else out
+
+
+def _pad_rows(tree, axis: int, multiple: int):
+    """Pads axis `axis` of every leaf with zero rows to a multiple of `multiple` (for packed
+    rows: segment 0, no loss tokens, so the padding adds nothing to any sum)."""
+    def one(x):
+        extra = (-x.shape[axis]) % multiple
+        if not extra:
+            return x
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, extra)
+        return jnp.pad(x, widths)
+    return jax.tree.map(one, tree)
 
 
 def make_logprob_fn(model_cfg=None, algo_cfg: AlgoConfig | None = None, *, policy: PolicyFns | None = None,
@@ -149,23 +211,29 @@ def make_logprob_fn(model_cfg=None, algo_cfg: AlgoConfig | None = None, *, polic
     unsampled_n) when unsampled_n is given, both from the same pass over the vocabulary. Used for
     the reference log-probs, pi_old and diagnostics. Jit it yourself.
     logprob_fn / shard_rows: see make_update_step."""
-    cfg = algo_cfg or AlgoConfig()
+    if algo_cfg is None:
+        raise ValueError("make_logprob_fn needs algo_cfg (brorl_jax.config.algo_config(...))")
+    cfg = algo_cfg
     pol = _resolve_policy(model_cfg, policy)
-    mbs = micro_batch_size or cfg.micro_batch_size
 
     def logprobs(params, batch):
-        rows = batch["input_tokens"].shape[0]
-        micro = min(mbs, rows)
-        if rows % micro:
+        rows, seq = batch["input_tokens"].shape
+        micro = min(micro_batch_size or micro_batch_rows(cfg, seq), rows)
+        packed = is_packed(batch)
+        if rows % micro and not packed:
             raise ValueError(f"batch rows {rows} not divisible by micro_batch_size={micro}")
-        keys = ["input_tokens", "positions", "targets"] + (["attention_mask"] if "attention_mask" in batch else [])
-        parts = _split({k: batch[k] for k in keys}, rows // micro, shard_rows)
+        keys = ["input_tokens", "positions", "targets"] + [
+            k for k in ("attention_mask", "segment_ids") if k in batch]
+        inputs = {k: batch[k] for k in keys}
+        if packed:      # whole micro-batches: empty rows at the end, cut off again below
+            inputs = _pad_rows(inputs, 0, micro)
+        parts = _split(inputs, inputs["input_tokens"].shape[0] // micro, shard_rows)
 
         def one(mb):
             if unsampled_n is not None:
                 tokens = mb["input_tokens"]
                 b, t = tokens.shape
-                h = pol.hidden(params, tokens, mb["positions"], mb.get("attention_mask"), False)
+                h = pol.hidden(params, tokens, mb["positions"], _attention_arg(mb), False)
                 w = pol.lm_head(params).astype(h.dtype)
                 out = fused_logprob_stats(h.reshape(b * t, -1), w, mb["targets"].reshape(-1),
                                           temperature=cfg.temperature, impl=cfg.logprob_impl,
@@ -181,7 +249,7 @@ def make_logprob_fn(model_cfg=None, algo_cfg: AlgoConfig | None = None, *, polic
         logp, ent, p2, u2 = lax.map(one, parts)
         if shard_rows is not None:   # keep the stacked [n_micro, micro, T] outputs row-sharded
             logp, ent, p2, u2 = shard_rows((logp, ent, p2, u2))
-        merge = lambda x: lax.stop_gradient(x.reshape((rows,) + x.shape[2:]))
+        merge = lambda x: lax.stop_gradient(x.reshape((-1,) + x.shape[2:])[:rows])
         stats = {}
         if with_stats or unsampled_n is not None:
             stats["sum_p2"] = merge(p2)
@@ -192,7 +260,8 @@ def make_logprob_fn(model_cfg=None, algo_cfg: AlgoConfig | None = None, *, polic
     return logprobs
 
 
-_METRIC_SUMS = ("n_tokens", "kl_sum", "entropy_sum", "clip_low_sum", "clip_high_sum", "ratio_sum",
+_METRIC_SUMS = ("n_tokens", "kl_sum", "entropy_sum", "clip_low_sum", "clip_high_sum", "dual_clip_sum",
+                "ratio_sum",
                 "tis_dropped_sum", "tis_weight_sum", "pg_loss", "kl_loss", "entropy_loss")
 
 
@@ -201,9 +270,11 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
                      diagnostics_n: int | None = None):
     """-> update(state, batch, rng) -> (state, metrics). Pure; jit it (donate state if you like).
 
-    batch: the INTERFACES.md "algo" dict, rows = prompts_per_step * N (padded rows have an all-False
-    loss_mask). metrics (scalars): loss, pg_loss, kl, entropy, clip_frac, clip_frac_low,
-    clip_frac_high, ratio_mean, tis_dropped_frac, tis_weight_mean, grad_norm, grad_var, finite,
+    batch: the INTERFACES.md "algo" dict in either layout of algo.batch: padded (rows =
+    prompts_per_step * N; padded rows have an all-False loss_mask) or packed (segment ids,
+    per-token advantages; its mini-batches are padded with empty rows to whole micro-batches).
+    metrics (scalars): loss, pg_loss, kl, entropy, clip_frac, clip_frac_low,
+    clip_frac_high, dual_clip_frac, ratio_mean, tis_dropped_frac, tis_weight_mean, grad_norm, grad_var, finite,
     skipped, n_tokens, optimizer_steps (+ mass_balance/* with diagnostics_n).
 
     grad_var estimates the trace of the covariance of the mini-batch gradient from the spread of
@@ -236,7 +307,7 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
 
     def minibatch_step(micro_rows, carry, mb):
         params, opt_state = carry
-        mb = dict(mb, agg_weights=agg(mb["loss_mask"]))
+        mb = dict(mb, agg_weights=agg(mb["loss_mask"], mb.get("segment_ids")))
         n_micro = mb["input_tokens"].shape[0] // micro_rows
         micro = _split(mb, n_micro, shard_rows)
 
@@ -268,7 +339,8 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
 
     def update(state: TrainState, batch: dict, rng: jax.Array | None = None):
         rows, mini, micro_rows = _check_batch(batch, cfg)
-        keys = list(BATCH_KEYS) + (["attention_mask"] if "attention_mask" in batch else [])
+        packed = is_packed(batch)
+        keys = list(BATCH_KEYS) + [k for k in ("attention_mask", "segment_ids") if k in batch]
         data = {k: batch[k] for k in keys}
         diag = {}
         if cfg.recompute_old_logprobs or diagnostics_n is not None:
@@ -287,7 +359,11 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
                 # reshuffle rows between epochs (the first epoch keeps prompt groups together)
                 perm = jax.random.permutation(jax.random.fold_in(rng, epoch), rows)
                 order = jax.tree.map(lambda x: x[perm], data)
-            epochs.append(_split(order, cfg.ppo_mini_batches, shard_rows))
+            if packed:   # whole micro-batches: empty rows at the end of every mini-batch
+                split = _pad_rows(_split(order, cfg.ppo_mini_batches), 1, micro_rows)
+                epochs.append(shard_rows(split) if shard_rows is not None else split)
+            else:
+                epochs.append(_split(order, cfg.ppo_mini_batches, shard_rows))
         minis = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *epochs) if len(epochs) > 1 else epochs[0]
         (params, opt_state), m = lax.scan(functools.partial(minibatch_step, micro_rows), (state.params, state.opt_state), minis)
 
@@ -301,6 +377,7 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
             "clip_frac_low": frac("clip_low_sum"),
             "clip_frac_high": frac("clip_high_sum"),
             "clip_frac": jnp.mean((m["clip_low_sum"] + m["clip_high_sum"]) / n_tok),
+            "dual_clip_frac": frac("dual_clip_sum"),
             "ratio_mean": frac("ratio_sum"),
             "tis_dropped_frac": frac("tis_dropped_sum"),
             "tis_weight_mean": frac("tis_weight_sum"),

@@ -20,22 +20,12 @@ import json
 import math
 import os
 
-from absl import app, flags
-from ml_collections import config_flags
+from brorl_jax import cli
 
-import configs
-
-_FLAGS: dict = {}  # defined when run as a command, not at import (see brorl_jax/main.py)
-
-
-def _define_flags() -> None:
-    _FLAGS["config"] = config_flags.DEFINE_config_file(
-        "config", os.path.join(os.path.dirname(configs.__file__), "demo.py"), "Base config.")
-    _FLAGS["out"] = flags.DEFINE_string("out", "runs/compare_n", "Output directory.")
-    _FLAGS["n"] = flags.DEFINE_list("n", ["16", "512"], "Rollouts per prompt of the arms.")
-    _FLAGS["samples"] = flags.DEFINE_integer("samples", 65536,
-                                             "Generated samples per arm (before filtering).")
-    _FLAGS["evals"] = flags.DEFINE_integer("evals", 4, "Evaluations per arm after the start.")
+FLAGS = [cli.Flag("string", "out", "runs/compare_n", "Output directory."),
+         cli.Flag("list", "n", ["16", "512"], "Rollouts per prompt of the arms."),
+         cli.Flag("integer", "samples", 65536, "Generated samples per arm (before filtering)."),
+         cli.Flag("integer", "evals", 4, "Evaluations per arm after the start.")]
 
 
 def arm_config(base, n: int, rows: int, samples: int, evals: int, model_path: str):
@@ -68,9 +58,9 @@ def run(base, out: str, ns: list[int], samples: int, evals: int) -> dict:
         warm.train.plots = False
         trainer = Trainer(warm, os.path.join(out, "warm_start"))
         try:
-            trainer.run()
+            result = trainer.run()
             from brorl_jax import models
-            models.save_pretrained(trainer.model.with_params(trainer.state.params), warm_dir)
+            models.save_pretrained(trainer.model.with_params(result.state.params), warm_dir)
         finally:
             trainer.close()
     rows = base.algo.prompts_per_step * base.rollout.rollouts_per_prompt
@@ -126,18 +116,15 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv):
-    del argv
-    from absl import logging
-    logging.set_verbosity(logging.WARNING)
-    f = {k: v.value for k, v in _FLAGS.items()}
-    results = run(f["config"], f["out"], [int(n) for n in f["n"]], f["samples"], f["evals"])
+def main(values: dict) -> int:
+    results = run(values["config"], values["out"], [int(n) for n in values["n"]],
+                  values["samples"], values["evals"])
     for n, r in results.items():
         first, last = r["eval"][0][1], r["eval"][-1][1]
         print(f"N={n}: pass@1 {first:.3f} -> {last:.3f}, mean dynamic-sampling pass rate "
               f"{r['mean_pass_rate']:.2f}")
+    return 0
 
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main)
+    cli.run(main, FLAGS)

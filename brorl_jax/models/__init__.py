@@ -5,7 +5,9 @@ See docs/INTERFACES.md ("models") for the contract; the pure functions live in `
 
 from .config import ModelConfig
 from .demo_model import ensure_demo_model
-from .hf import Model, from_pretrained, save_pretrained
+from .checkpoints import builtin_model_names, from_pretrained, resolve_model_path
+from .gguf import convert_gguf
+from .hf import Model, load_directory, save_pretrained
 from .transformer import (
     attention,
     decode_step,
@@ -21,12 +23,32 @@ from .transformer import (
     prefill,
 )
 
+_LAZY = {"SMOLLM2_NAME", "ensure_smollm2", "smollm2_gguf_file"}
+
+
+def __getattr__(name: str):
+    # brorl_jax.models.smollm2 is also a command (python -m): importing it here eagerly would
+    # make runpy warn that the module was imported before it ran.
+    if name in _LAZY:
+        from . import smollm2
+
+        return getattr(smollm2, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "ModelConfig",
     "Model",
     "from_pretrained",
+    "load_directory",
     "save_pretrained",
     "ensure_demo_model",
+    "convert_gguf",
+    "resolve_model_path",
+    "builtin_model_names",
+    "SMOLLM2_NAME",
+    "ensure_smollm2",
+    "smollm2_gguf_file",
     "init_params",
     "forward",
     "embed",

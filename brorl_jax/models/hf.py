@@ -1,6 +1,8 @@
 """Load and save Hugging Face checkpoints (config.json + safetensors) as brorl_jax params.
 
-``from_pretrained`` reads a LOCAL HF model directory (nothing is downloaded):
+``load_directory`` reads a LOCAL HF model directory (nothing is downloaded; the public
+``brorl_jax.models.from_pretrained`` in checkpoints.py also takes ``.gguf`` files and built-in
+names and ends here):
     config.json                          -> ModelConfig (qwen2 | qwen3 | llama)
     model.safetensors, or shards listed in model.safetensors.index.json -> params
     generation_config.json (optional)    -> Model.generation_eos_ids
@@ -21,9 +23,10 @@ Weight names (HF -> params; torch Linear weights are [out, in], our Dense kernel
 
 from __future__ import annotations
 
+import tempfile
+
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -277,10 +280,11 @@ def _load_tokenizer(path: Path) -> Any:
         raise ValueError(f"{path}: tokenizer files present but AutoTokenizer failed: {e}") from e
 
 
-def from_pretrained(
+def load_directory(
     path: str | os.PathLike, dtype: str = "float32", param_dtype: str | None = None
 ) -> Model:
-    """Load a local HF checkpoint directory as a ``Model``.
+    """Load a local Hugging Face checkpoint directory as a ``Model`` (``from_pretrained`` also
+    takes ``.gguf`` files and built-in names and ends here).
 
     dtype: compute dtype ("float32" | "bfloat16"); param_dtype: storage dtype (default: dtype).
     generation_eos_ids come from generation_config.json, else config.json, else the tokenizer.
@@ -321,14 +325,17 @@ def save_pretrained(model: Model, path: str | os.PathLike) -> None:
     shapes = param_shapes(cfg)
     pdt = _NUMPY_DTYPES[cfg.param_dtype]
     tensors: dict[str, np.ndarray] = {}
+    host: dict[tuple[str, ...], np.ndarray] = {}  # each stacked leaf copied to numpy once
     for our_path, hf_name, transpose, layer in _flat_names(cfg, shapes):
-        try:
-            value = _get(model.params, our_path)
-        except KeyError as e:
-            raise ValueError(f"save_pretrained: params lack {'/'.join(our_path)}") from e
+        if our_path not in host:
+            try:
+                host[our_path] = np.asarray(_get(model.params, our_path))
+            except KeyError as e:
+                raise ValueError(f"save_pretrained: params lack {'/'.join(our_path)}") from e
+        value = host[our_path]
         if layer is not None:
             value = value[layer]
-        value = np.asarray(value).astype(pdt)
+        value = value.astype(pdt)
         tensors[hf_name] = np.ascontiguousarray(value.T) if transpose else value
     # Write beside the target and rename, so a crash never leaves a half-written weights file.
     fd, tmp = tempfile.mkstemp(dir=path, suffix=".safetensors.tmp")

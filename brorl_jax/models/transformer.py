@@ -239,6 +239,52 @@ def lm_logits(params: dict, cfg: ModelConfig, h: jax.Array) -> jax.Array:
     return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
 
 
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """Positions int32[B,T] of packed rows: each sequence (a run of equal segment ids) counts
+    from 0 at its first token; padding (segment 0) gets position 0."""
+    seg = segment_ids.astype(jnp.int32)
+    idx = jnp.arange(seg.shape[-1], dtype=jnp.int32)
+    prev = jnp.pad(seg[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+    start = jax.lax.cummax(jnp.where(seg != prev, idx, 0), axis=1)
+    return jnp.where(seg > 0, idx - start, 0).astype(jnp.int32)
+
+
+def segment_attention_mask(segment_ids: jax.Array) -> jax.Array:
+    """bool[B,T,T]: query i may read key j when both belong to the same sequence of the packed
+    row (equal segment ids) and j is a real token (segment id > 0). Causality is separate."""
+    seg = segment_ids.astype(jnp.int32)
+    return (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)
+
+
+def dot_product_attention_args(impl: str, mask: jax.Array,
+                               segment_ids: jax.Array | None) -> dict:
+    """Keyword arguments of jax.nn.dot_product_attention for forward()'s masking, given the
+    padding mask bool[B,T] and, for packed rows, segment ids int[B,T].
+
+    "xla": the full causal & padding (& segment) mask. "cudnn": causal by index, plus
+      * unpacked rows: key padding as per-row lengths (right padding only), so cuDNN's flash
+        kernel never sees a [T, T] mask;
+      * packed rows: the segment mask as `mask=`. jax 0.10.2's public dot_product_attention has
+        no segment ids (only per-row query/key lengths [B]); a boolean mask is turned into an
+        additive [B, 1, T, T] bias (and a bias gradient), so this path is correct but holds
+        O(T^2) per row. jax's private cuDNN wrapper (jax._src.cudnn.fused_attention_stablehlo)
+        takes packed segments as q/kv offsets and per-segment lengths [B, M] (Hopper+, a static
+        maximum M of segments per row); Pallas alternatives with segment ids:
+        jax.experimental.pallas.ops.gpu.attention.mha (Triton, equal q/kv heads) and the TPU
+        splash attention. See docs/algo.md "Sequence packing".
+    The returned dict leaves out `implementation` so the same arguments can be checked against
+    the reference with implementation="xla" on a CPU."""
+    causal = jnp.tril(jnp.ones((mask.shape[1], mask.shape[1]), bool))
+    if impl == "cudnn":
+        if segment_ids is None:
+            return {"is_causal": True, "key_value_seq_lengths": mask.sum(-1).astype(jnp.int32)}
+        return {"is_causal": True, "mask": segment_attention_mask(segment_ids)[:, None]}
+    allowed = causal[None] & mask[:, None, :]
+    if segment_ids is not None:
+        allowed = allowed & segment_attention_mask(segment_ids)
+    return {"mask": allowed[:, None]}
+
+
 def default_positions(mask: jax.Array) -> jax.Array:
     """Positions int32[B,T] from a padding mask bool[B,T]: count of real tokens before each one.
 
@@ -263,42 +309,50 @@ def forward(
     *,
     positions: jax.Array | None = None,
     attention_mask: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
     return_hidden: bool = False,
     remat: bool = False,
 ) -> jax.Array:
     """Full-sequence forward pass.
 
     tokens int32[B,T]; positions int[B,T] (default: derived from attention_mask, see
-    ``default_positions``); attention_mask bool[B,T] (True = real token; default all True).
-    Keys are masked by the causal mask (by array index) and the padding mask, so left or right
-    padding both work. Layers run as ``lax.scan`` over the stacked layer params; ``remat=True``
+    ``default_positions``, or restarting per sequence with segment_ids); attention_mask bool[B,T]
+    (True = real token; default all True). Keys are masked by the causal mask (by array index)
+    and the padding mask, so left or right padding both work.
+    segment_ids int[B,T]: packed rows (several sequences per row, docs/INTERFACES.md "algo"):
+    a token reads only earlier tokens of its own segment; 0 marks padding. Give it instead of
+    attention_mask. Layers run as ``lax.scan`` over the stacked layer params; ``remat=True``
     wraps each layer in ``jax.checkpoint`` (recompute activations in the backward pass).
     -> logits f32[B,T,V], or the final-normed hidden h[B,T,D] with ``return_hidden=True``.
     """
     _check_tokens(tokens)
     b, t = tokens.shape
-    mask = jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
+    if segment_ids is not None:
+        if attention_mask is not None:
+            raise ValueError("forward: give attention_mask (padding) or segment_ids (packed rows), "
+                             "not both; segment id 0 already marks padding")
+        if segment_ids.shape != (b, t):
+            raise ValueError(f"segment_ids shape {segment_ids.shape} != tokens shape {(b, t)}")
+        mask = segment_ids > 0
+    else:
+        mask = jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
     if mask.shape != (b, t):
         raise ValueError(f"attention_mask shape {mask.shape} != tokens shape {(b, t)}")
     if positions is None:
-        positions = default_positions(mask)
+        positions = default_positions(mask) if segment_ids is None else segment_positions(segment_ids)
     elif positions.shape != (b, t):
         raise ValueError(f"positions shape {positions.shape} != tokens shape {(b, t)}")
-    causal = jnp.tril(jnp.ones((t, t), bool))
-    allowed = causal[None] & mask[:, None, :]  # [B,T,T]
-
-    def attend(q, k, v):
-        if cfg.attention_impl == "reference":
-            return attention(q, k, v, allowed)
-        if cfg.attention_impl == "cudnn":
-            # Flash attention: causal by index plus key padding given as lengths, so the mask
-            # must be right padding (the update batch's layout). Rows past a length are garbage
-            # and masked by the caller, as with the reference.
-            lengths = mask.sum(-1).astype(jnp.int32)
-            return jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                key_value_seq_lengths=lengths,
-                                                implementation="cudnn")
-        return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], implementation="xla")
+    if cfg.attention_impl == "reference":
+        allowed = jnp.tril(jnp.ones((t, t), bool))[None] & mask[:, None, :]  # [B,T,T]
+        if segment_ids is not None:
+            allowed = allowed & segment_attention_mask(segment_ids)
+        attend = lambda q, k, v: attention(q, k, v, allowed)
+    else:
+        # "xla" or "cudnn" (flash attention). Rows past a length are garbage and masked by the
+        # caller, as with the reference.
+        kwargs = dot_product_attention_args(cfg.attention_impl, mask, segment_ids)
+        attend = lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, implementation=cfg.attention_impl, **kwargs)
 
     def layer(x: jax.Array, layer_params: dict) -> tuple[jax.Array, None]:
         q, k, v = layer_qkv(layer_params, cfg, x, positions)

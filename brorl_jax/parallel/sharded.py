@@ -1,36 +1,16 @@
-"""Sharded step builders: the log-prob and update steps compiled for a mesh with explicit in/out
-shardings and buffer donation. (The rollout runs on a mesh through its own engine:
-brorl_jax.rollout.Engine(mesh=...), under shard_map.)
-
-Every builder takes the arrays (or jax.ShapeDtypeStructs, for ahead-of-time compilation without
-allocating: bench/plan_memory.py) whose shapes fix the compiled program, looks their shardings up
-in brorl_jax.parallel.rules, and returns a jax.jit-ed function. The math is the unsharded step's:
-the update is algo.make_update_step, the log-probs algo.make_logprob_fn. Only the placement
-differs, which is why the tests can compare every sharded result with the single-device one.
-
-Placement (logical names -> mesh axes in rules.LOGICAL_AXES):
-  update / log-probs  params, Adam mu/nu and the reference params by PARAM_RULES (FSDP over
-                      `fsdp`, heads / MLP / vocabulary over `tensor`); batch rows over
-                      ("data", "fsdp"); every micro-batch's rows and hidden states are
-                      constrained to the same split (sharded_policy_fns), so each device runs its
-                      own rows of every micro-batch. The train state is donated.
-  vocab-parallel      log-probs with lm_head columns over `tensor` under shard_map
-                      (vocab_parallel.py).
+"""Placement helpers on a mesh: replicate, split rows over the batch axes, put host trees on
+devices (one or several processes). The step builders that use them live beside their steps:
+brorl_jax.algo.sharded (update, log-probs) and brorl_jax.rollout (generation).
 """
 from __future__ import annotations
 
-import functools
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from brorl_jax.algo.update import (PolicyFns, TrainState, make_logprob_fn, make_update_step,
-                                   model_policy_fns)
 from brorl_jax.parallel import rules as R
-from brorl_jax.parallel.attention import forward_hidden
-from brorl_jax.parallel.vocab_parallel import sharded_fused_logprob, vocab_parallel_logprob
 
 
 def _replicated(mesh: Mesh) -> NamedSharding:
@@ -50,33 +30,6 @@ def constrain_rows(x: jax.Array, mesh: Mesh, axes: str | dict = "default") -> ja
         x, NamedSharding(mesh, R.fit_spec(s.spec, x.shape, mesh)))
 
 
-def sharded_policy_fns(model_cfg, mesh: Mesh, axes: str | dict = "default", *,
-                       attention: str = "plain", q_chunk: int = 512) -> PolicyFns:
-    """PolicyFns for algo.make_update_step / make_logprob_fn that keep every micro-batch split
-    over the batch axes: the update slices micro-batches out of the mini-batch with a lax.scan,
-    and without these constraints XLA may gather a micro-batch onto every device.
-
-    attention: "plain" (the model's reference [B, H, T, T] attention, via transformer.forward) or
-    "chunked" (parallel/attention.py, bounded score memory for long contexts)."""
-    if attention not in ("plain", "chunked"):
-        raise ValueError(f"attention must be 'plain' or 'chunked', got {attention!r}")
-    base = model_policy_fns(model_cfg)
-    fix = functools.partial(constrain_rows, mesh=mesh, axes=axes)
-
-    def hidden(params, tokens, positions, attention_mask, remat):
-        tokens = fix(tokens)
-        positions = None if positions is None else fix(positions)
-        mask = None if attention_mask is None else fix(attention_mask)
-        if attention == "chunked":
-            h = forward_hidden(params, model_cfg, tokens, positions=positions,
-                               attention_mask=mask, remat=remat, q_chunk=q_chunk, constrain=fix)
-        else:
-            h = base.hidden(params, tokens, positions, mask, remat)
-        return fix(h)
-
-    return PolicyFns(hidden=hidden, lm_head=base.lm_head)
-
-
 def row_constraint(mesh: Mesh, axes: str | dict = "default"):
     """The update's `shard_rows` hook: after a split [R] -> [n, R / n], keep the second (row)
     axis over the batch axes (the reshape alone would put the split on the scanned axis, which
@@ -89,40 +42,6 @@ def row_constraint(mesh: Mesh, axes: str | dict = "default"):
             x, NamedSharding(mesh, R.fit_spec(want, x.shape, mesh)))
 
     return lambda tree: jax.tree.map(one, tree)
-
-
-def _logprob_hooks(mesh: Mesh, axes, logprob: str) -> dict:
-    """make_update_step / make_logprob_fn keyword arguments for `logprob`:
-    "shard_map" = per-device fused log-prob (vocab split over tensor) + row constraints;
-    "algo" = the unsharded-code path (pallas_kernels.fused_logprob under plain jit)."""
-    if logprob == "algo":
-        return {}
-    if logprob != "shard_map":
-        raise ValueError(f"logprob must be 'shard_map' or 'algo', got {logprob!r}")
-    token_axes = R.logical_to_spec(R.ARRAY_AXES["rows"], axes)[0]
-    token_axes = (token_axes,) if isinstance(token_axes, str) else tuple(token_axes or ())
-    return {"logprob_fn": sharded_fused_logprob(mesh, token_axes=token_axes),
-            "shard_rows": row_constraint(mesh, axes)}
-
-
-# -------------------------------------------------------------------------------------------------
-# Shardings of the training state and batches
-# -------------------------------------------------------------------------------------------------
-def train_state_shardings(state: TrainState, mesh: Mesh, rules: str | Sequence = "default",
-                          *, check_divisible: bool = False) -> TrainState:
-    """NamedShardings for a TrainState (arrays or ShapeDtypeStructs): params and ref_params by
-    the rules, optimizer moments like their params, counters replicated."""
-    p_sh = R.param_shardings(state.params, mesh, rules, check_divisible=check_divisible)
-    return TrainState(step=_replicated(mesh), params=p_sh,
-                      opt_state=R.state_shardings(state.opt_state, p_sh, mesh),
-                      ref_params=None if state.ref_params is None else p_sh)
-
-
-def abstract_train_state(params: Any, optimizer, *, with_reference: bool = True) -> TrainState:
-    """TrainState of ShapeDtypeStructs (jax.eval_shape: nothing is allocated)."""
-    from brorl_jax.algo.update import create_train_state
-    return jax.eval_shape(
-        lambda p: create_train_state(p, optimizer, with_reference=with_reference), params)
 
 
 def place(tree: Any, shardings: Any) -> Any:
@@ -142,94 +61,3 @@ def place(tree: Any, shardings: Any) -> Any:
         return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
 
     return jax.tree.map(one, tree, shardings)
-
-
-# -------------------------------------------------------------------------------------------------
-# Update and log-prob steps
-# -------------------------------------------------------------------------------------------------
-def make_sharded_update(model_cfg, algo_cfg, optimizer, mesh: Mesh, state: TrainState,
-                        batch: dict, *, rules: str | Sequence = "default",
-                        axes: str | dict = "default", attention: str = "plain",
-                        q_chunk: int = 512, logprob: str = "shard_map", donate: bool = True,
-                        **update_kwargs):
-    """algo.make_update_step compiled for `mesh`.
-
-    state, batch: arrays or ShapeDtypeStructs with the shapes of the real ones.
-    logprob: "shard_map" (default) passes the per-device fused log-prob and the row constraints
-      to the update (its logprob_fn / shard_rows hooks); "algo" leaves them out.
-    update_kwargs: passed to make_update_step (e.g. diagnostics_n).
-    -> (update(state, batch, rng) -> (state, metrics), shardings dict with "state" and "batch").
-    The state is donated (its buffers are reused for the new state); metrics are replicated.
-    `rng` must be a key array (jax.random.key / PRNGKey), replicated."""
-    policy = sharded_policy_fns(model_cfg, mesh, axes, attention=attention, q_chunk=q_chunk)
-    update = make_update_step(model_cfg, algo_cfg, optimizer, policy=policy,
-                              **_logprob_hooks(mesh, axes, logprob), **update_kwargs)
-    state_sh = train_state_shardings(state, mesh, rules)
-    batch_sh = R.batch_shardings(batch, mesh, axes)
-    repl = _replicated(mesh)
-    fn = jax.jit(update, in_shardings=(state_sh, batch_sh, repl), out_shardings=(state_sh, repl),
-                 donate_argnums=(0,) if donate else ())
-    return fn, {"state": state_sh, "batch": batch_sh}
-
-
-def make_sharded_logprob(model_cfg, algo_cfg, mesh: Mesh, params: Any, batch: dict, *,
-                         rules: str | Sequence = "default", axes: str | dict = "default",
-                         micro_batch_size: int | None = None, with_stats: bool = False,
-                         attention: str = "plain", q_chunk: int = 512,
-                         logprob: str = "shard_map"):
-    """algo.make_logprob_fn compiled for `mesh` (reference / pi_old log-probs); `logprob` as in
-    make_sharded_update (with_stats uses the kernel's stats path, without the shard_map hook).
-
-    -> (logprobs(params, batch) -> (logp [B, T], entropy [B, T], stats), shardings dict)."""
-    policy = sharded_policy_fns(model_cfg, mesh, axes, attention=attention, q_chunk=q_chunk)
-    fn = make_logprob_fn(algo_cfg=algo_cfg, policy=policy, micro_batch_size=micro_batch_size,
-                         with_stats=with_stats, **_logprob_hooks(mesh, axes, logprob))
-    params_sh = R.param_shardings(params, mesh, rules)
-    batch_sh = R.batch_shardings(batch, mesh, axes)
-    tok_sh = batch_sh["input_tokens"]
-    stats_sh = {"sum_p2": tok_sh} if with_stats else {}
-    jitted = jax.jit(fn, in_shardings=(params_sh, batch_sh),
-                     out_shardings=(tok_sh, tok_sh, stats_sh))
-    return jitted, {"params": params_sh, "batch": batch_sh}
-
-
-def make_vocab_parallel_logprob(model_cfg, mesh: Mesh, params: Any, batch: dict, *,
-                                temperature: float = 1.0, micro_batch_size: int | None = None,
-                                rules: str | Sequence = "default", axes: str | dict = "default",
-                                attention: str = "plain", q_chunk: int = 512,
-                                block_t: int = 1024):
-    """Log-probs whose fused log-softmax runs with the vocabulary split over `tensor`
-    (vocab_parallel.vocab_parallel_logprob under shard_map), micro-batched with lax.map.
-
-    -> (logprobs(params, batch) -> (logp [B, T], entropy [B, T]), shardings dict).
-    Differentiable wrt params (jax.grad through it gives the unsharded reference's gradients)."""
-    policy = sharded_policy_fns(model_cfg, mesh, axes, attention=attention, q_chunk=q_chunk)
-    token_axes = R.logical_to_spec(R.ARRAY_AXES["rows"], axes)[0]
-    token_axes = (token_axes,) if isinstance(token_axes, str) else tuple(token_axes or ())
-
-    def logprobs(params, batch):
-        rows, t = batch["input_tokens"].shape
-        micro = min(micro_batch_size or rows, rows)
-        if rows % micro:
-            raise ValueError(f"batch rows {rows} not divisible by micro_batch_size={micro}")
-        keys = ["input_tokens", "positions", "targets"] + (
-            ["attention_mask"] if "attention_mask" in batch else [])
-        parts = {k: batch[k].reshape((rows // micro, micro) + batch[k].shape[1:]) for k in keys}
-
-        def one(mb):
-            h = policy.hidden(params, mb["input_tokens"], mb["positions"],
-                              mb.get("attention_mask"), False)
-            w = policy.lm_head(params).astype(h.dtype)
-            logp, ent = vocab_parallel_logprob(
-                h.reshape(micro * t, -1), w, mb["targets"].reshape(micro * t), mesh=mesh,
-                token_axes=token_axes, temperature=temperature, block_t=block_t)
-            return logp.reshape(micro, t), ent.reshape(micro, t)
-
-        logp, ent = jax.lax.map(one, parts)
-        return logp.reshape(rows, t), ent.reshape(rows, t)
-
-    params_sh = R.param_shardings(params, mesh, rules)
-    batch_sh = R.batch_shardings(batch, mesh, axes)
-    tok_sh = batch_sh["input_tokens"]
-    jitted = jax.jit(logprobs, in_shardings=(params_sh, batch_sh), out_shardings=(tok_sh, tok_sh))
-    return jitted, {"params": params_sh, "batch": batch_sh}

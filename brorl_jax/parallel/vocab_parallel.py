@@ -19,6 +19,11 @@ Gradients flow through the collectives: shard_map with check_vma=True tracks tha
 the same on every tensor shard while the lm_head slice differs, so the backward pass psums the
 per-shard d hidden contributions; d lm_head stays sharded. Tests compare values and gradients
 with pallas_kernels.fused_logprob_reference (the unsharded naive reference).
+
+Where the Pallas kernel compiles (GPU/TPU), each shard instead runs it on its columns
+(pallas_kernels.fused_logprob_vocab_shard: the same merge of per-shard lse / target logit /
+entropy, with a custom VJP that runs the kernel's backward per shard against the merged
+statistics), so under a mesh the Mosaic/Triton kernel always runs inside shard_map.
 """
 from __future__ import annotations
 
@@ -29,6 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
+
+from pallas_kernels import interpret_mode
 
 _NEG = -1e30
 
@@ -92,6 +99,7 @@ def vocab_parallel_logprob(
     token_axes: Sequence[str] | str | None = ("data", "fsdp"),
     temperature: float = 1.0,
     block_t: int = 1024,
+    impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """log softmax(z)[target] and entropy of softmax(z), z = hidden @ lm_head / temperature, with
     V split over `vocab_axis` and tokens over `token_axes`.
@@ -101,6 +109,10 @@ def vocab_parallel_logprob(
       lm_head: [D, V] output embedding (V divisible by the vocab-axis size).
       targets: [T] int token ids.
       mesh: the device mesh; vocab_axis / token_axes name its axes.
+      impl: where the Pallas kernel compiles (GPU/TPU: "auto"), or with impl="pallas", each shard
+        runs pallas_kernels.fused_logprob_vocab_shard (the kernel on its vocabulary columns inside
+        shard_map, statistics merged over `vocab_axis`); otherwise ("auto" on CPU, "chunked",
+        "naive") the jnp body below, blocks of `block_t` tokens.
     Returns:
       (logp [T] f32, entropy [T] f32), sharded over token_axes; differentiable wrt hidden and
       lm_head (the lm_head gradient keeps lm_head's vocab sharding).
@@ -128,11 +140,23 @@ def vocab_parallel_logprob(
         raise ValueError(f"vocab_parallel_logprob: {hidden.shape[0]} tokens do not split over "
                          f"mesh axes {token_axes} (size {n_tok}).")
     tok = token_axes if token_axes else None
+    specs = dict(mesh=mesh, in_specs=(P(tok, None), P(None, vocab_axis), P(tok)),
+                 out_specs=(P(tok), P(tok)))
+    if impl == "pallas" or (impl == "auto" and not interpret_mode()):
+        from pallas_kernels.fused_logprob import fused_logprob_vocab_shard
+
+        def kernel_body(h, w, y):
+            # "auto" resolves per shard: the kernel, or the chunked path (logged) where it cannot
+            # compile for these shapes; check_vma=False: the kernels are not vma-typed (the
+            # cotangent convention this implies is handled in fused_logprob_vocab_shard).
+            return fused_logprob_vocab_shard(
+                h, w, y, axis_name=vocab_axis, vocab_start=lax.axis_index(vocab_axis) * w.shape[1],
+                temperature=temperature, impl=impl)
+
+        return jax.shard_map(kernel_body, check_vma=False, **specs)(hidden, lm_head, targets)
     body = functools.partial(_local_logprob, axis=vocab_axis, inv_temp=float(1.0 / temperature),
                              block_t=int(block_t))
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(tok, None), P(None, vocab_axis), P(tok)),
-                       out_specs=(P(tok), P(tok)), check_vma=True)
-    return fn(hidden, lm_head, targets)
+    return jax.shard_map(body, check_vma=True, **specs)(hidden, lm_head, targets)
 
 
 def sharded_fused_logprob(mesh: Mesh, *, vocab_axis: str = "tensor",
@@ -162,7 +186,7 @@ def sharded_fused_logprob(mesh: Mesh, *, vocab_axis: str = "tensor",
         if mesh.shape[vocab_axis] > 1:
             return vocab_parallel_logprob(hidden, lm_head, targets, mesh=mesh,
                                           vocab_axis=vocab_axis, token_axes=axes,
-                                          temperature=temperature)
+                                          temperature=temperature, impl=impl)
         tok = axes if axes else None
         # check_vma=False: the kernel's internal scans are not vma-typed. The lm_head enters
         # replicated (P()), and shard_map's transpose sums its per-device cotangents over the

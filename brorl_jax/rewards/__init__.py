@@ -17,11 +17,11 @@ from brorl_jax.rewards.reasoning_gym_reward import reasoning_gym_records
 from brorl_jax.rewards.registry import (REWARDS, RewardSpec, register_reward,
                                         resolve_reward_name)
 from brorl_jax.rewards.sandbox import SandboxLimits, isolation_report
-from brorl_jax.rewards.service import ScoringService, score, set_default_service
+from brorl_jax.rewards.service import ScoringService, score
 from brorl_jax.rewards.types import RewardResult
 
 __all__ = [
     "REWARDS", "RewardResult", "RewardSpec", "SandboxLimits", "ScoringService",
     "isolation_report", "reasoning_gym_records", "register_reward", "resolve_reward_name",
-    "score", "set_default_service",
+    "score",
 ]

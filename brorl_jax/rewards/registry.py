@@ -85,3 +85,5 @@ register_reward("code", "brorl_jax.rewards.code_reward:code_reward",
                 preload=("brorl_jax.rewards.code_reward",))
 register_reward("reasoning_gym", "brorl_jax.rewards.reasoning_gym_reward:reasoning_gym_reward",
                 preload=("reasoning_gym", "brorl_jax.rewards.reasoning_gym_reward"))
+register_reward("final_number", "brorl_jax.rewards.final_number_reward:final_number_reward",
+                preload=("brorl_jax.rewards.final_number_reward",))

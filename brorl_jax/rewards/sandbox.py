@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 
 logger = logging.getLogger(__name__)
@@ -337,16 +338,18 @@ def _sandbox_uid() -> int:
     raise RuntimeError("no free sandbox uid")
 
 
-_RUN_COUNTER = [0]
-_WARNED_RO = [False]
+@functools.lru_cache(maxsize=None)
+def _warn_writable_mounts(mounts: tuple[str, ...]) -> None:
+    """Logged once per worker process and set of mounts."""
+    logger.warning("sandbox: these mounts could not be made read-only and stay writable "
+                   "for sandboxed code (subject to file permissions): %s", list(mounts))
 
 
 def _make_cgroups(iso: Isolation, limits: SandboxLimits) -> tuple[list[str], list[str]]:
     """Creates this run's cgroups; returns (dirs, cgroup.procs files). Empty when unavailable."""
     if iso.cgroup is None:
         return [], []
-    _RUN_COUNTER[0] += 1
-    name = f"{_PREFIX}{os.getpid()}_{_RUN_COUNTER[0]}"
+    name = f"{_PREFIX}{os.getpid()}_{uuid.uuid4().hex[:12]}"
     # Launcher and keeper interpreters plus the tmpfs work dir share the memory cap.
     memory_cap = limits.memory_bytes + limits.work_dir_bytes + (128 << 20)
     pids_cap = limits.max_processes + 4
@@ -534,10 +537,8 @@ def _collect(run_dir: str, n_tests: int, limits: SandboxLimits, proc) -> Sandbox
         return SandboxResult(f"sandbox failed (harness exit {code}): {(err or '').strip()[-500:]}",
                              [None] * n_tests)
     failed_ro = status.get("mount_ro_failed") or []
-    if failed_ro and not _WARNED_RO[0]:
-        _WARNED_RO[0] = True
-        logger.warning("sandbox: these mounts could not be made read-only and stay writable "
-                       "for sandboxed code (subject to file permissions): %s", failed_ro)
+    if failed_ro:
+        _warn_writable_mounts(tuple(failed_ro))
     if status.get("setup") != "ok":
         return SandboxResult(status.get("setup", "sandbox setup failed"), [None] * n_tests)
     if status.get("compile") != "ok":

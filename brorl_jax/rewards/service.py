@@ -370,29 +370,21 @@ def _shutdown(workers: list[_Worker]) -> None:
     workers.clear()
 
 
-_DEFAULT: list[ScoringService] = []
-
-
-def set_default_service(service: ScoringService | None) -> None:
-    """Makes score() use `service` (e.g. the trainer's long-lived pool); None clears it."""
-    _DEFAULT[:] = [service] if service is not None else []
-
-
 def score(records: Sequence[Mapping[str, Any]], completions: Sequence[str],
-          timeout_s: float | None = None, **service_kwargs: Any) -> list[float]:
+          timeout_s: float | None = None, *, service: ScoringService | None = None,
+          **service_kwargs: Any) -> list[float]:
     """Scores a batch and returns the scores only (the public one-call surface).
 
-    Uses the default service (set_default_service) when one is set and no other settings
-    are asked for; otherwise starts a temporary service for this call.
+    With `service` (e.g. a long-lived pool the caller owns) it scores there; otherwise it starts
+    a temporary service for this call (`service_kwargs` are its settings).
     """
     if len(records) != len(completions):
         raise ValueError(f"records ({len(records)}) and completions ({len(completions)}) "
                          "must have the same length")
     if not records:
         return []
-    if _DEFAULT and not _DEFAULT[0]._closed and not service_kwargs and (
-            timeout_s is None or timeout_s == _DEFAULT[0].timeout_s):
-        return [r.score for r in _DEFAULT[0].score_batch(records, completions)]
+    if service is not None:
+        return [r.score for r in service.score_batch(records, completions)]
     service_kwargs.setdefault("num_workers", max(1, min(len(records), len(
         os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)))
     with ScoringService(timeout_s=10.0 if timeout_s is None else timeout_s,

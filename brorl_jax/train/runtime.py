@@ -1,26 +1,34 @@
 """Where the loop's compiled steps run: one device, a mesh of devices, or several processes.
 
-The loop (train/loop.py) is written once; this module decides how its three device-facing calls
-run, from the devices JAX sees and the config's `mesh` section (brorl_jax.parallel):
+The loop (train/loop.py) talks to one interface, `Runtime`, and never asks which one it has:
 
-  one device        plain `jax.jit` of algo.make_update_step / make_logprob_fn and
-                    rollout.generate (the path every CPU test and the demo take).
-  one process,      the mesh of `mesh.data x mesh.fsdp x mesh.tensor` over all devices; the
-  several devices   train state is sharded by the `mesh.rules` rule set (parallel.rules), the
-                    update and log-prob steps are parallel.sharded.make_sharded_update /
-                    make_sharded_logprob (explicit in/out shardings, donated state), and rollouts
-                    go through a rollout.Engine on the mesh (under shard_map: each device decodes
-                    its share of every prompt's N samples).
-  several processes the same global mesh for the update (jax.distributed; each process feeds only
-  (jax.distributed)  its rows via distributed.global_batch). Rollouts are local: every process
-                    reads its own shard of the prompts (data.make_prompt_loader's defaults),
-                    generates on its own devices with a host copy of the current parameters
-                    (gathered once per step), scores its own samples and fills its share
-                    (prompts_per_step / processes) of the update batch by dynamic sampling. Only
-                    the update and a few small gathers (advantage whitening over the whole batch,
-                    metrics, evaluation rewards, data-iterator states for checkpoints) cross
-                    processes. Orbax writes and reads the sharded state collectively; process 0
-                    logs.
+  place_state(state)            the train state laid out for the update
+  rollout_params(params)        parameters in the form the rollout takes
+  generate(model, params, prompts, **rollout_kwargs) -> rollout.RolloutResult
+  update(algo_cfg, state, batch, rng) -> (state, metrics): reference log-probs (KL on) and the
+                                PPO update on this process's rows (host numpy)
+  relayout(state)               device arrays back in the update's layout (reference reset)
+  broadcast(tree)               process 0's value everywhere (the warm start)
+  allgather_rows / allgather_json / reduce_metrics   cross-process helpers (identities with one
+                                process)
+
+  LocalRuntime   one device: plain `jax.jit` of algo.make_update_step / make_logprob_fn and
+                 a rollout.Engine (the path every CPU test and the demo take).
+  MeshRuntime    several devices, one or several processes: the mesh of
+                 `mesh.data x mesh.fsdp x mesh.tensor`; the train state sharded by the
+                 `mesh.rules` rule set (parallel.rules); sharded update and log-prob steps
+                 (explicit in/out shardings, donated state); rollouts by a rollout.Engine on the
+                 rollout mesh (under shard_map: each device decodes its share of every prompt's
+                 samples in its own slots).
+                 With several processes (jax.distributed) each process feeds only its rows of the
+                 update (distributed.global_batch); rollouts are local: every process reads its
+                 own prompt shard, generates on its own devices with a host copy of the current
+                 parameters (gathered once per step), scores its own samples and fills its share
+                 of the update batch. Only the update and small gathers (advantage normalisation,
+                 metrics, evaluation rewards, data-iterator states) cross processes.
+
+Compiled programs live on the runtime object the Trainer holds (one per algo config, e.g. per
+scheduled temperature), never in module-level caches.
 
 Choice (not in the paper, which does not describe its system): rollouts in the multi-process case
 are per-process so that generation, the dominant cost at large N, needs no cross-host traffic
@@ -33,32 +41,156 @@ import json
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
-from brorl_jax import algo
+from brorl_jax import algo, rollout
 from brorl_jax.config import ConfigError
+from brorl_jax.algo import sharded as algo_sharded
+from brorl_jax.parallel import distributed, sharded
+from brorl_jax.parallel.mesh import batch_axis_size, make_mesh, mesh_from_config
 
 
-def use_mesh() -> bool:
-    """The mesh path runs whenever JAX sees more than one device (over all processes)."""
-    return jax.device_count() > 1
+def make_runtime(cfg, model_cfg, optimizer, *, diagnostics_n: int | None) -> "Runtime":
+    """MeshRuntime whenever JAX sees more than one device (over all processes), else LocalRuntime."""
+    if jax.device_count() > 1:
+        return MeshRuntime(cfg, model_cfg, optimizer, diagnostics_n=diagnostics_n)
+    return LocalRuntime(cfg, model_cfg, optimizer, diagnostics_n=diagnostics_n)
+
+
+class Runtime:
+    """The interface (module docstring) and the cross-process helpers both runtimes share."""
+
+    num_processes: int = 1
+    process_index: int = 0
+    row_multiple: int = 1           # this process's update rows must be a multiple of it
+
+    def __init__(self, cfg, model_cfg, optimizer, *, diagnostics_n: int | None):
+        self.model_cfg = model_cfg
+        self.optimizer = optimizer
+        self.diagnostics_n = diagnostics_n
+        self.rollout_impl = cfg.rollout.impl
+        self.memory_budget_bytes = int(cfg.rollout.memory_budget_gb * 2**30) or None
+        self._steps: dict[Any, Any] = {}
+        self._rollout: rollout.Engine | None = None
+
+    # -- cross-process helpers ------------------------------------------------------------------
+    def allgather_rows(self, x: np.ndarray) -> np.ndarray:
+        """Concatenates every process's equal-shaped array along axis 0 (process order)."""
+        if self.num_processes == 1:
+            return np.asarray(x)
+        out = np.asarray(multihost_utils.process_allgather(np.asarray(x)))
+        return out.reshape((-1,) + out.shape[2:])
+
+    def allgather_json(self, obj) -> list:
+        """Every process's JSON-serialisable value, in process order."""
+        if self.num_processes == 1:
+            return [obj]
+        raw = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+        sizes = np.asarray(multihost_utils.process_allgather(np.int32(raw.size))).ravel()
+        padded = np.zeros(int(sizes.max()), np.uint8)
+        padded[:raw.size] = raw
+        every = np.asarray(multihost_utils.process_allgather(padded))
+        return [json.loads(bytes(every[i, :sizes[i]]).decode()) for i in range(len(sizes))]
+
+    def reduce_metrics(self, metrics: dict, sums: Sequence[str] = (),
+                       maxes: Sequence[str] = ()) -> dict:
+        """Process-mean of every scalar metric (sum for the keys in `sums`, max for `maxes`)."""
+        if self.num_processes == 1:
+            return metrics
+        keys = sorted(k for k, v in metrics.items() if np.ndim(v) == 0)
+        every = self.allgather_rows(np.asarray([[float(metrics[k]) for k in keys]], np.float64))
+        out = dict(metrics)
+        for i, k in enumerate(keys):
+            col = every[:, i]
+            out[k] = float(col.sum() if k in sums else col.max() if k in maxes else col.mean())
+        return out
+
+    def broadcast(self, tree):
+        """Process 0's value of `tree` on every process (host values)."""
+        if self.num_processes == 1:
+            return tree
+        return multihost_utils.broadcast_one_to_all(jax.device_get(tree))
+
+    # -- the interface ----------------------------------------------------------------------------
+    def place_state(self, state):
+        """The state laid out for the update, from host values (the same on every process)."""
+        raise NotImplementedError
+
+    def relayout(self, state):
+        """The state (device arrays, e.g. after a reference reset) in the update's layout."""
+        raise NotImplementedError
+
+    def rollout_params(self, params):
+        raise NotImplementedError
+
+    rollout_mesh = None             # None: one device (LocalRuntime)
+
+    def generate(self, model, params, prompts, **kwargs):
+        """Rollouts (rollout.RolloutResult) through the runtime's rollout Engine."""
+        return self.rollout_engine(model.config).generate(
+            params, prompts, memory_budget_bytes=self.memory_budget_bytes, **kwargs)
+
+    def rollout_engine(self, model_cfg) -> rollout.Engine:
+        """The rollout's compiled programs, held for the run (one Engine per model config; on
+        the rollout mesh under shard_map, so the Pallas kernels run per device)."""
+        if self._rollout is None or self._rollout.cfg != model_cfg:
+            self._rollout = rollout.Engine(model_cfg, mesh=self.rollout_mesh,
+                                           impl=self.rollout_impl)
+        return self._rollout
+
+    def update(self, algo_cfg, state, batch: dict, rng):
+        raise NotImplementedError
 
 
 @dataclasses.dataclass
-class _Steps:
+class _LocalSteps:
+    update: Callable
+    logprob: Callable
+
+
+class LocalRuntime(Runtime):
+    """One device: jitted steps, a rollout.Engine."""
+
+    def place_state(self, state):
+        return state
+
+    def relayout(self, state):
+        return state
+
+    def rollout_params(self, params):
+        return params
+
+    def _compiled(self, algo_cfg) -> _LocalSteps:
+        if algo_cfg not in self._steps:
+            self._steps[algo_cfg] = _LocalSteps(
+                jax.jit(algo.make_update_step(self.model_cfg, algo_cfg, self.optimizer,
+                                              diagnostics_n=self.diagnostics_n),
+                        donate_argnums=(0,)),
+                jax.jit(algo.make_logprob_fn(self.model_cfg, algo_cfg)))
+        return self._steps[algo_cfg]
+
+    def update(self, algo_cfg, state, batch: dict, rng):
+        steps = self._compiled(algo_cfg)
+        batch = jax.tree.map(jnp.asarray, batch)
+        if algo_cfg.kl_coef > 0:
+            batch["ref_logprobs"], _, _ = steps.logprob(state.ref_params, batch)
+        return steps.update(state, batch, rng)
+
+
+@dataclasses.dataclass
+class _MeshSteps:
     update: Callable
     logprob: Callable | None
     batch_sharding: dict
 
 
-class MeshRuntime:
-    """Sharded steps for a Trainer on a mesh (one or several processes)."""
+class MeshRuntime(Runtime):
+    """Sharded steps on a mesh (one or several processes); see the module docstring."""
 
     def __init__(self, cfg, model_cfg, optimizer, *, diagnostics_n: int | None):
-        from brorl_jax.parallel.mesh import batch_axis_size, make_mesh, mesh_from_config
-        self.model_cfg = model_cfg
-        self.optimizer = optimizer
-        self.diagnostics_n = diagnostics_n
+        super().__init__(cfg, model_cfg, optimizer, diagnostics_n=diagnostics_n)
         self.rules = cfg.mesh.rules
         try:
             self.mesh = mesh_from_config(cfg.mesh)
@@ -81,53 +213,49 @@ class MeshRuntime:
                 f"algo.prompts_per_step={cfg.algo.prompts_per_step} must be a multiple of the "
                 f"{self.num_processes} processes: each process fills an equal share of the "
                 "update batch with its own prompts.")
-        self._steps: dict[Any, _Steps] = {}
         self._state_sharding = None
-        self._rollout = None          # rollout.Engine on rollout_mesh (holds its compiled programs)
+        # each process's rows of a packed batch split evenly over its batch devices
+        self.row_multiple = max(1, split // self.num_processes)
 
-    # ------------------------------------------------------------------ state
+    # -- state ----------------------------------------------------------------------------------
     def state_sharding(self, state):
         if self._state_sharding is None:
-            from brorl_jax.parallel.sharded import train_state_shardings
-            self._state_sharding = train_state_shardings(state, self.mesh, self.rules)
+            self._state_sharding = algo_sharded.train_state_shardings(state, self.mesh, self.rules)
         return self._state_sharding
 
     def place_state(self, state):
         """The state laid out on the mesh (every process passes the same full values)."""
-        from brorl_jax.parallel.sharded import place
-        return place(jax.device_get(state), self.state_sharding(state))
+        return sharded.place(jax.device_get(state), self.state_sharding(state))
 
-    def host_params(self, params):
+    def relayout(self, state):
+        return sharded.place(state, self.state_sharding(state))
+
+    def rollout_params(self, params):
         """A full host copy of (possibly cross-process sharded) parameters."""
         if self.num_processes == 1:
             return params
-        from jax.experimental import multihost_utils
         return multihost_utils.process_allgather(params, tiled=True)
 
-    # ------------------------------------------------------------------ update
-    def _compile(self, algo_cfg, state, local_batch: dict) -> _Steps:
-        from brorl_jax.parallel import sharded
+    # -- update ---------------------------------------------------------------------------------
+    def _compile(self, algo_cfg, state, local_batch: dict) -> _MeshSteps:
         p = self.num_processes
         abstract = {k: jax.ShapeDtypeStruct((v.shape[0] * p,) + v.shape[1:], v.dtype)
                     for k, v in local_batch.items()}
-        with_ref = algo_cfg.kl_coef > 0
         if "ref_logprobs" not in abstract:   # assemble_update_batch zero-fills it
             rows, t = abstract["input_tokens"].shape
             abstract["ref_logprobs"] = jax.ShapeDtypeStruct((rows, t), np.float32)
-        update, sh = sharded.make_sharded_update(
+        update, sh = algo_sharded.make_sharded_update(
             self.model_cfg, algo_cfg, self.optimizer, self.mesh, state, abstract,
             rules=self.rules, diagnostics_n=self.diagnostics_n)
         logprob = None
-        if with_ref:
+        if algo_cfg.kl_coef > 0:
             no_ref = {k: v for k, v in abstract.items() if k != "ref_logprobs"}
-            logprob, _ = sharded.make_sharded_logprob(self.model_cfg, algo_cfg, self.mesh,
+            logprob, _ = algo_sharded.make_sharded_logprob(self.model_cfg, algo_cfg, self.mesh,
                                                       state.params, no_ref, rules=self.rules)
-        return _Steps(update, logprob, sh["batch"])
+        return _MeshSteps(update, logprob, sh["batch"])
 
     def update(self, algo_cfg, state, local_batch: dict, rng):
         """One update on the mesh from this process's rows of the batch (host numpy)."""
-        from brorl_jax.parallel.distributed import global_batch
-        from brorl_jax.parallel.sharded import place
         key = (algo_cfg, tuple(sorted((k, v.shape, str(v.dtype))
                                       for k, v in local_batch.items())))
         if key not in self._steps:
@@ -135,65 +263,11 @@ class MeshRuntime:
         steps = self._steps[key]
         shard = {k: s for k, s in steps.batch_sharding.items() if k in local_batch}
         if self.num_processes > 1:
-            batch = global_batch(local_batch, shard)
+            batch = distributed.global_batch(local_batch, shard)
         else:
-            batch = place(local_batch, shard)
+            batch = sharded.place(local_batch, shard)
         if steps.logprob is not None:
             inputs = {k: v for k, v in batch.items() if k != "ref_logprobs"}
             batch["ref_logprobs"], _, _ = steps.logprob(state.ref_params, inputs)
         rng = np.asarray(jax.random.key_data(rng))      # a host value: replicated everywhere
         return steps.update(state, batch, rng)
-
-    # ------------------------------------------------------------------ rollout
-    def generate(self, model, params, prompts, *, impl: str = "auto", **kwargs):
-        from brorl_jax.rollout import Engine
-        if self._rollout is None or self._rollout.impl != impl:
-            self._rollout = Engine(model.config, mesh=self.rollout_mesh, impl=impl)
-        return self._rollout.generate(params, prompts, **kwargs)
-
-    # ------------------------------------------------------------------ cross-process helpers
-    def allgather_rows(self, x: np.ndarray) -> np.ndarray:
-        """Concatenates every process's equal-shaped array along axis 0 (process order)."""
-        if self.num_processes == 1:
-            return np.asarray(x)
-        from jax.experimental import multihost_utils
-        out = np.asarray(multihost_utils.process_allgather(np.asarray(x)))
-        return out.reshape((-1,) + out.shape[2:])
-
-    def allgather_json(self, obj) -> list:
-        """Every process's JSON-serialisable value, in process order."""
-        if self.num_processes == 1:
-            return [obj]
-        from jax.experimental import multihost_utils
-        raw = np.frombuffer(json.dumps(obj).encode(), np.uint8)
-        sizes = np.asarray(multihost_utils.process_allgather(np.int32(raw.size))).ravel()
-        padded = np.zeros(int(sizes.max()), np.uint8)
-        padded[:raw.size] = raw
-        every = np.asarray(multihost_utils.process_allgather(padded))
-        return [json.loads(bytes(every[i, :sizes[i]]).decode()) for i in range(len(sizes))]
-
-    def reduce_metrics(self, metrics: dict, sums: Sequence[str] = (),
-                       maxes: Sequence[str] = ()) -> dict:
-        """Process-mean of every scalar metric (sum for the keys in `sums`, max for `maxes`)."""
-        if self.num_processes == 1:
-            return metrics
-        keys = sorted(k for k, v in metrics.items() if np.ndim(v) == 0)
-        every = self.allgather_rows(np.asarray([[float(metrics[k]) for k in keys]], np.float64))
-        out = dict(metrics)
-        for i, k in enumerate(keys):
-            col = every[:, i]
-            out[k] = float(col.sum() if k in sums else col.max() if k in maxes else col.mean())
-        return out
-
-
-def global_advantages(runtime: MeshRuntime | None, estimator: str, shaped: np.ndarray,
-                      group_valid: np.ndarray, *, eps: float) -> np.ndarray:
-    """Advantages of this process's kept groups, normalised over the whole (all-process) batch
-    as the paper's REINFORCE++-baseline whitening requires."""
-    if runtime is None or runtime.num_processes == 1:
-        return np.asarray(algo.compute_advantages(estimator, shaped, group_valid, eps=eps))
-    all_shaped = runtime.allgather_rows(shaped)
-    all_valid = runtime.allgather_rows(group_valid)
-    adv = np.asarray(algo.compute_advantages(estimator, all_shaped, all_valid, eps=eps))
-    g = shaped.shape[0]
-    return adv[runtime.process_index * g:(runtime.process_index + 1) * g]

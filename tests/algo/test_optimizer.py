@@ -6,22 +6,20 @@ import numpy as np
 import optax
 import pytest
 
-from brorl_jax.algo import OptimizerConfig, explain_scaled_learning_rate, make_optimizer, scaled_learning_rate
+from brorl_jax.algo import make_optimizer, scaled_learning_rate
 from brorl_jax.algo.length_penalty import apply_length_penalty, cosine_length_reward, length_penalty_active
-from brorl_jax.algo import AlgoConfig
+from brorl_jax.config import ConfigError, algo_config, optimizer_config
 
 
 def test_sqrt_rule_brorl_numbers():
     # ProRL baseline 512 x 16 = 8192 samples/step -> BroRL 128 x 512 = 65536: x sqrt(8)
     assert scaled_learning_rate(1e-6, 8192, 65536) == pytest.approx(1e-6 * math.sqrt(8))
-    text = explain_scaled_learning_rate(1e-6, 8192, 65536)
-    assert "sqrt(65536 / 8192)" in text and "2.8284" in text and "2.82843e-06" in text
     with pytest.raises(ValueError):
         scaled_learning_rate(1e-6, 0, 10)
 
 
 def test_adamw_constant_lr_default_and_global_norm_clip():
-    cfg = OptimizerConfig(learning_rate=0.1, max_grad_norm=1.0, weight_decay=0.0)
+    cfg = optimizer_config(lr=0.1, grad_clip=1.0, weight_decay=0.0)
     opt = make_optimizer(cfg)
     params = {"w": jnp.zeros(4)}
     state = opt.init(params)
@@ -36,14 +34,15 @@ def test_adamw_constant_lr_default_and_global_norm_clip():
 
 
 def test_lion_and_schedule_options():
-    opt = make_optimizer(OptimizerConfig(name="lion", learning_rate=0.01, weight_decay=0.0))
+    opt = make_optimizer(optimizer_config(name="lion", lr=0.01, weight_decay=0.0))
     params = {"w": jnp.ones(3)}
     upd, _ = opt.update({"w": jnp.array([1.0, -2.0, 0.5])}, opt.init(params), params)
     np.testing.assert_allclose(upd["w"], [-0.01, 0.01, -0.01], rtol=1e-6)   # sign update
-    sched_cfg = OptimizerConfig(schedule="warmup_cosine", warmup_steps=10, decay_steps=100)
+    sched_cfg = optimizer_config(schedule="warmup_cosine", warmup_steps=10)
+    assert (sched_cfg.warmup_updates, sched_cfg.decay_updates) == (10, 200)
     assert make_optimizer(sched_cfg) is not None
-    with pytest.raises(ValueError, match="name must be one of"):
-        OptimizerConfig(name="sgd")
+    with pytest.raises(ConfigError, match="'optim.name' is 'sgd'; allowed: 'adamw', 'lion'"):
+        optimizer_config(name="sgd")
 
 
 def test_cosine_length_penalty_and_schedule():
@@ -51,7 +50,7 @@ def test_cosine_length_penalty_and_schedule():
     np.testing.assert_allclose(eta, [0.0, -0.5, -1.0, -1.0], atol=1e-6)
     assert length_penalty_active(0, 100, 500) and length_penalty_active(99, 100, 500)
     assert not length_penalty_active(100, 100, 500) and length_penalty_active(600, 100, 500)
-    cfg = AlgoConfig(length_penalty=True, length_penalty_coef=0.5)
+    cfg = algo_config(length_penalty=True, length_penalty_coef=0.5, length_penalty_eta_min=-1.0)
     r = apply_length_penalty(np.ones((1, 2)), np.array([[0, 100]]), step=0, max_length=100, cfg=cfg)
     np.testing.assert_allclose(r, [[1.0, 0.5]])
     r_off = apply_length_penalty(np.ones((1, 2)), np.array([[0, 100]]), step=200, max_length=100, cfg=cfg)

@@ -8,16 +8,17 @@ import optax
 import pytest
 from conftest import TOY_POLICY, VOCAB, random_batch, toy_logits, toy_params
 
-from brorl_jax.algo import (AlgoConfig, DynamicSampler, OptimizerConfig, assemble_update_batch,
+from brorl_jax.algo import (Group, GroupSampler, assemble_groups, assemble_update_batch,
                             compute_advantages, create_train_state, make_logprob_fn, make_optimizer,
                             make_update_step, maybe_reset_reference, reset_reference)
+from brorl_jax.config import algo_config, optimizer_config
 
 
 def _cfg(**kw):
     base = dict(rollouts_per_prompt=4, prompts_per_step=2, micro_batch_size=2, ppo_mini_batches=1,
-                kl_coef=0.05, temperature=0.8, entropy_coef=0.01)
+                kl_coef=0.05, temperature=0.8, entropy_coef=0.01, tis_mode="ice_pop", tis_high=5.0)
     base.update(kw)
-    return AlgoConfig(**base)
+    return algo_config(**base)
 
 
 def _naive_logp_entropy(params, batch, temperature):
@@ -62,7 +63,7 @@ def test_update_equals_independent_loss_and_gradient():
 
 def test_micro_batch_size_does_not_change_the_update():
     batch = random_batch(rows=8, seq=6, seed=1, pad_rows=2)
-    opt = make_optimizer(OptimizerConfig(learning_rate=1e-2))
+    opt = make_optimizer(optimizer_config(lr=1e-2))
     results = []
     for micro in (1, 4):
         for agg in ("token_mean", "seq_mean_token_mean"):
@@ -137,7 +138,7 @@ def test_reference_reset_zeroes_kl_and_keeps_or_clears_optimizer(reset_optimizer
 def test_maybe_reset_reference_follows_interval():
     opt = optax.adam(1e-3)
     state = create_train_state(toy_params(), opt)
-    cfg = _cfg(ref_reset_interval=3)
+    cfg = _cfg(ref_reset_every=3)
     for step, expect in [(0, False), (2, False), (3, True), (6, True), (7, False)]:
         _, did = maybe_reset_reference(state.replace(step=jnp.int32(step)), cfg, opt)
         assert did == expect
@@ -155,13 +156,15 @@ def test_dynamic_sampling_padding_keeps_shapes_no_recompilation():
     shapes = []
     for rewards in (np.array([[1, 0], [0, 1], [1, 0]]),     # nothing filtered
                     np.array([[1, 1], [0, 1], [0, 0]])):    # two groups filtered -> padded
-        s = DynamicSampler.from_config(cfg)
-        s.add(rewards, {"prompt": np.arange(3), "tokens": rng.integers(1, VOCAB, (3, 2, 4)),
-                        "logprobs": rng.normal(size=(3, 2, 4)) - 3, "mask": np.ones((3, 2, 4), bool)})
-        out, valid, _ = s.finalize()
-        adv = compute_advantages(cfg.advantage_estimator, out["rewards"], valid)
-        batch = assemble_update_batch([prompts[i] for i in out["prompt"]], out["tokens"], out["logprobs"],
-                                      out["mask"], adv, valid, seq_len=8)
+        s = GroupSampler.from_config(cfg)
+        tokens = rng.integers(1, VOCAB, (3, 2, 4))
+        logprobs = rng.normal(size=(3, 2, 4)) - 3
+        s.add_round([Group(prompts[i], tokens[i], logprobs[i], np.ones((2, 4), bool),
+                           np.full(2, 4), rewards[i].astype(np.float32),
+                           rewards[i].astype(np.float32)) for i in range(3)])
+        kept = s.groups
+        adv = np.asarray(compute_advantages(cfg.advantage, np.stack([g.shaped for g in kept])))
+        batch = assemble_groups(kept, list(adv), rows=cfg.batch_rows, seq_len=8)
         shapes.append({k: v.shape for k, v in batch.items()})
         _, m = update(state, batch, jax.random.PRNGKey(0))
         assert float(m["finite"]) == 1.0
@@ -171,11 +174,11 @@ def test_dynamic_sampling_padding_keeps_shapes_no_recompilation():
     assert float(m["n_tokens"]) == 8
 
 
-def test_assemble_update_batch_layout():
+def test_assemble_update_batch_padded_layout():
     batch = assemble_update_batch([[7, 8]], np.array([[[1, 2, 3], [4, 5, 6]]]),
                                   np.array([[[-1., -2., -3.], [-4., -5., -6.]]]),
                                   np.array([[[True, True, False], [True, True, True]]]),
-                                  np.array([[0.5, -0.5]]), seq_len=6)
+                                  np.array([[0.5, -0.5]]), seq_len=6, pack=False)
     np.testing.assert_array_equal(batch["input_tokens"], [[7, 8, 1, 2, 3, 0], [7, 8, 4, 5, 6, 0]])
     np.testing.assert_array_equal(batch["targets"], [[8, 1, 2, 3, 0, 0], [8, 4, 5, 6, 0, 0]])
     np.testing.assert_array_equal(batch["loss_mask"], [[0, 1, 1, 0, 0, 0], [0, 1, 1, 1, 0, 0]])
@@ -187,11 +190,13 @@ def test_assemble_update_batch_layout():
 
 
 def test_bad_batch_gives_clear_error():
-    cfg = _cfg(micro_batch_size=3)
-    update = make_update_step(None, cfg, optax.adam(1e-3), policy=TOY_POLICY)
+    from brorl_jax.config import ConfigError
+    with pytest.raises(ConfigError, match="'algo.micro_batch_size'=3 does not divide"):
+        _cfg(micro_batch_size=3)
+    update = make_update_step(None, _cfg(), optax.adam(1e-3), policy=TOY_POLICY)
     state = create_train_state(toy_params(), optax.adam(1e-3))
     with pytest.raises(ValueError, match="micro_batch_size"):
-        update(state, random_batch(rows=8), None)
+        update(state, random_batch(rows=7), None)
     bad = random_batch(rows=8)
     del bad["ref_logprobs"]
     with pytest.raises(ValueError, match="missing \\['ref_logprobs'\\]"):
@@ -217,7 +222,7 @@ def test_real_transformer_logprobs_and_update():
     np.testing.assert_allclose(logp, ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(stats["sum_p2"], jnp.sum(jnp.exp(2 * ref_all), -1), rtol=1e-5)
     batch["ref_logprobs"] = np.asarray(logp)
-    opt = make_optimizer(OptimizerConfig(learning_rate=1e-3))
+    opt = make_optimizer(optimizer_config(lr=1e-3))
     state = create_train_state(params, opt)
     new_state, m = jax.jit(make_update_step(mc, cfg, opt))(state, batch, jax.random.PRNGKey(0))
     assert float(m["finite"]) == 1.0 and float(m["optimizer_steps"]) == 2

@@ -4,7 +4,7 @@ Usage: python _multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR STEP
 Each process has 2 CPU devices (XLA_FLAGS set by the test); the global mesh is data=2 x fsdp=2.
 Both processes build the same initial params (same seed), feed ONLY their own rows of every
 global batch (jax.make_array_from_process_local_data via distributed.global_batch), run STEPS
-real update steps (algo.make_update_step through sharded.make_sharded_update), save the state
+real update steps (algo.make_update_step through algo_sharded.make_sharded_update), save the state
 with orbax collectively (train.checkpoint.Checkpointer), restore it, and write the gathered
 final params and the restored ones to OUT_DIR/params_<pid>.npz.
 """
@@ -28,6 +28,7 @@ def main(pid: int, nproc: int, port: int, out_dir: str, steps: int) -> None:
     from _multiprocess_common import ALGO, make_optimizer_for_test, initial_params
     from brorl_jax.algo import create_train_state
     from brorl_jax.parallel import sharded
+    from brorl_jax.algo import sharded as algo_sharded
     from brorl_jax.parallel.distributed import global_batch, process_rows
     from brorl_jax.parallel.mesh import make_mesh
 
@@ -38,7 +39,7 @@ def main(pid: int, nproc: int, port: int, out_dir: str, steps: int) -> None:
     params = initial_params(cfg)
     host_state = jax.device_get(create_train_state(params, optimizer))
     batch0 = update_batch(16, 16, cfg.vocab_size, seed=0)
-    update, sh = sharded.make_sharded_update(cfg, ALGO, optimizer, mesh, host_state, batch0)
+    update, sh = algo_sharded.make_sharded_update(cfg, ALGO, optimizer, mesh, host_state, batch0)
     state = sharded.place(host_state, sh["state"])
     rows = process_rows(16)
     for step in range(steps):

@@ -16,9 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from brorl_jax.algo import AlgoConfig, create_train_state, make_logprob_fn, make_update_step
+from brorl_jax.algo import create_train_state, make_logprob_fn, make_update_step
+from brorl_jax.config import algo_config
 from brorl_jax.models import Model, ModelConfig, init_params
 from brorl_jax.parallel import sharded
+from brorl_jax.algo import sharded as algo_sharded
 from brorl_jax.parallel.mesh import make_mesh
 from brorl_jax.parallel.vocab_parallel import sharded_fused_logprob, vocab_parallel_logprob
 from brorl_jax.rollout import Engine, generate, rollout_bytes
@@ -58,7 +60,10 @@ def main(out_path: str, layouts: str) -> None:
     cfg = tiny_config()
     params = jax.tree.map(lambda x: x * 4.0 if x.ndim >= 2 else x,
                           init_params(cfg, jax.random.PRNGKey(0)))
-    algo_cfg = AlgoConfig(ppo_mini_batches=2, micro_batch_size=8, kl_coef=1e-3)
+    # ICE-POP without dual-clip: see tests/parallel/_multiprocess_common.py (Adam's first step
+    # turns a layout's float noise on a ~1e-8 gradient into a visible difference otherwise)
+    algo_cfg = algo_config(ppo_mini_batches=2, micro_batch_size=8, kl_coef=1e-3, tis_mode="ice_pop",
+                           tis_high=5.0, dual_clip_c=0.0)
     optimizer = optax.adamw(1e-2)
     batch = update_batch(16, 16, cfg.vocab_size)
     rng = jax.random.PRNGKey(7)
@@ -111,7 +116,7 @@ def main(out_path: str, layouts: str) -> None:
         mesh = make_mesh(sizes)
         tag = layout
         # update: donated state, sharded batch
-        fn, sh = sharded.make_sharded_update(cfg, algo_cfg, optimizer, mesh, state0, batch)
+        fn, sh = algo_sharded.make_sharded_update(cfg, algo_cfg, optimizer, mesh, state0, batch)
         # from host copies: device_put may reuse the single-device buffers, which donation deletes
         st = sharded.place(jax.device_get(create_train_state(params, optimizer)), sh["state"])
         new_state, metrics = fn(st, sharded.place(batch, sh["batch"]), rng)
@@ -124,16 +129,16 @@ def main(out_path: str, layouts: str) -> None:
         out[f"{tag}/q_proj_shard_shape"] = np.asarray(q.addressable_shards[0].data.shape)
         # log-probs: through the update's hooks (default), plain GSPMD ("algo"), and the
         # standalone vocab-parallel step
-        lfn, lsh = sharded.make_sharded_logprob(cfg, algo_cfg, mesh, params, batch,
+        lfn, lsh = algo_sharded.make_sharded_logprob(cfg, algo_cfg, mesh, params, batch,
                                                 micro_batch_size=8)
         logp, ent, _ = lfn(sharded.place(params, lsh["params"]), sharded.place(batch, lsh["batch"]))
         out[f"{tag}/logp"], out[f"{tag}/entropy"] = np.asarray(logp), np.asarray(ent)
-        gfn, _ = sharded.make_sharded_logprob(cfg, algo_cfg, mesh, params, batch,
+        gfn, _ = algo_sharded.make_sharded_logprob(cfg, algo_cfg, mesh, params, batch,
                                               micro_batch_size=8, logprob="algo")
         glogp, gent, _ = gfn(sharded.place(params, lsh["params"]),
                              sharded.place(batch, lsh["batch"]))
         out[f"{tag}/gspmd_logp"], out[f"{tag}/gspmd_entropy"] = np.asarray(glogp), np.asarray(gent)
-        vfn, vsh = sharded.make_vocab_parallel_logprob(cfg, mesh, params, batch,
+        vfn, vsh = algo_sharded.make_vocab_parallel_logprob(cfg, mesh, params, batch,
                                                       micro_batch_size=8, block_t=32)
         vlogp, vent = vfn(sharded.place(params, vsh["params"]), sharded.place(batch, vsh["batch"]))
         out[f"{tag}/vp_logp"], out[f"{tag}/vp_entropy"] = np.asarray(vlogp), np.asarray(vent)

@@ -7,6 +7,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from brorl_jax.models import ModelConfig, init_params
 from brorl_jax.parallel import sharded
+from brorl_jax.algo import sharded as algo_sharded
 
 MESH = AbstractMesh((2, 4, 1), ("data", "fsdp", "tensor"))
 
@@ -22,8 +23,8 @@ def _params():
 
 def test_train_state_shardings_adam_moments_follow_params_and_counters_replicate():
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
-    state = sharded.abstract_train_state(_params(), opt)
-    sh = sharded.train_state_shardings(state, MESH)
+    state = algo_sharded.abstract_train_state(_params(), opt)
+    sh = algo_sharded.train_state_shardings(state, MESH)
     q = sh.params["layers"]["q_proj"]["kernel"].spec
     assert q == P(None, "fsdp", "tensor")      # D over fsdp, heads over tensor (size 1 here)
     adam = sh.opt_state[1][0]

@@ -30,16 +30,15 @@ def main(workdir: str, out: str, overrides: list[str]) -> None:
         cfg[section][name] = type(cfg[section][name])(json.loads(value))
     trainer = Trainer(cfg, workdir)
     try:
-        trainer.run()
-        params = trainer.state.params
+        params = trainer.run().state.params
         if jax.process_count() > 1:
             params = multihost_utils.process_allgather(params, tiled=True)
         flat = {jax.tree_util.keystr(p): np.asarray(x)
                 for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
         np.savez(out, **flat)
         print(json.dumps({"pid": jax.process_index(), "devices": jax.device_count(),
-                          "mesh": None if trainer.runtime is None else
-                          dict(trainer.runtime.mesh.shape)}), flush=True)
+                          "mesh": dict(getattr(trainer.runtime, "mesh", {}) and
+                                       trainer.runtime.mesh.shape) or None}), flush=True)
     finally:
         trainer.close()
     if jax.process_count() > 1:

@@ -66,12 +66,17 @@ def test_kill_and_resume_is_bit_identical(uninterrupted, tmp_path):
     workdir = tmp_path / "killed"
     metrics = workdir / "metrics.jsonl"
 
-    # 1. SIGKILL at an arbitrary moment after step 2 was logged (checkpoints are every step).
+    # 1. SIGKILL at an arbitrary moment after step 2 was logged (checkpoints are every step)
+    #    and a checkpoint is complete (orbax commits asynchronously; on a loaded machine the
+    #    step-1 save can still be running when step 2 is logged).
     proc = subprocess.Popen(_cmd(workdir), cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
+    committed = lambda: any((workdir / "checkpoints" / str(s) / "commit_success.txt").exists()
+                            for s in range(1, STEPS))
     deadline = time.time() + 600
     while time.time() < deadline:
-        if metrics.exists() and any(r["step"] >= 2 for r in read_metrics(str(metrics))):
+        if metrics.exists() and any(r["step"] >= 2 for r in read_metrics(str(metrics))) \
+                and committed():
             break
         assert proc.poll() is None, "run ended before it could be killed"
         time.sleep(0.2)

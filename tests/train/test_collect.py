@@ -1,0 +1,221 @@
+"""The one collect path (brorl_jax/train/collect.py): with every option off it is the paper's
+recipe step by step; with options on it changes what they say, compiles no more once its shapes
+are warm, and its state survives a checkpoint (exact resume)."""
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from brorl_jax import algo
+from brorl_jax.config import algo_config, optimizer_config
+from brorl_jax.rollout import bucket_num_prompts
+from brorl_jax.train.collect import round_seed
+from brorl_jax.train.loop import Trainer
+from configs import tiny
+
+
+def fake_score(records, tokens, lengths):
+    """Deterministic rewards [G, N]: prompts with an even answer are easy (3/4 of the samples
+    correct), odd ones hard (1/10, at least one), so groups are mixed and buckets differ."""
+    g, n = lengths.shape
+    out = np.zeros((g, n), np.float32)
+    for i, rec in enumerate(records):
+        frac = 0.75 if int(rec["ground_truth"]) % 2 == 0 else 0.1
+        out[i, :max(1, round(frac * n))] = 1.0
+    return out
+
+
+def test_options_off_is_the_paper_recipe_by_hand(tmp_path):
+    """The collect's batch equals the recipe written out: one round of generation, scoring,
+    0 < #correct < N, REINFORCE++-baseline over the kept groups' tokens, assemble_update_batch. Option
+    keys set explicitly to their off values change nothing."""
+    cfg = tiny.get_config()
+    cfg.algo.kl_coef = 0.0
+    off = cfg.copy_and_resolve_references()
+    off.rollout.temperature_schedule, off.rollout.adaptive_n = "", False
+    off.rollout.overgenerate_factor = 1.0
+    off.algo.reward_clip_low, off.algo.reward_clip_high = -math.inf, math.inf
+    off.algo.advantage_normalizer = "batch"
+    assert algo_config(off) == algo_config(cfg) and optimizer_config(off) == optimizer_config(cfg)
+    trainer = Trainer(cfg, str(tmp_path / "a"))
+    try:
+        trainer.score = fake_score
+        batch, stats = trainer.collect(trainer.model.params, iter(trainer.loader), 0)
+        # by hand
+        prompts = next(iter(trainer.loader))
+        res = trainer.generate(trainer.model.params, prompts["prompt_ids"],
+                               n=cfg.rollout.rollouts_per_prompt,
+                               temperature=cfg.rollout.temperature,
+                               seed=round_seed(cfg.train.seed, 0, 0))
+        rewards = fake_score(prompts["records"], res.tokens, res.lengths)
+    finally:
+        trainer.close()
+    kept = np.flatnonzero(algo.select_groups(rewards))[:cfg.algo.prompts_per_step]
+    assert len(kept) == cfg.algo.prompts_per_step and stats["dynamic_sampling/rounds"] == 1
+    adv = algo.compute_advantages("reinforce_pp_baseline", rewards[kept],
+                                  lengths=res.lengths[kept])     # token-weighted, as veRL
+    want = algo.assemble_update_batch(
+        [list(prompts["prompt_ids"][i]) for i in kept], res.tokens[kept], res.logprobs[kept],
+        res.mask[kept], adv, seq_len=trainer.seq_len, pad_id=trainer.pad_id,
+        mini_batches=cfg.algo.ppo_mini_batches)                       # packed, the default
+    assert sorted(batch) == sorted(want)
+    for k in want:
+        np.testing.assert_array_equal(batch[k], want[k], err_msg=k)
+    assert stats["dynamic_sampling/kept_groups"] == len(kept)
+    assert stats["dynamic_sampling/padded_groups"] == 0
+
+
+def _options_config(steps=2, train_size=10):
+    c = tiny.get_config()
+    c.data.train_size = train_size         # prompts come back, so their pass rates are known
+    c.algo.generation_batch_multiplier = 1.0
+    c.algo.kl_coef = 0.0
+    c.algo.advantage_normalizer, c.algo.advantage_ema_decay = "ema", 0.5
+    c.algo.reward_clip_low, c.algo.reward_clip_high = 0.0, 0.5
+    c.rollout.adaptive_n = True
+    c.rollout.adaptive_n_buckets, c.rollout.adaptive_n_thresholds = "4,8,12", "0.6,0.3"
+    c.rollout.adaptive_n_ema_decay = 0.0
+    c.rollout.overgenerate_factor = 1.5
+    c.rollout.temperature_schedule = "0:0.8,1000:0.7"
+    c.optim.name, c.optim.schedule, c.optim.warmup_steps = "lion", "warmup_cosine", 1
+    c.sft.steps = 0
+    c.algo.micro_batch_tokens = 24 + 8       # one packed row per micro-batch: grad_var defined
+    c.eval.num_prompts, c.eval.samples_per_prompt = 2, 2
+    c.train.steps = steps
+    return c
+
+
+def test_scheduled_temperature_changes_the_update_config_per_phase():
+    c = tiny.get_config()
+    c.rollout.temperature_schedule = "0:1.3,2:0.9,4:1.0"
+    from brorl_jax.train.collect import Collector
+
+    class OneProcess:
+        num_processes = 1
+    coll = Collector(c, algo_config(c), OneProcess(), seq_len=8, pad_id=0)
+    temps = [coll.update_config(s).temperature for s in range(6)]
+    assert temps == [1.3, 1.3, 0.9, 0.9, 1.0, 1.0]
+    assert coll.update_config(4) is coll.algo_cfg           # 1.0 = the default config
+    # one compiled pair per distinct config: the runtime keys its programs by AlgoConfig
+    assert len({coll.update_config(s) for s in range(6)}) == 3
+
+
+@pytest.fixture(scope="module")
+def options_trainer(tmp_path_factory):
+    trainer = Trainer(_options_config(), str(tmp_path_factory.mktemp("options")))
+    trainer.score = fake_score
+    yield trainer
+    trainer.close()
+
+
+def _compiles():
+    counter = [0]
+
+    def listen(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            counter[0] += 1
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    return counter, listen
+
+
+def test_adaptive_n_does_not_recompile_once_buckets_are_warm(options_trainer):
+    """Steps whose rollout shapes (N bucket x power-of-two prompt count) were all seen before
+    compile nothing: not the rollout, not the update (fixed row budget), not the advantages."""
+    trainer = options_trainer
+    shapes_seen, calls = set(), []
+    real_generate = trainer.generate
+
+    def generate(params, prompt_ids, *, n, **kw):
+        calls.append((bucket_num_prompts(len(prompt_ids)), n, kw["temperature"]))
+        return real_generate(params, prompt_ids, n=n, **kw)
+
+    trainer.generate = generate
+    counter, listener = _compiles()
+    state = trainer.new_state(jax.tree.map(jnp.copy, trainer.model.params))  # update donates
+    data_iter = iter(trainer.loader)
+    warm_steps, warm_mixed, n_values, batch_shapes = 0, 0, set(), set()
+    try:
+        for step in range(8):
+            calls.clear()
+            before = counter[0]
+            batch, stats = trainer.collect(state.params, data_iter, step)
+            state, m = trainer.runtime.update(trainer.collector.update_config(step), state, batch,
+                                              jax.random.fold_in(jax.random.key(0), step))
+            jax.block_until_ready(state.params)
+            compiled = counter[0] - before
+            shape = tuple(sorted((k, v.shape) for k, v in batch.items()))
+            new = (set(calls) | {shape}) - shapes_seen
+            shapes_seen |= set(calls) | {shape}
+            batch_shapes.add(shape)
+            n_values |= {n for n in (4, 8, 12) if stats.get(f"adaptive_n/prompts_n{n}", 0)}
+            assert {c[1] for c in calls} <= {6, 12, 18}        # ceil(1.5 * N) candidates
+            assert {c[2] for c in calls} == {0.8}              # the scheduled temperature
+            if step > 0 and not new:     # rollout buckets and packed row bucket all seen
+                assert compiled == 0, f"step {step} recompiled {compiled}x with warm buckets"
+                warm_steps += 1
+                warm_mixed += len({c[1] for c in calls}) >= 2     # several buckets in one step
+            assert 4 <= stats["monitor/n_mean"] <= 12
+            assert stats["monitor/selection_kept_frac"] == pytest.approx(2 / 3)
+            assert np.isfinite(float(m["grad_var"]))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+        trainer.generate = real_generate
+    assert warm_steps >= 2 and warm_mixed >= 1 and n_values >= {4, 12}
+    # packed rows of width prompt + response, their count in a few buckets
+    assert len(batch_shapes) <= 3
+    assert all(dict(sh)["input_tokens"][1] == 24 + 8 for sh in batch_shapes)
+
+
+def test_options_run_end_to_end_and_resume_exactly(tmp_path):
+    """Trainer.run with every option on logs the options' metrics; a run stopped after step 1
+    and resumed gives the same final parameters and policy state (pass rates, advantage EMA) as
+    an uninterrupted one: the state travels in the checkpoint meta."""
+    from brorl_jax.train.checkpoint import Checkpointer
+    from brorl_jax.train.logger import read_metrics
+
+    def run(steps, workdir):
+        # two prompts, both in every step: step 2 picks N from step 1's pass rates
+        trainer = Trainer(_options_config(steps, train_size=2), str(workdir))
+        trainer.score = fake_score
+        try:
+            result = trainer.run()
+        finally:
+            trainer.close()
+        return trainer, result
+
+    whole, result = run(2, tmp_path / "whole")
+    records = read_metrics(os.path.join(whole.workdir, "metrics.jsonl"))
+    steps = [r for r in records if r["step"] > 0]
+    assert len(steps) == 2
+    for r in steps:
+        for key in ("monitor/n_mean", "adaptive_n/prompts_n8", "monitor/selection_kept_frac",
+                    "monitor/selection_unique_frac", "reward/clipped_frac", "advantage/ema_std",
+                    "monitor/effective_update_ratio", "monitor/path_diversity",
+                    "monitor/ngram3_diversity", "monitor/reward_entropy", "update/grad_var"):
+            assert key in r, key
+        assert r["rollout/temperature"] == 0.8 and r["reward/clipped_frac"] > 0
+    assert steps[0]["adaptive_n/prompts_n8"] == 2                          # unseen: middle
+    assert (steps[1]["adaptive_n/prompts_n4"], steps[1]["adaptive_n/prompts_n12"]) == (1, 1)
+    # linear warm-up from 0 over 1 RL step, then cosine decay (to 0.1 x lr at train.steps)
+    assert steps[0]["optim/lr"] == 0.0
+    assert steps[1]["optim/lr"] == pytest.approx(whole.lr)
+    saved = whole.collector.state_dict()
+    assert saved["pass_rates"] and saved["advantage_normalizer"]["ema_std"] > 0
+    ckpt = Checkpointer(os.path.join(whole.workdir, "checkpoints"))
+    try:
+        _, meta = ckpt.restore(2, result.state)
+    finally:
+        ckpt.close()
+    assert meta["collect_per_process"] == [json.loads(json.dumps(saved))]
+
+    run(1, tmp_path / "resumed")
+    resumed, resumed_result = run(2, tmp_path / "resumed")
+    assert resumed.collector.state_dict() == saved
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(result.state.params),
+                            jax.tree_util.tree_leaves(resumed_result.state.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                      err_msg=jax.tree_util.keystr(path))
