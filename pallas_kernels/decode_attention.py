@@ -57,38 +57,50 @@ from pallas_kernels import _backend
 from pallas_kernels._backend import interpret_mode
 
 _IMPLS = ("auto", "reference", "pallas")
-_FAMILIES = ("triton", "mosaic")
+_DTYPES = ("float32", "bfloat16", "float16")
 _NEG = -1e30  # finite "minus infinity": keeps exp() and max() NaN-free on fully masked rows
+# Query rows per Triton prompt-tile program (tile x padded query heads per KV head): its q block,
+# scores and accumulator stay within an H100's shared memory with 64-position prompt blocks.
+TRITON_TILE_ROWS = 128
 
 
-def resolve_impl(impl: str) -> str:
-    """"auto" -> the Pallas kernels on GPU/TPU, the jnp reference on CPU (interpreting is slow)."""
-    return _backend.resolve_impl(impl, _IMPLS, on_cpu="reference")
+def decode_attention_unsupported_reason(dtype=None, page_size: int | None = None,
+                                       family: str | None = None, *,
+                                       in_shard_map: bool = False) -> str | None:
+    """None when the Pallas kernels compile for a KV store of ``dtype`` in pages of
+    ``page_size`` positions on the current target (see ``_backend.compile_target``), else why
+    not; ``impl="auto"`` then uses the jnp reference (logged once). ``in_shard_map``: the caller
+    runs the kernels inside ``shard_map`` (the rollout engine), so a mesh being traced under does
+    not matter."""
+    if dtype is not None and jnp.dtype(dtype).name not in _DTYPES:
+        return (f"KV dtype {jnp.dtype(dtype).name} (the kernels take {_DTYPES}; a uint16 store "
+                "of bfloat16 bit patterns is the CPU reference's)")
+    if not in_shard_map and _backend.under_auto_partitioned_mesh():
+        return "traced under a mesh outside shard_map (GSPMD cannot partition a Pallas call)"
+    if page_size is not None:
+        fam = _backend.kernel_family(family)
+        if page_size % 8 or (fam == "triton" and (page_size < 16 or page_size & (page_size - 1))):
+            return (f"page size {page_size}: the kernels read whole pages, a multiple of 8 "
+                    "(TPU sublanes), a power of two >= 16 on GPU (Triton dot)")
+    return None
 
 
-def kernel_family(family: str | None = None) -> str:
-    """Which kernel structure to trace: "mosaic" (scalar-prefetch grid, TPU) or "triton" (in-kernel
-    loops over global memory, GPU). Default: "mosaic" when tracing for TPU, else "triton"; on CPU
-    both interpret (tests run both)."""
-    if family is None:
-        return "mosaic" if _backend.backend() == "tpu" else "triton"
-    if family not in _FAMILIES:
-        raise ValueError(f"family must be one of {_FAMILIES}, got {family!r}")
-    if not interpret_mode() and family != kernel_family():
-        raise ValueError(f"family={family!r} cannot compile for {_backend.backend()!r}")
-    return family
+def resolve_impl(impl: str, dtype=None, page_size: int | None = None, *,
+                 in_shard_map: bool = False) -> str:
+    """"auto" -> the Pallas kernels on GPU/TPU, the jnp reference on CPU (interpreting is slow)
+    or where the kernels do not compile for this KV store (decode_attention_unsupported_reason;
+    logged once); an explicit "pallas" that cannot compile raises the reason."""
+    check = lambda: decode_attention_unsupported_reason(dtype, page_size,
+                                                        in_shard_map=in_shard_map)
+    return _backend.resolve_impl(impl, _IMPLS, on_cpu="reference", kernel="decode_attention",
+                                 check=check)
 
 
-def _compiler_params(family: str, dimension_semantics: tuple[str, ...]):
-    """GPU: Triton, explicitly (jax 0.10 sends a pallas_call without parameters to Mosaic GPU).
-    TPU: Mosaic with the grid's dimension semantics. None when interpreting."""
-    if interpret_mode():
-        return None
-    if family == "triton":
-        from jax.experimental.pallas import triton as pltriton
-        return pltriton.CompilerParams(num_warps=4, num_stages=2)
-    from jax.experimental.pallas import tpu as pltpu
-    return pltpu.CompilerParams(dimension_semantics=dimension_semantics)
+def default_page_size() -> int:
+    """Positions per page of own KV the kernels are built for on the current target: 128 on TPU
+    (a page is one (128, Dh) VMEM block of the scalar-prefetch grid), else 16 (>= 16 rows per
+    Triton dot; the jnp reference's block)."""
+    return 128 if _backend.backend() == "tpu" else 16
 
 
 def default_tile(num_slots: int, num_prefixes: int) -> int:
@@ -351,9 +363,16 @@ def _finish(state):
     return o, lse
 
 
-def _dot_t(a, b):
-    """a [M, D] x b [N, D]^T -> [M, N] in float32."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+def _qk(q, k):
+    """Scores q [M, D] x k [N, D]^T -> [M, N]: operands in the KV's dtype (bfloat16 tensor-core /
+    MXU dots for a bfloat16 model, as the reference), accumulated in float32."""
+    return jax.lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+
+def _pv(p, v):
+    """p [M, N] (float32 softmax weights) x v [N, D] in v's dtype, accumulated in float32."""
+    return jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
 
 def _prefix_kernel_triton(layer_ref, tp_ref, nt_ref, plen_ref, q_ref, pk_ref, pv_ref, o_ref,
@@ -365,7 +384,7 @@ def _prefix_kernel_triton(layer_ref, tp_ref, nt_ref, plen_ref, q_ref, pk_ref, pv
     @pl.when(i < nt_ref[0])
     def _():
         layer, kp = layer_ref[0], tp_ref[i]
-        q = q_ref[...].astype(jnp.float32)
+        q = q_ref[...]
         rows, dh = q.shape
         plen = plen_ref[kp]
         state = (jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32),
@@ -373,11 +392,11 @@ def _prefix_kernel_triton(layer_ref, tp_ref, nt_ref, plen_ref, q_ref, pk_ref, pv
 
         def body(j, st):
             start = pl.multiple_of(j * block_p, block_p)
-            k = pk_ref[layer, kp, pl.ds(start, block_p), :].astype(jnp.float32)
-            v = pv_ref[layer, kp, pl.ds(start, block_p), :].astype(jnp.float32)
+            k = pk_ref[layer, kp, pl.ds(start, block_p), :]
+            v = pv_ref[layer, kp, pl.ds(start, block_p), :]
             pos = start + jax.lax.broadcasted_iota(jnp.int32, (rows, block_p), 1)
-            return _online_step(st, _dot_t(q, k), pos < plen,
-                                lambda p: jnp.dot(p, v, preferred_element_type=jnp.float32))
+            return _online_step(st, _qk(q, k), pos < plen,
+                                lambda p: _pv(p, v))
 
         o, lse = _finish(jax.lax.fori_loop(0, (plen + block_p - 1) // block_p, body, state))
         o_ref[...] = o.astype(o_ref.dtype)
@@ -392,7 +411,7 @@ def _prefix_kernel_mosaic(layer_ref, tp_ref, nt_ref, plen_ref, q_ref, pk_ref, pv
 
     @pl.when(i < nt_ref[0])
     def _():
-        q = q_ref[...].astype(jnp.float32)
+        q = q_ref[...]
         rows, dh = q.shape
         plen = plen_ref[tp_ref[i]]
         state = (jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32),
@@ -400,11 +419,11 @@ def _prefix_kernel_mosaic(layer_ref, tp_ref, nt_ref, plen_ref, q_ref, pk_ref, pv
 
         def body(j, st):
             start = pl.multiple_of(j * block_p, block_p)
-            k = pk_ref[pl.ds(start, block_p), :].astype(jnp.float32)
-            v = pv_ref[pl.ds(start, block_p), :].astype(jnp.float32)
+            k = pk_ref[pl.ds(start, block_p), :]
+            v = pv_ref[pl.ds(start, block_p), :]
             pos = start + jax.lax.broadcasted_iota(jnp.int32, (rows, block_p), 1)
-            return _online_step(st, _dot_t(q, k), pos < plen,
-                                lambda p: jnp.dot(p, v, preferred_element_type=jnp.float32))
+            return _online_step(st, _qk(q, k), pos < plen,
+                                lambda p: _pv(p, v))
 
         o, lse = _finish(jax.lax.fori_loop(0, (plen + block_p - 1) // block_p, body, state))
         o_ref[...] = o.astype(o_ref.dtype)
@@ -417,7 +436,7 @@ def _own_kernel_triton(layer_ref, table_ref, slen_ref, q_ref, pk_ref, pv_ref, o_
     pages (table_ref [B, MP])."""
     b = pl.program_id(0)
     layer = layer_ref[0]
-    q = q_ref[...].astype(jnp.float32)
+    q = q_ref[...]
     rows, dh = q.shape
     page = pk_ref.shape[2]
     slen = slen_ref[b]
@@ -426,11 +445,11 @@ def _own_kernel_triton(layer_ref, table_ref, slen_ref, q_ref, pk_ref, pv_ref, o_
 
     def body(j, st):
         idx = table_ref[b, j]
-        k = pk_ref[layer, idx, :, :].astype(jnp.float32)
-        v = pv_ref[layer, idx, :, :].astype(jnp.float32)
+        k = pk_ref[layer, idx, :, :]
+        v = pv_ref[layer, idx, :, :]
         pos = j * page + jax.lax.broadcasted_iota(jnp.int32, (rows, page), 1)
-        return _online_step(st, _dot_t(q, k), pos < slen,
-                            lambda p: jnp.dot(p, v, preferred_element_type=jnp.float32))
+        return _online_step(st, _qk(q, k), pos < slen,
+                            lambda p: _pv(p, v))
 
     o, lse = _finish(jax.lax.fori_loop(0, (slen + page - 1) // page, body, state))
     o_ref[...] = o.astype(o_ref.dtype)
@@ -453,13 +472,12 @@ def _own_kernel_mosaic(layer_ref, table_ref, last_ref, slen_ref, q_ref, sk_ref, 
 
     @pl.when(j <= last_ref[b])
     def _():
-        q = q_ref[...].astype(jnp.float32)
-        k = sk_ref[...].astype(jnp.float32)
-        v = sv_ref[...].astype(jnp.float32)
+        q = q_ref[...]
+        k = sk_ref[...]
+        v = sv_ref[...]
         pos = j * block_s + jax.lax.broadcasted_iota(jnp.int32, (q.shape[0], block_s), 1)
-        m, l, acc = _online_step((m_sc[...][:, 0], l_sc[...][:, 0], acc_sc[...]), _dot_t(q, k),
-                                 pos < slen_ref[b],
-                                 lambda p: jnp.dot(p, v, preferred_element_type=jnp.float32))
+        m, l, acc = _online_step((m_sc[...][:, 0], l_sc[...][:, 0], acc_sc[...]), _qk(q, k),
+                                 pos < slen_ref[b], lambda p: _pv(p, v))
         m_sc[...] = m[:, None]
         l_sc[...] = l[:, None]
         acc_sc[...] = acc
@@ -483,10 +501,12 @@ def slot_decode_attention_pallas(
     is read a page at a time (pages of >= 16 positions on GPU, a multiple of 8 on TPU)."""
     _check_slot_shapes(q, prefix_k, prefix_v, prefix_len, prefix_index, pages_k, pages_v,
                        page_table, suffix_len, layer)
-    family = kernel_family(family)
-    if jnp.uint16 in (prefix_k.dtype, pages_k.dtype):
-        raise ValueError("the Pallas kernels take float KV stores (uint16 bit patterns are the "
-                         "CPU reference's)")
+    family = _backend.kernel_family(family)
+    reason = decode_attention_unsupported_reason(
+        jnp.uint16 if jnp.uint16 in (prefix_k.dtype, pages_k.dtype) else pages_k.dtype,
+        pages_k.shape[-2], family, in_shard_map=True)   # a mesh: the caller's choice to make
+    if reason is not None:
+        raise ValueError(f"slot_decode_attention_pallas: {reason}")
     interpret = interpret_mode()
     if layer is None:
         layer = 0
@@ -497,15 +517,16 @@ def slot_decode_attention_pallas(
     n_pages, page = pages_k.shape[1], pages_k.shape[3]
     max_pages = page_table.shape[1]
     s_len = max_pages * page
-    if page % 8 or (family == "triton" and page < 16):
-        raise ValueError(f"page size {page} must be a multiple of 8 (and >= 16 on GPU) for the "
-                         "Pallas kernels")
     page_table = jnp.clip(page_table.astype(jnp.int32), 0, n_pages - 1)
     g = h // hkv
     scale = dh**-0.5 if scale is None else scale
-    tile = default_tile(b, k_pool) if tile is None else int(tile)
     # query rows per (slot, KV head) padded to a power of two (Triton: >= 16 for its dot)
     gp = max(16 if family == "triton" else 8, _pow2(g))
+    if tile is None:
+        tile = default_tile(b, k_pool)
+        if family == "triton":   # a tile's q rows, scores and accumulator fit shared memory
+            tile = max(1, min(tile, TRITON_TILE_ROWS // gp))
+    tile = int(tile)
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     plan = plan_tiles(prefix_index, suffix_len, num_prefixes=k_pool, tile=tile, max_suffix=s_len)
     slen = jnp.where(prefix_index >= 0, suffix_len, 0).astype(jnp.int32)
@@ -517,7 +538,9 @@ def slot_decode_attention_pallas(
     qt = jnp.where((rs >= 0)[:, None, None, None], qs[jnp.maximum(rs, 0)], 0)
     qt = qt.reshape(n_tiles, tile, hkv, gp, dh).transpose(0, 2, 1, 3, 4).reshape(
         n_tiles, hkv, rows, dh)
-    block_p = block_p or min(128, _round_up(p_len, 16))
+    if not block_p:   # Triton: power-of-two blocks; Mosaic: whole sublane groups
+        block_p = (min(64, max(16, _pow2(p_len))) if family == "triton"
+                   else min(128, _round_up(p_len, 16)))
     p_pad = _round_up(p_len, block_p)
     if p_pad != p_len:   # only the compat path and odd prompt buckets get here (copies the pool)
         pad = ((0, 0), (0, 0), (0, 0), (0, p_pad - p_len), (0, 0))
@@ -537,7 +560,8 @@ def slot_decode_attention_pallas(
             out_specs=[pl.BlockSpec((None, None, rows, dh), lambda i, k: (i, k, 0, 0)),
                        pl.BlockSpec((None, None, rows, 1), lambda i, k: (i, k, 0, 0))],
             out_shape=out_shapes, interpret=interpret,
-            compiler_params=_compiler_params(family, ("parallel", "parallel")),
+            compiler_params=_backend.compiler_params(
+                family, dimension_semantics=("parallel", "parallel")),
             name="slot_decode_attention_prefix",
         )(*scalars, qt, prefix_k, prefix_v)
     else:
@@ -553,7 +577,8 @@ def slot_decode_attention_pallas(
                 out_specs=[qo_spec,
                            pl.BlockSpec((None, None, rows, 1), lambda i, k, *_: (i, k, 0, 0))]),
             out_shape=out_shapes, interpret=interpret,
-            compiler_params=_compiler_params(family, ("parallel", "parallel")),
+            compiler_params=_backend.compiler_params(
+                family, dimension_semantics=("parallel", "parallel")),
             name="slot_decode_attention_prefix",
         )(*scalars, qt, prefix_k, prefix_v)
     # back from tile rows to slots (tiles past num_tiles hold garbage: masked out)
@@ -578,7 +603,8 @@ def slot_decode_attention_pallas(
             in_specs=[full(layer_arr), full(page_table), full(slen), qo_spec, kv_spec, kv_spec],
             out_specs=[qo_spec, pl.BlockSpec((None, None, gp, 1), lambda i, k: (i, k, 0, 0))],
             out_shape=own_shapes, interpret=interpret,
-            compiler_params=_compiler_params(family, ("parallel", "parallel")),
+            compiler_params=_backend.compiler_params(
+                family, dimension_semantics=("parallel", "parallel")),
             name="slot_decode_attention_own",
         )(layer_arr, page_table, slen, qs, pages_k, pages_v)
     else:
@@ -600,7 +626,8 @@ def slot_decode_attention_pallas(
                                 pltpu.VMEM((gp, 1), jnp.float32),
                                 pltpu.VMEM((gp, dh), jnp.float32)]),
             out_shape=own_shapes, interpret=interpret,
-            compiler_params=_compiler_params(family, ("parallel", "parallel", "arbitrary")),
+            compiler_params=_backend.compiler_params(
+                family, dimension_semantics=("parallel", "parallel", "arbitrary")),
             name="slot_decode_attention_own",
         )(layer_arr, page_table.reshape(-1), last, slen, qs, pages_k, pages_v)
     out = _merge(o_pref, lse_pref, o_s, lse_s[..., 0])          # [B, Hkv, Gp, Dh]
@@ -628,8 +655,8 @@ def slot_decode_attention(
       impl: "auto" (kernels on GPU/TPU, reference on CPU), "reference" or "pallas".
     Returns ``out[B, H, Dh]`` = softmax attention over prompt ++ own KV, q's dtype.
     """
-    fn = (slot_decode_attention_pallas if resolve_impl(impl) == "pallas"
-          else slot_decode_attention_reference)
+    pallas = resolve_impl(impl, pages_k.dtype, pages_k.shape[-2]) == "pallas"
+    fn = slot_decode_attention_pallas if pallas else slot_decode_attention_reference
     return fn(q, prefix_k, prefix_v, prefix_len, prefix_index, pages_k, pages_v, page_table,
               suffix_len, layer=layer, scale=scale)
 
@@ -735,7 +762,7 @@ def shared_prefix_decode_attention(
     copies the KV into the slot layout per call; a decode loop keeps its pools in that layout
     and calls :func:`slot_decode_attention`.)
     """
-    if resolve_impl(impl) == "pallas":
+    if resolve_impl(impl, suffix_k.dtype) == "pallas":
         return shared_prefix_decode_attention_pallas(
             q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, suffix_len,
             prefix_index=prefix_index, scale=scale)
