@@ -43,12 +43,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from brorl_jax.models import ModelConfig
+from brorl_jax.models.transformer import dtype_of
 from brorl_jax.rollout import programs
-from brorl_jax.rollout.plan import (KV_FRACTION, MIN_SLOTS, PAGE_SIZE, PREFILL_SCORE_BYTES,
-                                    SCHEDULES, TPU_PAGE_SIZE, SlotPlan, bucket_prompt_length,
+from brorl_jax.rollout.plan import (KV_FRACTION, MIN_SLOTS, PREFILL_SCORE_BYTES, SCHEDULES,
+                                    SlotPlan, bucket_prompt_length, pages_for, pool_size_for,
                                     plan_slots, resolve_eos_ids, slot_buckets, stop_table,
                                     validate_inputs)
-from pallas_kernels import _backend
 from pallas_kernels.decode_attention import resolve_impl as _resolve_attention_impl
 from pallas_kernels.sampling import resolve_impl as _resolve_sampling_impl
 
@@ -230,7 +230,8 @@ class Engine:
     Args:
       model_cfg: the model's ``ModelConfig``.
       mesh: a ``jax.sharding.Mesh`` of this process's devices (or an ``AbstractMesh`` to trace and
-        lower only); every program runs inside ``shard_map`` over all its axes. None: one device.
+        lower only); every program runs inside ``shard_map`` over all its axes. None: one device
+        (the same programs under plain jit).
       impl: kernels: "auto" (Pallas on GPU/TPU, jnp reference on CPU), "pallas" or "reference";
         or a mapping {"attention": ..., "sampling": ...} to choose per kernel.
       schedule: "continuous" (refill finished slots, compact the tail) or "lockstep".
@@ -256,16 +257,14 @@ class Engine:
         if not 0 < kv_fraction <= 1:
             raise ValueError(f"kv_fraction must be in (0, 1], got {kv_fraction!r}")
         self.kv_fraction = kv_fraction
-        if mesh is None:
-            mesh = Mesh(np.asarray(jax.devices()[:1]), ("devices",))
         if isinstance(mesh, Mesh) and jax.process_count() > 1:
             local = set(jax.local_devices())
             if not all(d in local for d in mesh.devices.flat):
                 raise ValueError("the rollout mesh must hold only this process's devices "
                                  "(jax.local_devices()); each process runs its own rollouts")
-        self.mesh = mesh
-        self.axes = tuple(mesh.axis_names)
-        self.num_devices = int(np.prod([mesh.shape[a] for a in self.axes]))
+        self.mesh = mesh            # None: one device, the programs run without shard_map
+        self.axes = () if mesh is None else tuple(mesh.axis_names)
+        self.num_devices = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in self.axes]))
         self._programs: dict = {}
 
     # ------------------------------------------------------------------ programs
@@ -277,7 +276,9 @@ class Engine:
             pool=plan.pool, share=plan.share,
             rollouts_per_prompt=int(rollouts_per_prompt), temperature=float(temperature),
             top_k=int(top_k), top_p=float(top_p),
-            attention_impl=_resolve_attention_impl(self._kernel_impls()[0]),
+            attention_impl=_resolve_attention_impl(
+                self._kernel_impls()[0], dtype_of(self.cfg.dtype), plan.page_size,
+                in_shard_map=True),     # a mesh's programs run under shard_map
             sampling_impl=_resolve_sampling_impl(self._kernel_impls()[1]),
             lockstep=self.schedule == "lockstep", min_slots=self.min_slots, axes=self.axes)
 
@@ -292,19 +293,24 @@ class Engine:
         else:
             raise ValueError(f"impl must be 'auto', 'pallas', 'reference' or a mapping with keys "
                              f"'attention'/'sampling', got {impl!r}")
-        _resolve_attention_impl(out[0]), _resolve_sampling_impl(out[1])
+        _resolve_attention_impl(out[0], in_shard_map=True), _resolve_sampling_impl(out[1])
         return out
 
     def _smap(self, fn, n_rep: int, n_dev: int, donate: tuple[int, ...] = ()):
         """jit(shard_map(fn)): the first n_rep arguments replicated, the next n_dev per device
-        (leading device axis); fn(dev_index, *rep, *per_device) -> (per_device_out, rep_out)."""
-        axes, dev = self.axes, P(self.axes)
+        (leading device axis); fn(dev_index, *rep, *per_device) -> (per_device_out, rep_out).
+        On one device (no mesh) the same body runs under plain jit (device axis of size 1)."""
+        axes = self.axes
 
         def per_device(*args):
             rep, devs = args[:n_rep], jax.tree.map(lambda x: x[0], args[n_rep:])
-            d_out, r_out = fn(jax.lax.axis_index(axes), *rep, *devs)
+            dev = jax.lax.axis_index(axes) if axes else jnp.int32(0)
+            d_out, r_out = fn(dev, *rep, *devs)
             return jax.tree.map(lambda x: x[None], d_out), r_out
 
+        if self.mesh is None:
+            return jax.jit(per_device, donate_argnums=donate)
+        dev = P(axes)
         mapped = jax.shard_map(per_device, mesh=self.mesh,
                                in_specs=(P(),) * n_rep + (dev,) * n_dev, out_specs=(dev, P()),
                                check_vma=False)
@@ -355,24 +361,27 @@ class Engine:
     def plan(self, num_prompts: int, prompt_len: int, rollouts_per_prompt: int,
              max_new_tokens: int, memory_budget_bytes: int | None = None) -> SlotPlan:
         """Slots, pages and pool entries per device for a call (see ``plan.plan_slots``)."""
-        page = self.page_size or (TPU_PAGE_SIZE if _backend.backend() == "tpu" else PAGE_SIZE)
         return plan_slots(self.cfg, num_prompts, prompt_len, rollouts_per_prompt, max_new_tokens,
                           memory_budget_bytes, num_devices=self.num_devices,
-                          min_slots=self.min_slots, page_size=page,
+                          min_slots=self.min_slots, page_size=self.page_size,
                           kv_fraction=self.kv_fraction)
 
-    def lower_decode(self, params: Any, *, prompt_len: int, rollouts_per_prompt: int,
-                     max_new_tokens: int, num_prompts: int = 1, slots: int | None = None,
-                     memory_budget_bytes: int | None = None, temperature: float = 1.0,
-                     top_k: int = 0, top_p: float = 1.0, platform: str | None = None):
-        """The decode program traced and lowered from ShapeDtypeStructs (nothing allocated):
-        ``params`` may be ShapeDtypeStructs. ``platform`` ("cuda"/"tpu") lowers for that target;
-        wrap the call in ``pallas_kernels.compile_target(platform)`` (and for "tpu" build the
-        engine on an AbstractMesh of TPU devices) so the kernels trace their compiled form."""
+    def decode_program(self, params: Any, *, prompt_len: int, rollouts_per_prompt: int,
+                       max_new_tokens: int, num_prompts: int = 1, slots: int | None = None,
+                       memory_budget_bytes: int | None = None, temperature: float = 1.0,
+                       top_k: int = 0, top_p: float = 1.0, sharding: Any = None):
+        """(the jitted decode program, its arguments as ShapeDtypeStructs) for a call of these
+        shapes, nothing allocated: ``params`` may be ShapeDtypeStructs; ``slots`` overrides the
+        budget's slot count (with its pool and ``kv_fraction`` of pages); ``sharding`` is put on
+        every argument (e.g. a device of a compile-only topology)."""
         plan = self.plan(num_prompts, prompt_len, rollouts_per_prompt, max_new_tokens,
                          memory_budget_bytes)
-        if slots is not None:
-            plan = dataclasses.replace(plan, slots=int(slots))
+        if slots is not None:   # that many slots, their pool and kv_fraction of their length
+            pages = pages_for(int(slots), max_new_tokens, plan.page_size, self.kv_fraction)
+            plan = dataclasses.replace(plan, slots=int(slots), num_pages=pages,
+                                       pool=pool_size_for(int(slots), plan.share, num_prompts),
+                                       buckets=slot_buckets(int(slots),
+                                                            min(self.min_slots, int(slots))))
         spec = self._spec(prompt_len=prompt_len, max_new_tokens=max_new_tokens, plan=plan,
                           rollouts_per_prompt=rollouts_per_prompt, temperature=temperature,
                           top_k=top_k, top_p=top_p)
@@ -380,15 +389,20 @@ class Engine:
         shapes = jax.eval_shape(lambda: (programs.init_pool(spec),
                                          programs.init_slots(spec, plan.slots),
                                          programs.init_kv(spec), programs.init_stats()))
-        sds = lambda x: jax.ShapeDtypeStruct((d,) + tuple(x.shape), x.dtype)
-        pool, slots_, kv, stats = jax.tree.map(sds, shapes)
-        abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-        args = (jax.tree.map(abstract, params),
-                jax.ShapeDtypeStruct((self.cfg.vocab_size,), jnp.bool_),
-                jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((), jnp.bool_),
-                pool, slots_, kv, stats)
-        traced = self._program("decode", spec).trace(*args)
-        return traced.lower(lowering_platforms=(platform,) if platform else None)
+        sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        state = jax.tree.map(lambda x: sds((d,) + tuple(x.shape), x.dtype), shapes)
+        args = (jax.tree.map(lambda x: sds(x.shape, x.dtype), params),
+                sds((self.cfg.vocab_size,), jnp.bool_), sds((2,), jnp.uint32),
+                sds((), jnp.bool_), *state)
+        return self._program("decode", spec), args
+
+    def lower_decode(self, params: Any, *, platform: str | None = None, **call):
+        """The decode program (:meth:`decode_program`, same keywords) traced and lowered.
+        ``platform`` ("cuda"/"tpu") lowers for that target; wrap the call in
+        ``pallas_kernels.compile_target(platform)`` (and for "tpu" build the engine on an
+        AbstractMesh of TPU devices) so the kernels trace their compiled form."""
+        fn, args = self.decode_program(params, **call)
+        return fn.trace(*args).lower(lowering_platforms=(platform,) if platform else None)
 
     # ------------------------------------------------------------------ calls
     def generate(self, params: Any, prompts: Sequence[Sequence[int]], **kwargs) -> RolloutResult:
@@ -403,7 +417,7 @@ class Engine:
 
         Arguments as in :func:`brorl_jax.rollout.generate`; ``eos_ids`` defaults to the config's
         ``eos_token_ids``. Inputs are checked here, before anything runs."""
-        if not isinstance(self.mesh, Mesh):
+        if self.mesh is not None and not isinstance(self.mesh, Mesh):
             raise ValueError("this engine's mesh is abstract: it can only lower (lower_decode)")
         cfg = self.cfg
         prompts = validate_inputs(cfg, prompts, rollouts_per_prompt, max_new_tokens,
@@ -420,7 +434,8 @@ class Engine:
         spec = self._spec(prompt_len=p, max_new_tokens=max_new_tokens, plan=plan,
                           rollouts_per_prompt=rollouts_per_prompt, temperature=temperature,
                           top_k=top_k, top_p=top_p)
-        params = jax.device_put(params, NamedSharding(self.mesh, P()))
+        if self.mesh is not None:       # replicated on the mesh once per call
+            params = jax.device_put(params, NamedSharding(self.mesh, P()))
         run = functools.partial(self._run, params, prompts, spec, plan, stop,
                                 np.asarray(jax.random.PRNGKey(seed)))
         return RolloutStream(run, background=background)

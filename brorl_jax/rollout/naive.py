@@ -17,7 +17,6 @@ import numpy as np
 
 from brorl_jax.models import ModelConfig, attention, embed, final_norm, layer_finish, layer_qkv
 from brorl_jax.models import lm_logits
-from brorl_jax.models.transformer import dtype_of
 from brorl_jax.rollout.engine import RolloutResult
 from brorl_jax.rollout.plan import (PREFILL_SCORE_BYTES, bucket_num_prompts, bucket_prompt_length,
                                     pad_prompts, resolve_eos_ids, validate_inputs)

@@ -14,14 +14,11 @@ import numpy as np
 
 from brorl_jax.models import ModelConfig
 from brorl_jax.models.transformer import dtype_of
+from pallas_kernels.decode_attention import default_page_size
 
 # Attention-score bytes allowed per prefill call ([Ga, H, P, P] f32); more prompts are admitted in
 # several calls.
 PREFILL_SCORE_BYTES = 256 * 2**20
-# Positions per page of own KV (the slots' KV is paged: a page table per slot). 16 suits the
-# jnp reference (its block) and Triton (>= 16 rows per dot); TPU kernels read 128 at a time.
-PAGE_SIZE = 16
-TPU_PAGE_SIZE = 128
 # The share of a slot's capacity (max_new_tokens) its KV pages cover on average, in a memory
 # budget: lengths are long-tailed, so the live KV of a slot averages well below its capacity.
 # A sample that finds no free page waits (its RNG is keyed by step index, so nothing changes);
@@ -61,30 +58,34 @@ def kv_bytes(cfg: ModelConfig, num_sequences: int, length: int) -> int:
             * cfg.head_dim * _itemsize(cfg))
 
 
-def cache_len(max_new_tokens: int, page_size: int = PAGE_SIZE) -> int:
+def cache_len(max_new_tokens: int, page_size: int | None = None) -> int:
     """Positions a slot can hold: max_new_tokens rounded up to whole pages."""
+    page_size = page_size or default_page_size()
     return -(-max_new_tokens // page_size) * page_size
 
 
-def page_bytes(cfg: ModelConfig, page_size: int = PAGE_SIZE) -> int:
+def page_bytes(cfg: ModelConfig, page_size: int | None = None) -> int:
     """One page of own KV: K and V of ``page_size`` positions, all layers."""
+    page_size = page_size or default_page_size()
     return kv_bytes(cfg, 1, page_size)
 
 
-def slot_bytes(cfg: ModelConfig, max_new_tokens: int, page_size: int = PAGE_SIZE) -> int:
+def slot_bytes(cfg: ModelConfig, max_new_tokens: int, page_size: int | None = None) -> int:
     """Device memory of one decode slot besides its KV pages: its logits row and the sampling
     temporaries (~4 f32 rows of V), activations, attention temporaries, its page-table row."""
+    page_size = page_size or default_page_size()
     activations = 4 * (4 * cfg.hidden_size + 3 * cfg.intermediate_size
                        + 4 * cfg.num_attention_heads * cfg.head_dim)
     pages = cache_len(max_new_tokens, page_size) // page_size
     return 4 * 4 * cfg.vocab_size + activations + 4 * pages + 64
 
 
-def pages_for(slots: int, max_new_tokens: int, page_size: int = PAGE_SIZE,
+def pages_for(slots: int, max_new_tokens: int, page_size: int | None = None,
               kv_fraction: float = KV_FRACTION) -> int:
     """Pages planned for ``slots`` slots: ``kv_fraction`` of their full length (the share of a
     slot's capacity that is live on average), never less than one whole sample nor than one page
     per slot."""
+    page_size = page_size or default_page_size()
     full = cache_len(max_new_tokens, page_size) // page_size
     return max(full, slots, math.ceil(slots * full * kv_fraction))
 
@@ -146,10 +147,11 @@ def slot_buckets(slots: int, min_slots: int = MIN_SLOTS) -> tuple[int, ...]:
 
 def rollout_bytes(cfg: ModelConfig, num_prompts: int, prompt_len: int, rollouts_per_prompt: int,
                   max_new_tokens: int, slots: int, *, num_devices: int = 1,
-                  page_size: int = PAGE_SIZE, kv_fraction: float = KV_FRACTION,
+                  page_size: int | None = None, kv_fraction: float = KV_FRACTION,
                   num_pages: int | None = None) -> int:
     """Working memory per device of ``slots`` decode slots, their KV pages (``num_pages``, default
     :func:`pages_for`) and their prompt pool."""
+    page_size = page_size or default_page_size()
     share = -(-rollouts_per_prompt // num_devices)
     if num_pages is None:
         num_pages = pages_for(slots, max_new_tokens, page_size, kv_fraction)
@@ -163,7 +165,7 @@ def rollout_bytes(cfg: ModelConfig, num_prompts: int, prompt_len: int, rollouts_
 
 def plan_slots(cfg: ModelConfig, num_prompts: int, prompt_len: int, rollouts_per_prompt: int,
                max_new_tokens: int, memory_budget_bytes: int | None, *, num_devices: int = 1,
-               min_slots: int = MIN_SLOTS, page_size: int = PAGE_SIZE,
+               min_slots: int = MIN_SLOTS, page_size: int | None = None,
                kv_fraction: float = KV_FRACTION) -> SlotPlan:
     """Decode slots, KV pages and prompt-pool entries per device from the memory budget.
 
@@ -174,6 +176,7 @@ def plan_slots(cfg: ModelConfig, num_prompts: int, prompt_len: int, rollouts_per
     pages take the rest of the budget. A budget below one slot with one whole sample's pages and
     its pool raises ``ValueError`` naming the minimum.
     """
+    page_size = page_size or default_page_size()
     if not 0 < kv_fraction <= 1:
         raise ValueError(f"kv_fraction must be in (0, 1], got {kv_fraction}")
     share = -(-rollouts_per_prompt // num_devices)

@@ -66,7 +66,7 @@ class Spec:
     sampling_impl: str
     lockstep: bool
     min_slots: int
-    axes: tuple[str, ...]      # mesh axes the devices span (collectives)
+    axes: tuple[str, ...]      # mesh axes the devices span (collectives); () on one device
 
 
 # ----------------------------------------------------------------------------------------------
@@ -157,7 +157,7 @@ def init_kv(spec: Spec) -> dict:
     c = spec.cfg
     shape = (c.num_hidden_layers, spec.num_pages + 1, c.num_key_value_heads, spec.page_size,
              c.head_dim)
-    dt = kv_store_dtype(c)
+    dt = kv_store_dtype(c, spec.attention_impl)
     return dict(pages_k=jnp.zeros(shape, dt), pages_v=jnp.zeros(shape, dt),
                 free=jnp.arange(spec.num_pages + 1, dtype=jnp.int32),
                 top=jnp.asarray(spec.num_pages, jnp.int32))
@@ -236,8 +236,9 @@ def release(pool, free):
 
 def summary(pool, slots, spec: Spec, stats_steps=0) -> dict:
     """Replicated progress numbers (over all devices): complete groups, pending and live samples."""
-    psum = lambda x: jax.lax.psum(x, spec.axes)
-    pmax = lambda x: jax.lax.pmax(x, spec.axes)
+    # over the devices of a mesh (under shard_map); one device: the values themselves
+    psum = (lambda x: jax.lax.psum(x, spec.axes)) if spec.axes else (lambda x: x)
+    pmax = (lambda x: jax.lax.pmax(x, spec.axes)) if spec.axes else (lambda x: x)
     done_all = psum(pool["done"])
     complete = (pool["gid"] >= 0) & (done_all >= spec.rollouts_per_prompt)
     pending = jnp.sum(jnp.where(pool["gid"] >= 0, pool["qlen"] - pool["qnext"], 0))
@@ -283,21 +284,35 @@ def _refill(pool, slots, spec: Spec, allow, cap):
     return dict(pool, qnext=qnext), slots, take
 
 
-def kv_store_dtype(cfg: ModelConfig):
-    """dtype of the own-KV store: the compute dtype, except bfloat16 on CPU, kept as uint16 bit
-    patterns (XLA's CPU backend computes a bfloat16 scatter in float32, converting the whole store
-    per layer and step; the attention reads the blocks back as bfloat16)."""
+def kv_store_dtype(cfg: ModelConfig, attention_impl: str = "reference"):
+    """dtype of the own-KV store: the compute dtype, except bfloat16 on CPU under the jnp
+    reference, kept as uint16 bit patterns (XLA's CPU backend computes a bfloat16 scatter in
+    float32, converting the whole store per layer and step; the reference reads the blocks back
+    as bfloat16; the Pallas kernels take float stores)."""
     dt = jnp.dtype(dtype_of(cfg.dtype))
-    return jnp.dtype(jnp.uint16) if dt == jnp.bfloat16 and _backend.backend() == "cpu" else dt
+    if dt == jnp.bfloat16 and _backend.backend() == "cpu" and attention_impl == "reference":
+        return jnp.dtype(jnp.uint16)
+    return dt
 
 
 def _write_kv(pages, layer, page, offset, values):
-    """pages[layer, page[b], :, offset[b], :] = values[b]: one scatter, in place. In bounds by
-    construction (``promise_in_bounds``: a bounds-checked scatter costs a pass over the pool)."""
+    """pages[layer, page[b], h, offset[b], :] = values[b, h]: one scatter, in place. In bounds by
+    construction (``promise_in_bounds``: a bounds-checked scatter costs a pass over the pool).
+
+    The store is scattered as rows ``[L * NP * Hkv, ps, Dh]`` (a free reshape), so the only
+    window dimension is the minor ``Dh``: a scatter whose window is ``(Hkv, Dh)`` with the page
+    offset between them makes XLA's TPU layout assignment pick a layout with ``Hkv`` next to
+    ``Dh`` for the store, and then copy the whole page pool into the attention kernel's layout
+    at every layer of every step."""
     if pages.dtype == jnp.uint16:
         values = jax.lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint16)
-    return pages.at[layer, page, :, offset, :].set(values.astype(pages.dtype),
-                                                   mode="promise_in_bounds")
+    n_layers, n_pages, hkv, ps, dh = pages.shape
+    b = page.shape[0]
+    rows = ((layer * n_pages + page)[:, None] * hkv + jnp.arange(hkv)[None, :]).reshape(b * hkv)
+    flat = pages.reshape(n_layers * n_pages * hkv, ps, dh)
+    flat = flat.at[rows, jnp.repeat(offset, hkv)].set(
+        values.reshape(b * hkv, dh).astype(pages.dtype), mode="promise_in_bounds")
+    return flat.reshape(pages.shape)
 
 
 def _forward(params, pool, slots, kv, go, spec: Spec):
