@@ -42,7 +42,7 @@ TARGETS = {
 }
 KERNELS = ("sample_tokens", "sample_tokens_greedy", "sample_tokens_top_k_top_p",
            "sample_tokens_triton", "fused_logprob_fwd", "fused_logprob_fwd_bwd",
-           "decode_attention")
+           "decode_attention", "decode_attention_slots", "rollout_decode")
 GPU_ONLY = ("sample_tokens_triton",)   # the jax_triton kernel
 # The H100 GpuTargetConfig (text proto) XLA compiles against (the values of a real H100 80GB HBM3's device description).
 H100_TARGET_CONFIG = """
@@ -62,7 +62,7 @@ device_description_str: "NVIDIA H100 80GB HBM3"
 TPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-4",
            "TPU_WORKER_HOSTNAMES": "localhost"}
 # Pallas kernel names (pallas_call name=...) whose resources are reported.
-_KERNEL_NAMES = ("sample_tokens", "fused_logprob", "shared_prefix_decode_attention")
+_KERNEL_NAMES = ("sample_tokens", "fused_logprob", "slot_decode_attention")
 
 
 def _short(msg: str, limit: int = 220) -> str:
@@ -119,6 +119,43 @@ def _build(kernel: str, model: str, dtype: str, sharding):
                 sds((b, n), jnp.int32))
         fn = lambda *a: pk.shared_prefix_decode_attention(*a, impl="pallas")
         shape = f"B{b} N{n} H{m.heads}/{m.kv_heads} P{p} S{s}"
+    elif kernel == "decode_attention_slots":
+        from pallas_kernels.decode_attention import default_page_size, slot_decode_attention
+        c = tg.SLOT_DECODE_ATTENTION
+        b, k, p, s, nl = c["slots"], c["pool"], c["prompt"], c["own"], c["layers"]
+        page = default_page_size()      # under compile_target: the target's page size
+        n_pages = int(b * s // page * c["page_fraction"])
+        pool = sds((nl, k, m.kv_heads, p, m.head_dim))
+        pages = sds((nl, n_pages, m.kv_heads, page, m.head_dim))
+        i32 = lambda *shape: sds(shape, jnp.int32)
+        args = (sds((b, m.heads, m.head_dim)), pool, pool, i32(k), i32(b), pages, pages,
+                i32(b, s // page), i32(b), i32())
+        fn = lambda q, pk_, pv, pln, pidx, gk, gv, tab, sln, layer: slot_decode_attention(
+            q, pk_, pv, pln, pidx, gk, gv, tab, sln, layer=layer, impl="pallas")
+        shape = (f"slots {b} H{m.heads}/{m.kv_heads} pool {k}x{p} own {s} in "
+                 f"{n_pages} pages of {page}")
+    elif kernel == "rollout_decode":
+        # the rollout's whole decode program (brorl_jax.rollout.Engine: refill, pages, layers
+        # with the slot attention kernels, the sampling kernel) for a 2-layer model of these
+        # widths at the shapes of tg.SLOT_DECODE_ATTENTION
+        from brorl_jax.models import ModelConfig, init_params
+        from brorl_jax.rollout import Engine
+        c = tg.SLOT_DECODE_ATTENTION
+        cfg = ModelConfig(
+            model_type=m.model_type, vocab_size=m.vocab, hidden_size=m.hidden,
+            intermediate_size=m.intermediate, num_hidden_layers=c["layers"],
+            num_attention_heads=m.heads, num_key_value_heads=m.kv_heads, head_dim=m.head_dim,
+            rope_theta=1e6, rope_scaling=None, rms_norm_eps=1e-6,
+            attention_bias=m.model_type == "qwen2", qk_norm=m.model_type == "qwen3",
+            tie_word_embeddings=m.tie_word_embeddings, max_position_embeddings=2 * c["own"],
+            bos_token_id=None, eos_token_ids=(2,), param_dtype=dtype, dtype=dtype)
+        engine = Engine(cfg, impl="pallas", kv_fraction=c["page_fraction"])
+        fn, args = engine.decode_program(
+            jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0))),
+            prompt_len=c["prompt"], rollouts_per_prompt=512, max_new_tokens=c["own"],
+            num_prompts=c["pool"], slots=c["slots"], sharding=sharding)
+        shape = (f"{c['layers']} layers, {c['slots']} slots, pool {c['pool']}x{c['prompt']}, "
+                 f"S {c['own']}")
     else:
         raise ValueError(f"unknown kernel {kernel!r}; choose from {KERNELS}")
     return fn, args, shape
@@ -181,13 +218,15 @@ def run_one(target: str, kernel: str, model: str, dtype: str) -> dict:
         else:
             topo = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu")
         mesh = jax.sharding.Mesh(topo.devices[:1], ("x",))
-        fn, args, out["shape"] = _build(kernel, model, dtype, NamedSharding(mesh, P()))
+        with pk.compile_target(platform):      # shapes that follow the target (page size)
+            fn, args, out["shape"] = _build(kernel, model, dtype, NamedSharding(mesh, P()))
         if kernel in GPU_ONLY:   # jax_triton writes PTX and compile_info (shared memory) here
             from jax_triton import triton_lib
             triton_lib._JAX_TRITON_DUMP_DIR = dump_dir
         t0 = time.perf_counter()
         with pk.compile_target(platform), jax.set_mesh(mesh):
-            lowered = jax.jit(fn).trace(*args).lower()
+            jitted = fn if hasattr(fn, "trace") else jax.jit(fn)   # keep a program's donation
+            lowered = jitted.trace(*args).lower()
             out["lower_s"] = round(time.perf_counter() - t0, 2)
             text = lowered.as_text()
             call = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}[platform]

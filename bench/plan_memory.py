@@ -9,9 +9,9 @@ and prints compiled.memory_analysis() per device next to the hand calculation of
                  device), the peak of the gradient-accumulation loop
   update_full    the whole step: 65,536 rows, 4 PPO mini-batches, 256 micro-batches each
   logprob        reference / pi_old log-probs of the whole step's batch
-  decode         one rollout decode chunk: the 128 (96 bucketed) prompts of a generation round
-                 x 32 of their 1024 samples, 15,360 new tokens, bf16 params replicated,
-                 prompts over fsdp and samples over data (64 per device), prompt KV shared
+  decode         the rollout's decode program (rollout.Engine on the mesh, under shard_map):
+                 the decode slots the memory budget gives each device, its prompt pool and
+                 results, 15,360 new tokens, bf16 params replicated
 
 Each update/log-prob step is compiled with the model's plain [B, H, T, T] attention and with
 query-chunked attention (brorl_jax/models/chunked_attention.py) to show what the T x T scores cost,
@@ -98,18 +98,16 @@ def hand_calculation(mc, *, fsdp: int, devices: int, seq: int, rows_per_step: in
     return out
 
 
-def rollout_hand(mc, *, g: int, n_chunk: int, prompt_len: int, new_tokens: int, fsdp: int,
-                 devices: int) -> dict:
-    """Rollout decode, per device: G prompts over fsdp, n_chunk samples per prompt over data."""
+def rollout_hand(mc, *, slots: int, pool: int, prompt_len: int, new_tokens: int) -> dict:
+    """Rollout decode, per device: `slots` decode slots, `pool` prompts' KV."""
     kv_per_token = mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * 2  # bf16
     n_params = sum(x.size for x in jax.tree.leaves(
         jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0)))))
-    per_device = g * n_chunk / devices
     return {
         "rollout_params_bf16_replicated": n_params * 2,
-        "rollout_prompt_kv (G/fsdp prompts)": g / fsdp * prompt_len * kv_per_token,
-        "rollout_suffix_kv (samples/device)": per_device * new_tokens * kv_per_token,
-        "rollout_logits_f32 (x4 sampling temps)": per_device * mc.vocab_size * 4 * 4,
+        "rollout_prompt_kv (pool prompts)": pool * prompt_len * kv_per_token,
+        "rollout_slot_kv (slots/device)": slots * new_tokens * kv_per_token,
+        "rollout_logits_f32 (x4 sampling temps)": slots * mc.vocab_size * 4 * 4,
         "kv_per_sample": new_tokens * kv_per_token,
     }
 
@@ -203,30 +201,31 @@ def main(argv=None) -> int:
                 record(f"logprob[{tag}]", fn, params, batch)
 
     if "decode" in steps:
-        from brorl_jax.rollout import engine
+        from brorl_jax.rollout import Engine
+        from brorl_jax.rollout.plan import bucket_num_prompts
         rmc = brorl_64gpu.qwen2_1p5b(param_dtype="bfloat16")   # the rollout's bf16 copy
         p, s = cfg.data.max_prompt_len, cfg.rollout.max_new_tokens
-        g = engine.bucket_num_prompts(math.ceil(prompts * cfg.algo.generation_batch_multiplier))
-        chunks, nc = engine.plan_chunks(rmc, g, p, n, s, int(cfg.rollout.memory_budget_gb * GIB))
-        chunks, nc = sharded.round_chunk_to_mesh(chunks, nc, n, mesh)
-        print(f"rollout: {g} prompts per generation round (bucketed), N={n} decoded in {chunks} "
-              f"chunks of {nc} samples per prompt -> {g * nc // NUM_DEVICES} samples per device",
-              flush=True)
+        g = bucket_num_prompts(math.ceil(prompts * cfg.algo.generation_batch_multiplier))
+        budget = int(cfg.rollout.memory_budget_gb * GIB)
+        engine = Engine(rmc, mesh=mesh, impl="reference")
+        plan = engine.plan(g, p, n, s, budget)
+        print(f"rollout: {g} prompts per generation round, N={n}: {plan.slots} decode slots and "
+              f"{plan.pool} pooled prompts per device ({plan.share} samples of each prompt per "
+              "device)", flush=True)
         rparams = jax.eval_shape(lambda: init_params(rmc, jax.random.PRNGKey(0)))
-        sh = sharded.rollout_shardings(rmc, mesh, rparams, num_prompts=g, prompt_len=p,
-                                       samples=nc, max_new_tokens=s, check_divisible=True)
-        dec = sharded.make_sharded_decode(rmc, sh, max_new_tokens=s, temperature=1.0, top_k=0,
-                                          top_p=1.0, eos_ids=rmc.eos_token_ids, impl="reference")
-        kv = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-        l, hkv, dh = rmc.num_hidden_layers, rmc.num_key_value_heads, rmc.head_dim
-        record(f"decode_chunk[G={g},n={nc}]", dec, rparams, kv((l, g, p, hkv, dh)),
-               kv((l, g, p, hkv, dh)), jax.ShapeDtypeStruct((g,), jnp.int32),
-               jax.ShapeDtypeStruct((g, rmc.vocab_size), jnp.float32),
-               jax.ShapeDtypeStruct((g, nc), jnp.int32), jax.ShapeDtypeStruct((g,), jnp.bool_),
-               jax.ShapeDtypeStruct((2,), jnp.uint32), kv((l, g, nc, s, hkv, dh)),
-               kv((l, g, nc, s, hkv, dh)))
-        hand.update(rollout_hand(rmc, g=g, n_chunk=nc, prompt_len=p, new_tokens=s,
-                                 fsdp=mesh.shape["fsdp"], devices=NUM_DEVICES))
+        t0 = time.perf_counter()
+        compiled = engine.lower_decode(rparams, prompt_len=p, rollouts_per_prompt=n,
+                                       max_new_tokens=s, num_prompts=g,
+                                       memory_budget_bytes=budget).compile()
+        row = memory_row(compiled)
+        row["compile_seconds"] = round(time.perf_counter() - t0, 1)
+        name = f"decode[slots={plan.slots},pool={plan.pool}]"
+        results["compiled"][name] = row
+        print(f"{name:32s} args {_fmt(row['argument_size'])} out {_fmt(row['output_size'])} "
+              f"alias {_fmt(row['alias_size'])} temp {_fmt(row['temp_size'])} | peak~ "
+              f"{_fmt(row['peak_estimate'])} ({row['compile_seconds']} s)", flush=True)
+        hand.update(rollout_hand(rmc, slots=plan.slots, pool=plan.pool, prompt_len=p,
+                                 new_tokens=s))
 
     print("\nhand calculation, per device:")
     for k, b in hand.items():

@@ -1,20 +1,49 @@
-"""Decode attention against a shared prompt KV plus per-sample KV (one prompt, N continuations).
+"""Decode attention of slots against a pool of shared prompt KVs plus each slot's own, paged KV.
 
-For prompt ``b`` with N samples, the key/value sequence of sample ``n`` is the concatenation of the
-prompt's KV (stored once, ``prefix_k[b]``) and the sample's own generated KV (``suffix_k[b, n]``).
-Softmax attention over a concatenation splits exactly into the two parts merged by their
-log-sum-exp (the online-softmax / flash-attention identity)::
+A decode *slot* holds one sample: its query ``q[b]``, its own generated KV (valid up to
+``suffix_len[b]``), kept in fixed-size *pages* of a page pool (position s of slot b lives in
+page ``page_table[b, s // page]`` at offset ``s % page``), and the index ``prefix_index[b]`` of
+its prompt in a pool of prompt KVs ``prefix_k[k]`` (valid up to ``prefix_len[k]``), each stored
+once and shared by every slot of that prompt. Softmax attention over ``prompt ++ own`` splits
+exactly into the two parts merged by their log-sum-exp (the online-softmax / flash-attention
+identity)::
 
-    o_p, lse_p = attend(q, prefix)          o_s, lse_s = attend(q, suffix)
+    o_p, lse_p = attend(q, prompt)          o_s, lse_s = attend(q, own)
     lse = logaddexp(lse_p, lse_s)
     out = exp(lse_p - lse) * o_p + exp(lse_s - lse) * o_s
 
-The prefix part is a matmul with ``N * H / Hkv`` query rows per KV head: all N samples of a prompt
-read its KV once, which turns the memory-bound decode attention over the prompt into a compute-bound
-one. GQA: query head ``h`` uses KV head ``h // (H // Hkv)`` (Hugging Face ``repeat_kv`` order).
+GQA: query head ``h`` uses KV head ``h // (H // Hkv)`` (Hugging Face ``repeat_kv`` order).
+Slots with ``prefix_index < 0`` are empty: their output is zeros. A row with no valid key at all
+returns zeros.
 
-Masks: prefix positions ``p < prefix_len[b]`` and suffix positions ``s < suffix_len[b, n]`` are valid
-(both right-padded). A row with no valid key at all returns zeros.
+**Tiles.** The prompt part is computed per *tile*: the slots are ordered by (prompt, own length
+descending) and each prompt's run of slots is cut into tiles of ``tile`` slots (the last one
+padded), so one tile holds slots of a single prompt and its ``[tile * H / Hkv, Dh] x [Dh, P]``
+matmul reads the prompt's KV once for all of them. At most ``B // tile + K`` tiles exist; only
+the ones in use are computed. ``plan_tiles`` builds this plan (jnp, on device).
+
+**Layouts** (head-major, so a TPU block's last two dims are (positions, Dh)):
+``q[B, H, Dh]``, ``prefix_k/v[K, Hkv, P, Dh]``, ``prefix_len[K]``, ``prefix_index[B]``,
+``pages_k/v[NP, Hkv, page, Dh]``, ``page_table[B, MP]``, ``suffix_len[B]``. With ``layer=l`` the
+prompt pool and the page pool carry a leading layer axis (``[L, K, ...]``, ``[L, NP, ...]``) and
+layer ``l`` is read in place (a decode loop's caches are never copied per layer).
+
+Three implementations of :func:`slot_decode_attention`:
+
+* ``reference`` (jnp): one ``lax.fori_loop`` over the prompt tiles in use, a matmul each; then the
+  slots sorted by own length in tiles of 16, each looping over its pages up to its longest slot
+  (the work follows the tokens generated, not the slots' capacity).
+* ``pallas``, Triton form (GPU): kernel 1, grid (tile, KV head), streams the tile's prompt KV in
+  blocks with an online softmax; kernel 2, grid (slot, KV head), streams the slot's pages up to
+  its length, read through the page table. The two results merge by log-sum-exp in jnp.
+* ``pallas``, Mosaic form (TPU): the same two kernels, with the tile plan and the page table as
+  scalar-prefetch arguments so each grid step's block (layer, prompt, page) comes from them:
+  pages past a slot's length are neither fetched again (their index map repeats the last one)
+  nor computed.
+
+:func:`shared_prefix_decode_attention` keeps the earlier grouped form
+(``q[B, N, H, Dh]`` with ``prefix_k[B, P, Hkv, Dh]`` shared by the N samples of row b, or by
+``prefix_index[b, n]`` into a pool; contiguous own KV ``[B, N, S, Hkv, Dh]``) on top of it.
 """
 from __future__ import annotations
 
@@ -28,33 +57,151 @@ from pallas_kernels import _backend
 from pallas_kernels._backend import interpret_mode
 
 _IMPLS = ("auto", "reference", "pallas")
+_DTYPES = ("float32", "bfloat16", "float16")
 _NEG = -1e30  # finite "minus infinity": keeps exp() and max() NaN-free on fully masked rows
+# Query rows per Triton prompt-tile program (tile x padded query heads per KV head): its q block,
+# scores and accumulator stay within an H100's shared memory with 64-position prompt blocks.
+TRITON_TILE_ROWS = 128
 
 
-def resolve_impl(impl: str) -> str:
-    """"auto" -> the Pallas kernel on GPU/TPU, the jnp reference on CPU (interpreting is slow)."""
-    return _backend.resolve_impl(impl, _IMPLS, on_cpu="reference")
+def decode_attention_unsupported_reason(dtype=None, page_size: int | None = None,
+                                       family: str | None = None, *,
+                                       in_shard_map: bool = False) -> str | None:
+    """None when the Pallas kernels compile for a KV store of ``dtype`` in pages of
+    ``page_size`` positions on the current target (see ``_backend.compile_target``), else why
+    not; ``impl="auto"`` then uses the jnp reference (logged once). ``in_shard_map``: the caller
+    runs the kernels inside ``shard_map`` (the rollout engine), so a mesh being traced under does
+    not matter."""
+    if dtype is not None and jnp.dtype(dtype).name not in _DTYPES:
+        return (f"KV dtype {jnp.dtype(dtype).name} (the kernels take {_DTYPES}; a uint16 store "
+                "of bfloat16 bit patterns is the CPU reference's)")
+    if not in_shard_map and _backend.under_auto_partitioned_mesh():
+        return "traced under a mesh outside shard_map (GSPMD cannot partition a Pallas call)"
+    if page_size is not None:
+        fam = _backend.kernel_family(family)
+        if page_size % 8 or (fam == "triton" and (page_size < 16 or page_size & (page_size - 1))):
+            return (f"page size {page_size}: the kernels read whole pages, a multiple of 8 "
+                    "(TPU sublanes), a power of two >= 16 on GPU (Triton dot)")
+    return None
 
 
-def _check_shapes(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, suffix_len) -> None:
-    if q.ndim != 4:
-        raise ValueError(f"q must be [B, N, H, Dh], got {q.shape}")
-    b, n, h, dh = q.shape
-    if prefix_k.ndim != 4 or prefix_k.shape[0] != b or prefix_k.shape[3] != dh:
-        raise ValueError(f"prefix_k must be [B={b}, P, Hkv, Dh={dh}], got {prefix_k.shape}")
-    hkv = prefix_k.shape[2]
+def resolve_impl(impl: str, dtype=None, page_size: int | None = None, *,
+                 in_shard_map: bool = False) -> str:
+    """"auto" -> the Pallas kernels on GPU/TPU, the jnp reference on CPU (interpreting is slow)
+    or where the kernels do not compile for this KV store (decode_attention_unsupported_reason;
+    logged once); an explicit "pallas" that cannot compile raises the reason."""
+    check = lambda: decode_attention_unsupported_reason(dtype, page_size,
+                                                        in_shard_map=in_shard_map)
+    return _backend.resolve_impl(impl, _IMPLS, on_cpu="reference", kernel="decode_attention",
+                                 check=check)
+
+
+def default_page_size() -> int:
+    """Positions per page of own KV the kernels are built for on the current target: 128 on TPU
+    (a page is one (128, Dh) VMEM block of the scalar-prefetch grid), else 16 (>= 16 rows per
+    Triton dot; the jnp reference's block)."""
+    return 128 if _backend.backend() == "tpu" else 16
+
+
+def default_tile(num_slots: int, num_prefixes: int) -> int:
+    """Slots per prompt tile: about the slots one prompt holds (so a tile is rarely padded), a
+    power of two in [8, 64]."""
+    per_prompt = max(1, num_slots // max(num_prefixes, 1))
+    return int(min(64, max(8, 1 << (per_prompt.bit_length() - 1))))
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+# ----------------------------------------------------------------------------------------------
+# Shapes
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_slot_shapes(q, prefix_k, prefix_v, prefix_len, prefix_index, pages_k, pages_v,
+                       page_table, suffix_len, layer) -> None:
+    lead = 0 if layer is None else 1
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, H, Dh], got {q.shape}")
+    b, h, dh = q.shape
+    if prefix_k.ndim != 4 + lead or prefix_k.shape[-1] != dh:
+        want = "[L, K, Hkv, P, Dh]" if lead else "[K, Hkv, P, Dh]"
+        raise ValueError(f"prefix_k must be {want} with Dh={dh}, got {prefix_k.shape}")
+    k_pool, hkv = prefix_k.shape[lead], prefix_k.shape[lead + 1]
     if h % hkv:
         raise ValueError(f"num heads H={h} must be a multiple of num kv heads Hkv={hkv}")
     if prefix_v.shape != prefix_k.shape:
         raise ValueError(f"prefix_v shape {prefix_v.shape} != prefix_k shape {prefix_k.shape}")
-    if suffix_k.ndim != 5 or suffix_k.shape[:2] != (b, n) or suffix_k.shape[3:] != (hkv, dh):
-        raise ValueError(f"suffix_k must be [B={b}, N={n}, S, Hkv={hkv}, Dh={dh}], got {suffix_k.shape}")
-    if suffix_v.shape != suffix_k.shape:
-        raise ValueError(f"suffix_v shape {suffix_v.shape} != suffix_k shape {suffix_k.shape}")
-    if prefix_len.shape != (b,):
-        raise ValueError(f"prefix_len must be [B={b}], got {prefix_len.shape}")
-    if suffix_len.shape != (b, n):
-        raise ValueError(f"suffix_len must be [B={b}, N={n}], got {suffix_len.shape}")
+    if pages_k.ndim != 4 + lead or pages_k.shape[lead + 1] != hkv or pages_k.shape[-1] != dh:
+        want = "[L, NP, Hkv, page, Dh]" if lead else "[NP, Hkv, page, Dh]"
+        raise ValueError(f"pages_k must be {want} with Hkv={hkv}, Dh={dh}, got {pages_k.shape}")
+    if pages_v.shape != pages_k.shape:
+        raise ValueError(f"pages_v shape {pages_v.shape} != pages_k shape {pages_k.shape}")
+    if lead and prefix_k.shape[0] != pages_k.shape[0]:
+        raise ValueError(f"prefix_k and pages_k have different layer counts: "
+                         f"{prefix_k.shape[0]} vs {pages_k.shape[0]}")
+    if prefix_len.shape != (k_pool,):
+        raise ValueError(f"prefix_len must be [K={k_pool}], got {prefix_len.shape}")
+    if prefix_index.shape != (b,):
+        raise ValueError(f"prefix_index must be [B={b}], got {prefix_index.shape}")
+    if page_table.ndim != 2 or page_table.shape[0] != b:
+        raise ValueError(f"page_table must be [B={b}, pages per slot], got {page_table.shape}")
+    if suffix_len.shape != (b,):
+        raise ValueError(f"suffix_len must be [B={b}], got {suffix_len.shape}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The tile plan (jnp; shared by the reference and the kernels)
+# ----------------------------------------------------------------------------------------------
+
+
+def plan_tiles(prefix_index: jax.Array, suffix_len: jax.Array, *, num_prefixes: int, tile: int,
+               max_suffix: int) -> dict:
+    """Order the slots into prompt tiles.
+
+    Slots are sorted by (prompt, own length descending); prompt k's ``c_k`` slots fill
+    ``ceil(c_k / tile)`` consecutive tiles. Returns ``row_slot int32[T_max * tile]`` (the slot in
+    each tile row, -1 for padding), ``tile_prefix int32[T_max]`` (the prompt of each tile; tiles
+    past ``num_tiles`` repeat the last one in use, so a pipeline does not fetch new blocks for
+    them), ``num_tiles`` (int32 scalar) and ``tile_len int32[T_max]`` (the longest own KV of the
+    tile), with ``T_max = B // tile + K``.
+    """
+    b = prefix_index.shape[0]
+    k = num_prefixes
+    n_tiles = b // tile + k
+    valid = prefix_index >= 0
+    pidx = jnp.where(valid, prefix_index, k).astype(jnp.int32)
+    slen = jnp.where(valid, suffix_len, 0).astype(jnp.int32)
+    key = pidx * (max_suffix + 1) + (max_suffix - jnp.clip(slen, 0, max_suffix))
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    sorted_p = pidx[order]
+    counts = jnp.zeros((k + 1,), jnp.int32).at[pidx].add(1)[:k]
+    first = jnp.cumsum(counts) - counts                 # first sorted position of each prompt
+    tiles = (counts + tile - 1) // tile
+    tile_end = jnp.cumsum(tiles)
+    tile_start = tile_end - tiles
+    pc = jnp.minimum(sorted_p, k - 1)
+    rank = jnp.arange(b, dtype=jnp.int32) - first[pc]
+    pos = jnp.where(sorted_p < k, tile_start[pc] * tile + rank, n_tiles * tile)
+    row_slot = jnp.full((n_tiles * tile,), -1, jnp.int32).at[pos].set(order, mode="drop")
+    num_tiles = tile_end[-1]
+    tid = jnp.minimum(jnp.arange(n_tiles, dtype=jnp.int32), jnp.maximum(num_tiles - 1, 0))
+    tile_prefix = jnp.clip(jnp.searchsorted(tile_end, tid, side="right"), 0, k - 1)
+    first_row = row_slot[tid * tile]
+    tile_len = jnp.where(first_row >= 0, slen[jnp.maximum(first_row, 0)], 0)
+    return dict(row_slot=row_slot, tile_prefix=tile_prefix.astype(jnp.int32),
+                num_tiles=num_tiles.astype(jnp.int32), tile_len=tile_len.astype(jnp.int32))
+
+
+def _layer_view(x, layer):
+    """x[layer] when x has a layer axis (layer given), else x; used for the small prompt-length
+    arrays only. The KV stores are indexed in place by the implementations."""
+    return x if layer is None else x[layer]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -62,197 +209,563 @@ def _check_shapes(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, suffix_
 # ----------------------------------------------------------------------------------------------
 
 
-def _masked_attend(scores: jax.Array, mask: jax.Array, pv_fn) -> tuple[jax.Array, jax.Array]:
-    """Softmax over the last axis of ``scores`` under ``mask``: (out, lse); a row without any
-    valid key gives out = 0, lse = -inf (so it gets zero weight in the merge)."""
-    scores = jnp.where(mask, scores, _NEG)
-    m = jnp.max(scores, axis=-1)
-    valid = m > _NEG / 2
-    # masked entries are exp(_NEG - m) == 0 on valid rows; invalid rows are zeroed below, which
-    # saves a second full pass over the [rows, keys] scores
-    p = jnp.exp(scores - m[..., None])
-    l = jnp.sum(p, axis=-1)
-    out = jnp.where(valid[..., None], pv_fn(p) / l[..., None], 0.0)
-    lse = jnp.where(valid, m + jnp.log(l), -jnp.inf)
-    return out, lse
-
-
-def shared_prefix_decode_attention_reference(
-    q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, suffix_len, *, scale=None
-) -> jax.Array:
-    """Plain-jnp shared-prefix decode attention (shapes in the module docstring).
-
-    ``q[B, N, H, Dh]``, ``prefix_k/v[B, P, Hkv, Dh]``, ``prefix_len[B]``,
-    ``suffix_k/v[B, N, S, Hkv, Dh]``, ``suffix_len[B, N]`` -> ``out[B, N, H, Dh]`` (q's dtype).
-    Accumulates in float32. Queries are laid out [B, Hkv, N*g, Dh] so the prefix part is one
-    batch-leading matmul per (prompt, KV head); XLA's CPU dot is ~2x slower on the 5-D einsum.
-    """
-    _check_shapes(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, suffix_len)
-    b, n, h, dh = q.shape
-    p_len, hkv = prefix_k.shape[1], prefix_k.shape[2]
-    s_len = suffix_k.shape[2]
-    g = h // hkv
-    scale = dh**-0.5 if scale is None else scale
-    qg = (q.astype(jnp.float32) * scale).reshape(b, n, hkv, g, dh).transpose(0, 2, 1, 3, 4)
-    qm = qg.reshape(b, hkv, n * g, dh)  # [B, Hkv, M = N*g, Dh]
-    f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
-    # prefix: one [N*g, Dh] x [Dh, P] matmul per (prompt, kv head)
-    s_p = f32("bkmd,bpkd->bkmp", qm, prefix_k.astype(jnp.float32))
-    mask_p = (jnp.arange(p_len)[None, :] < prefix_len[:, None])[:, None, None, :]
-    o_p, lse_p = _masked_attend(
-        s_p, mask_p, lambda p: f32("bkmp,bpkd->bkmd", p, prefix_v.astype(jnp.float32)))
-    # suffix: each sample against its own generated KV
-    s_s = f32("bkngd,bnskd->bkngs", qg, suffix_k.astype(jnp.float32))
-    mask_s = (jnp.arange(s_len) < suffix_len[..., None])[:, None, :, None, :]  # [B,1,N,1,S]
-    o_s, lse_s = _masked_attend(
-        s_s, mask_s, lambda p: f32("bkngs,bnskd->bkngd", p, suffix_v.astype(jnp.float32)))
-    o_s, lse_s = o_s.reshape(b, hkv, n * g, dh), lse_s.reshape(b, hkv, n * g)
-    # exact merge of the two softmaxes by their log-sum-exp
+def _merge(o_p, lse_p, o_s, lse_s):
+    """Exact merge of two softmax parts by their log-sum-exp (either may be empty: lse -inf)."""
     lse = jnp.logaddexp(lse_p, lse_s)
     safe = jnp.isfinite(lse)
     lse = jnp.where(safe, lse, 0.0)
-    w_p = jnp.where(safe, jnp.exp(lse_p - lse), 0.0)
-    w_s = jnp.where(safe, jnp.exp(lse_s - lse), 0.0)
-    out = w_p[..., None] * o_p + w_s[..., None] * o_s  # [B, Hkv, N*g, Dh]
-    out = out.reshape(b, hkv, n, g, dh).transpose(0, 2, 1, 3, 4)
-    return out.reshape(b, n, h, dh).astype(q.dtype)
+    w_p = jnp.where(safe & jnp.isfinite(lse_p), jnp.exp(lse_p - lse), 0.0)
+    w_s = jnp.where(safe & jnp.isfinite(lse_s), jnp.exp(lse_s - lse), 0.0)
+    return w_p[..., None] * o_p + w_s[..., None] * o_s
 
 
-# ----------------------------------------------------------------------------------------------
-# Pallas kernel: one program per (prompt, kv head, block of samples); online softmax over the
-# prompt KV in blocks of block_p, then over the samples' own KV in blocks of block_s.
-# ----------------------------------------------------------------------------------------------
+def _kv_block(x):
+    """A gathered KV block as floats: a uint16 store holds bfloat16 bit patterns (how a decode
+    loop keeps a 16-bit KV store on CPU, whose XLA backend would otherwise compute every scatter
+    into it in float32, converting the whole store)."""
+    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
 
 
-def _decode_attention_kernel(
-    plen_ref, slen_ref, q_ref, pk_ref, pv_ref, sk_ref, sv_ref, o_ref, *, scale, block_p, block_s
-):
-    b = pl.program_id(0)
-    q = q_ref[...].astype(jnp.float32) * scale  # [bn, g, Dh]
-    bn, g, dh = q.shape
-    q2 = q.reshape(bn * g, dh)
-    plen = plen_ref[b]
-    slen = slen_ref[...]  # [bn]
-    m0 = jnp.full((bn * g,), _NEG, jnp.float32)
-    l0 = jnp.zeros((bn * g,), jnp.float32)
-    acc0 = jnp.zeros((bn * g, dh), jnp.float32)
-
-    def update(state, s, mask, v_fn):
-        # one online-softmax step (Milakov & Gimelshein 2018; FlashAttention): s [rows, blk]
-        m, l, acc = state
-        s = jnp.where(mask, s, _NEG)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[:, None] * acc + v_fn(p)
-
-    def prefix_body(i, state):
-        start = pl.multiple_of(i * block_p, block_p)
-        k = pk_ref[pl.ds(start, block_p), :].astype(jnp.float32)  # [bp, Dh]
-        v = pv_ref[pl.ds(start, block_p), :].astype(jnp.float32)
-        s = jax.lax.dot_general(q2, k, (((1,), (1,)), ((), ())))  # [bn*g, bp]
-        pos = start + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        return update(state, s, pos < plen, lambda p: jnp.dot(p, v))
-
-    num_p = (plen + block_p - 1) // block_p  # skip prompt blocks that are all padding
-    state = jax.lax.fori_loop(0, num_p, prefix_body, (m0, l0, acc0))
-
-    def suffix_body(i, state):
-        start = pl.multiple_of(i * block_s, block_s)
-        k = sk_ref[:, pl.ds(start, block_s), :].astype(jnp.float32)  # [bn, bs, Dh]
-        v = sv_ref[:, pl.ds(start, block_s), :].astype(jnp.float32)
-        # per-sample scores as broadcast-multiply-reduce (no batched dot needed): [bn, g, bs]
-        s = jnp.sum(q[:, :, None, :] * k[:, None, :, :], axis=-1).reshape(bn * g, block_s)
-        pos = start + jax.lax.broadcasted_iota(jnp.int32, (bn, g, block_s), 2)
-        mask = (pos < slen[:, None, None]).reshape(bn * g, block_s)
-
-        def pv(p):
-            p3 = p.reshape(bn, g, block_s)
-            return jnp.sum(p3[:, :, :, None] * v[:, None, :, :], axis=2).reshape(bn * g, dh)
-
-        return update(state, s, mask, pv)
-
-    num_s = (jnp.max(slen) + block_s - 1) // block_s  # skip suffix blocks not yet written
-    m, l, acc = jax.lax.fori_loop(0, num_s, suffix_body, state)
-    out = acc / jnp.maximum(l, 1e-30)[:, None]
-    o_ref[...] = out.reshape(bn, g, dh).astype(o_ref.dtype)
+def _stats_out(m, l, acc):
+    """(o, lse) of an online-softmax state; rows without any valid key: o = 0, lse = -inf."""
+    valid = l > 0
+    o = jnp.where(valid[..., None], acc / jnp.where(valid, l, 1.0)[..., None], 0.0)
+    lse = jnp.where(valid, m + jnp.log(jnp.where(valid, l, 1.0)), -jnp.inf)
+    return o, lse
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "block_n", "block_p", "block_s"))
-def shared_prefix_decode_attention_pallas(
-    q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, suffix_len, *, scale=None,
-    block_n: int = 16, block_p: int = 64, block_s: int = 32,
+def slot_decode_attention_reference(
+    q, prefix_k, prefix_v, prefix_len, prefix_index, pages_k, pages_v, page_table, suffix_len, *,
+    layer=None, scale=None, tile=None, own_tile=16,
 ) -> jax.Array:
-    """Pallas kernel with the contract of :func:`shared_prefix_decode_attention_reference`.
+    """jnp slot decode attention (module docstring): ``out[B, H, Dh]`` in q's dtype, float32
+    accumulation.
 
-    Grid ``(B, Hkv, ceil(N / block_n))``. Each program keeps ``block_n * g`` query rows and streams
-    the prompt KV of its (prompt, kv head) once, then each sample's own KV, with one online softmax
-    state, so the prefix/suffix LSE merge is exact and never materialises [N, P] scores.
+    Prompt part: a loop over the prompt tiles in use, one matmul each. Own part: the slots sorted
+    by own length (longest first), in tiles of ``own_tile``, each tile looping over its slots'
+    pages up to its longest slot, so the work follows the tokens generated (not the slots'
+    capacity). The parts merge by log-sum-exp.
     """
-    _check_shapes(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, suffix_len)
-    b, n, h, dh = q.shape
-    p_len, hkv = prefix_k.shape[1], prefix_k.shape[2]
-    s_len = suffix_k.shape[2]
+    _check_slot_shapes(q, prefix_k, prefix_v, prefix_len, prefix_index, pages_k, pages_v,
+                       page_table, suffix_len, layer)
+    lead = 0 if layer is None else 1
+    b, h, dh = q.shape
+    k_pool, hkv, p_len = prefix_k.shape[lead], prefix_k.shape[lead + 1], prefix_k.shape[lead + 2]
+    n_pages, bs = pages_k.shape[lead], pages_k.shape[lead + 2]
+    max_pages = page_table.shape[1]
+    s_len = max_pages * bs
     g = h // hkv
     scale = dh**-0.5 if scale is None else scale
-    block_n = min(block_n, n)
-    block_p = min(block_p, _round_up(p_len, 8))
-    block_s = min(block_s, _round_up(s_len, 8))
-    n_pad, p_pad, s_pad = _round_up(n, block_n), _round_up(p_len, block_p), _round_up(s_len, block_s)
-    qg = jnp.pad(q.reshape(b, n, hkv, g, dh), ((0, 0), (0, n_pad - n), (0, 0), (0, 0), (0, 0)))
-    pad_p = ((0, 0), (0, p_pad - p_len), (0, 0), (0, 0))
-    pk, pv = jnp.pad(prefix_k, pad_p), jnp.pad(prefix_v, pad_p)
-    pad_s = ((0, 0), (0, n_pad - n), (0, s_pad - s_len), (0, 0), (0, 0))
-    sk, sv = jnp.pad(suffix_k, pad_s), jnp.pad(suffix_v, pad_s)
-    slen = jnp.pad(suffix_len.astype(jnp.int32), ((0, 0), (0, n_pad - n)))
-    kernel = functools.partial(
-        _decode_attention_kernel, scale=float(scale), block_p=block_p, block_s=block_s
-    )
-    out = pl.pallas_call(
-        kernel,
-        grid=(b, hkv, n_pad // block_n),
-        in_specs=[
-            pl.BlockSpec((b,), lambda i, k, j: (0,)),
-            pl.BlockSpec((None, block_n), lambda i, k, j: (i, j)),
-            pl.BlockSpec((None, block_n, None, g, dh), lambda i, k, j: (i, j, k, 0, 0)),
-            pl.BlockSpec((None, p_pad, None, dh), lambda i, k, j: (i, 0, k, 0)),
-            pl.BlockSpec((None, p_pad, None, dh), lambda i, k, j: (i, 0, k, 0)),
-            pl.BlockSpec((None, block_n, s_pad, None, dh), lambda i, k, j: (i, j, 0, k, 0)),
-            pl.BlockSpec((None, block_n, s_pad, None, dh), lambda i, k, j: (i, j, 0, k, 0)),
-        ],
-        out_specs=pl.BlockSpec((None, block_n, None, g, dh), lambda i, k, j: (i, j, k, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, n_pad, hkv, g, dh), q.dtype),
-        interpret=interpret_mode(),
-        name="shared_prefix_decode_attention",
-    )(prefix_len.astype(jnp.int32), slen, qg, pk, pv, sk, sv)
-    return out[:, :n].reshape(b, n, h, dh)
+    tile = default_tile(b, k_pool) if tile is None else int(tile)
+    if layer is None:
+        layer = 0
+        prefix_k, prefix_v = prefix_k[None], prefix_v[None]
+        pages_k, pages_v = pages_k[None], pages_v[None]
+    page_table = jnp.clip(page_table.astype(jnp.int32), 0, n_pages - 1)
+    plan = plan_tiles(prefix_index, suffix_len, num_prefixes=k_pool, tile=tile, max_suffix=s_len)
+    slen = jnp.where(prefix_index >= 0, suffix_len, 0).astype(jnp.int32)
+    qf = (q.astype(jnp.float32) * scale).reshape(b, hkv, g, dh)
+    f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+
+    def prompt_tile(i, carry):
+        o_acc, lse_acc = carry
+        rows = jax.lax.dynamic_slice_in_dim(plan["row_slot"], i * tile, tile)
+        ok = rows >= 0
+        kp = plan["tile_prefix"][i]
+        prompt = lambda x: _kv_block(jax.lax.dynamic_slice(x, (layer, kp, 0, 0, 0),
+                                                           (1, 1, hkv, p_len, dh))[0, 0])
+        pk, pv = prompt(prefix_k), prompt(prefix_v)
+        # one [tile*g, Dh] x [Dh, P] matmul per KV head, in the KV's dtype with f32 accumulation
+        # (an explicit f32 copy of a slice of a loop-invariant store gets hoisted by XLA into a
+        # whole-store conversion per call)
+        qm = qf[jnp.maximum(rows, 0)].transpose(1, 0, 2, 3).reshape(hkv, tile * g, dh)
+        s = f32("kmd,kpd->kmp", qm.astype(pk.dtype), pk)
+        mask = jnp.arange(p_len) < prefix_len[kp]
+        s = jnp.where(mask, s, _NEG)
+        m = jnp.max(s, axis=-1)
+        p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
+        o, lse = _stats_out(m, jnp.sum(p, axis=-1), f32("kmp,kpd->kmd", p.astype(pv.dtype), pv))
+        dest = jnp.where(ok, rows, b)
+        o = o.reshape(hkv, tile, g, dh).transpose(1, 0, 2, 3)
+        lse = lse.reshape(hkv, tile, g).transpose(1, 0, 2)
+        return (o_acc.at[dest].set(o, mode="drop"), lse_acc.at[dest].set(lse, mode="drop"))
+
+    o_p, lse_p = jax.lax.fori_loop(
+        0, plan["num_tiles"], prompt_tile,
+        (jnp.zeros((b, hkv, g, dh), jnp.float32), jnp.full((b, hkv, g), -jnp.inf, jnp.float32)))
+
+    # own part: slots by own length, longest first
+    ts = min(own_tile, b)
+    n_own = -(-b // ts)
+    order = jnp.argsort(-slen, stable=True).astype(jnp.int32)
+    order = jnp.pad(order, (0, n_own * ts - b), constant_values=-1)
+    used_tiles = (jnp.sum(slen > 0) + ts - 1) // ts
+
+    def own_tile_body(i, carry):
+        o_acc, lse_acc = carry
+        rows = jax.lax.dynamic_slice_in_dim(order, i * ts, ts)
+        ok = rows >= 0
+        r = jnp.maximum(rows, 0)
+        qt = qf[r]                                               # [ts, Hkv, g, Dh]
+        tl = jnp.where(ok, slen[r], 0)
+        table = page_table[r]                                    # [ts, MP]
+
+        def block(j, st):
+            m, l, acc = st
+            start = j * bs
+            take = lambda x: _kv_block(jax.vmap(lambda page: jax.lax.dynamic_slice(
+                x, (layer, page, 0, 0, 0), (1, 1, hkv, bs, dh))[0, 0])(table[:, j]))
+            kb, vb = take(pages_k), take(pages_v)                # [ts, Hkv, page, Dh]
+            s = f32("tkgd,tksd->tkgs", qt.astype(kb.dtype), kb)
+            msk = ((start + jnp.arange(bs))[None, :] < tl[:, None])[:, None, None, :]
+            s = jnp.where(msk, s, _NEG)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            pb = jnp.where(msk, jnp.exp(s - m_new[..., None]), 0.0)
+            alpha = jnp.exp(m - m_new)
+            return (m_new, alpha * l + jnp.sum(pb, axis=-1),
+                    alpha[..., None] * acc + f32("tkgs,tksd->tkgd", pb.astype(vb.dtype), vb))
+
+        init = (jnp.full((ts, hkv, g), _NEG, jnp.float32), jnp.zeros((ts, hkv, g), jnp.float32),
+                jnp.zeros((ts, hkv, g, dh), jnp.float32))
+        o, lse = _stats_out(*jax.lax.fori_loop(0, (jnp.max(tl) + bs - 1) // bs, block, init))
+        dest = jnp.where(ok, rows, b)
+        return (o_acc.at[dest].set(o, mode="drop"), lse_acc.at[dest].set(lse, mode="drop"))
+
+    o_s, lse_s = jax.lax.fori_loop(
+        0, used_tiles, own_tile_body,
+        (jnp.zeros((b, hkv, g, dh), jnp.float32), jnp.full((b, hkv, g), -jnp.inf, jnp.float32)))
+    out = _merge(o_p, lse_p, o_s, lse_s)
+    out = jnp.where((prefix_index >= 0)[:, None, None, None], out, 0.0)
+    return out.reshape(b, h, dh).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pallas kernels. Kernel 1 (prompt part, per tile) and kernel 2 (own part, per slot block) each
+# return (o, lse); they merge by log-sum-exp in jnp.
+# ----------------------------------------------------------------------------------------------
+
+
+def _online_step(state, s, mask, v_fn):
+    """One online-softmax step (Milakov & Gimelshein 2018; FlashAttention) over s [rows, blk]."""
+    m, l, acc = state
+    s = jnp.where(mask, s, _NEG)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+    alpha = jnp.exp(m - m_new)
+    return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[:, None] * acc + v_fn(p)
+
+
+def _finish(state):
+    m, l, acc = state
+    valid = l > 0
+    o = acc / jnp.where(valid, l, 1.0)[:, None]
+    lse = jnp.where(valid, m + jnp.log(jnp.where(valid, l, 1.0)), -jnp.inf)
+    return o, lse
+
+
+def _qk(q, k):
+    """Scores q [M, D] x k [N, D]^T -> [M, N]: operands in the KV's dtype (bfloat16 tensor-core /
+    MXU dots for a bfloat16 model, as the reference), accumulated in float32."""
+    return jax.lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+
+def _pv(p, v):
+    """p [M, N] (float32 softmax weights) x v [N, D] in v's dtype, accumulated in float32."""
+    return jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+
+def _prefix_kernel_triton(layer_ref, tp_ref, nt_ref, plen_ref, q_ref, pk_ref, pv_ref, o_ref,
+                          lse_ref, *, block_p):
+    """Grid (tile, KV head). q_ref [R, Dh] (the tile's rows for this KV head); pk_ref/pv_ref
+    [L, K, P_pad, Dh] (this KV head, read in place at the tile's (layer, prompt))."""
+    i = pl.program_id(0)
+
+    @pl.when(i < nt_ref[0])
+    def _():
+        layer, kp = layer_ref[0], tp_ref[i]
+        q = q_ref[...]
+        rows, dh = q.shape
+        plen = plen_ref[kp]
+        state = (jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32),
+                 jnp.zeros((rows, dh), jnp.float32))
+
+        def body(j, st):
+            start = pl.multiple_of(j * block_p, block_p)
+            k = pk_ref[layer, kp, pl.ds(start, block_p), :]
+            v = pv_ref[layer, kp, pl.ds(start, block_p), :]
+            pos = start + jax.lax.broadcasted_iota(jnp.int32, (rows, block_p), 1)
+            return _online_step(st, _qk(q, k), pos < plen,
+                                lambda p: _pv(p, v))
+
+        o, lse = _finish(jax.lax.fori_loop(0, (plen + block_p - 1) // block_p, body, state))
+        o_ref[...] = o.astype(o_ref.dtype)
+        lse_ref[...] = lse[:, None]
+
+
+def _prefix_kernel_mosaic(layer_ref, tp_ref, nt_ref, plen_ref, q_ref, pk_ref, pv_ref, o_ref,
+                          lse_ref, *, block_p):
+    """Grid (tile, KV head); scalar prefetch (layer, tile_prefix, num_tiles, prefix_len) picks the
+    prompt block: pk_ref/pv_ref [P_pad, Dh] are the tile's prompt for this KV head, in VMEM."""
+    i = pl.program_id(0)
+
+    @pl.when(i < nt_ref[0])
+    def _():
+        q = q_ref[...]
+        rows, dh = q.shape
+        plen = plen_ref[tp_ref[i]]
+        state = (jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32),
+                 jnp.zeros((rows, dh), jnp.float32))
+
+        def body(j, st):
+            start = pl.multiple_of(j * block_p, block_p)
+            k = pk_ref[pl.ds(start, block_p), :]
+            v = pv_ref[pl.ds(start, block_p), :]
+            pos = start + jax.lax.broadcasted_iota(jnp.int32, (rows, block_p), 1)
+            return _online_step(st, _qk(q, k), pos < plen,
+                                lambda p: _pv(p, v))
+
+        o, lse = _finish(jax.lax.fori_loop(0, (plen + block_p - 1) // block_p, body, state))
+        o_ref[...] = o.astype(o_ref.dtype)
+        lse_ref[...] = lse[:, None]
+
+
+def _own_kernel_triton(layer_ref, table_ref, slen_ref, q_ref, pk_ref, pv_ref, o_ref, lse_ref):
+    """Grid (slot, KV head). q_ref [Gp, Dh] (the slot's query heads of this KV head, padded);
+    pk_ref/pv_ref [L, NP, page, Dh] (this KV head), read in place at the layer and the slot's
+    pages (table_ref [B, MP])."""
+    b = pl.program_id(0)
+    layer = layer_ref[0]
+    q = q_ref[...]
+    rows, dh = q.shape
+    page = pk_ref.shape[2]
+    slen = slen_ref[b]
+    state = (jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32),
+             jnp.zeros((rows, dh), jnp.float32))
+
+    def body(j, st):
+        idx = table_ref[b, j]
+        k = pk_ref[layer, idx, :, :]
+        v = pv_ref[layer, idx, :, :]
+        pos = j * page + jax.lax.broadcasted_iota(jnp.int32, (rows, page), 1)
+        return _online_step(st, _qk(q, k), pos < slen,
+                            lambda p: _pv(p, v))
+
+    o, lse = _finish(jax.lax.fori_loop(0, (slen + page - 1) // page, body, state))
+    o_ref[...] = o.astype(o_ref.dtype)
+    lse_ref[...] = lse[:, None]
+
+
+def _own_kernel_mosaic(layer_ref, table_ref, last_ref, slen_ref, q_ref, sk_ref, sv_ref, o_ref,
+                       lse_ref, m_sc, l_sc, acc_sc, *, block_s):
+    """Grid (slot, KV head, page j); scalar prefetch (layer, flattened page table, last page,
+    lengths) picks each step's page: pages past the slot's length are neither fetched (their
+    index map repeats the last one) nor computed. q_ref [Gp, Dh]; sk_ref/sv_ref [page, Dh];
+    running softmax state in VMEM scratch."""
+    b, j = pl.program_id(0), pl.program_id(2)
+
+    @pl.when(j == 0)
+    def _():
+        m_sc[...] = jnp.full(m_sc.shape, _NEG, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    @pl.when(j <= last_ref[b])
+    def _():
+        q = q_ref[...]
+        k = sk_ref[...]
+        v = sv_ref[...]
+        pos = j * block_s + jax.lax.broadcasted_iota(jnp.int32, (q.shape[0], block_s), 1)
+        m, l, acc = _online_step((m_sc[...][:, 0], l_sc[...][:, 0], acc_sc[...]), _qk(q, k),
+                                 pos < slen_ref[b], lambda p: _pv(p, v))
+        m_sc[...] = m[:, None]
+        l_sc[...] = l[:, None]
+        acc_sc[...] = acc
+
+    @pl.when(j == pl.num_programs(2) - 1)
+    def _():
+        o, lse = _finish((m_sc[...][:, 0], l_sc[...][:, 0], acc_sc[...]))
+        o_ref[...] = o.astype(o_ref.dtype)
+        lse_ref[...] = lse[:, None]
+
+
+def slot_decode_attention_pallas(
+    q, prefix_k, prefix_v, prefix_len, prefix_index, pages_k, pages_v, page_table, suffix_len, *,
+    layer=None, scale=None, tile=None, family=None, block_p=None,
+) -> jax.Array:
+    """Pallas form of :func:`slot_decode_attention_reference` (same contract).
+
+    The prompt pool and the page pool are passed whole (with their layer axis) and read in place;
+    q, the plans and the two partial results are small. ``family``: "triton" or "mosaic"
+    (default: by target). ``block_p``: prompt positions per step (default up to 128). The own KV
+    is read a page at a time (pages of >= 16 positions on GPU, a multiple of 8 on TPU)."""
+    _check_slot_shapes(q, prefix_k, prefix_v, prefix_len, prefix_index, pages_k, pages_v,
+                       page_table, suffix_len, layer)
+    family = _backend.kernel_family(family)
+    reason = decode_attention_unsupported_reason(
+        jnp.uint16 if jnp.uint16 in (prefix_k.dtype, pages_k.dtype) else pages_k.dtype,
+        pages_k.shape[-2], family, in_shard_map=True)   # a mesh: the caller's choice to make
+    if reason is not None:
+        raise ValueError(f"slot_decode_attention_pallas: {reason}")
+    interpret = interpret_mode()
+    if layer is None:
+        layer = 0
+        prefix_k, prefix_v = prefix_k[None], prefix_v[None]
+        pages_k, pages_v = pages_k[None], pages_v[None]
+    n_layers, k_pool, hkv, p_len, dh = prefix_k.shape
+    b, h, _ = q.shape
+    n_pages, page = pages_k.shape[1], pages_k.shape[3]
+    max_pages = page_table.shape[1]
+    s_len = max_pages * page
+    page_table = jnp.clip(page_table.astype(jnp.int32), 0, n_pages - 1)
+    g = h // hkv
+    scale = dh**-0.5 if scale is None else scale
+    # query rows per (slot, KV head) padded to a power of two (Triton: >= 16 for its dot)
+    gp = max(16 if family == "triton" else 8, _pow2(g))
+    if tile is None:
+        tile = default_tile(b, k_pool)
+        if family == "triton":   # a tile's q rows, scores and accumulator fit shared memory
+            tile = max(1, min(tile, TRITON_TILE_ROWS // gp))
+    tile = int(tile)
+    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+    plan = plan_tiles(prefix_index, suffix_len, num_prefixes=k_pool, tile=tile, max_suffix=s_len)
+    slen = jnp.where(prefix_index >= 0, suffix_len, 0).astype(jnp.int32)
+    qs = (q.astype(jnp.float32) * scale).reshape(b, hkv, g, dh)
+    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, gp - g), (0, 0))).astype(q.dtype)   # [B, Hkv, Gp, Dh]
+    n_tiles = plan["tile_prefix"].shape[0]
+    rows = tile * gp
+    rs = plan["row_slot"]
+    qt = jnp.where((rs >= 0)[:, None, None, None], qs[jnp.maximum(rs, 0)], 0)
+    qt = qt.reshape(n_tiles, tile, hkv, gp, dh).transpose(0, 2, 1, 3, 4).reshape(
+        n_tiles, hkv, rows, dh)
+    if not block_p:   # Triton: power-of-two blocks; Mosaic: whole sublane groups
+        block_p = (min(64, max(16, _pow2(p_len))) if family == "triton"
+                   else min(128, _round_up(p_len, 16)))
+    p_pad = _round_up(p_len, block_p)
+    if p_pad != p_len:   # only the compat path and odd prompt buckets get here (copies the pool)
+        pad = ((0, 0), (0, 0), (0, 0), (0, p_pad - p_len), (0, 0))
+        prefix_k, prefix_v = jnp.pad(prefix_k, pad), jnp.pad(prefix_v, pad)
+    out_shapes = (jax.ShapeDtypeStruct((n_tiles, hkv, rows, dh), jnp.float32),
+                  jax.ShapeDtypeStruct((n_tiles, hkv, rows, 1), jnp.float32))
+    scalars = (layer_arr, plan["tile_prefix"], plan["num_tiles"].reshape(1),
+               prefix_len.astype(jnp.int32))
+    if family == "triton":
+        full = lambda x: pl.BlockSpec(x.shape, lambda i, k: (0,) * x.ndim)
+        kv_spec = pl.BlockSpec((n_layers, k_pool, None, p_pad, dh), lambda i, k: (0, 0, k, 0, 0))
+        o_p, lse_p = pl.pallas_call(
+            functools.partial(_prefix_kernel_triton, block_p=block_p),
+            grid=(n_tiles, hkv),
+            in_specs=[full(x) for x in scalars] + [
+                pl.BlockSpec((None, None, rows, dh), lambda i, k: (i, k, 0, 0)), kv_spec, kv_spec],
+            out_specs=[pl.BlockSpec((None, None, rows, dh), lambda i, k: (i, k, 0, 0)),
+                       pl.BlockSpec((None, None, rows, 1), lambda i, k: (i, k, 0, 0))],
+            out_shape=out_shapes, interpret=interpret,
+            compiler_params=_backend.compiler_params(
+                family, dimension_semantics=("parallel", "parallel")),
+            name="slot_decode_attention_prefix",
+        )(*scalars, qt, prefix_k, prefix_v)
+    else:
+        from jax.experimental.pallas import tpu as pltpu
+        kv_spec = pl.BlockSpec((None, None, None, p_pad, dh),
+                               lambda i, k, ly, tp, nt, pln: (ly[0], tp[i], k, 0, 0))
+        qo_spec = pl.BlockSpec((None, None, rows, dh), lambda i, k, *_: (i, k, 0, 0))
+        o_p, lse_p = pl.pallas_call(
+            functools.partial(_prefix_kernel_mosaic, block_p=block_p),
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=4, grid=(n_tiles, hkv),
+                in_specs=[qo_spec, kv_spec, kv_spec],
+                out_specs=[qo_spec,
+                           pl.BlockSpec((None, None, rows, 1), lambda i, k, *_: (i, k, 0, 0))]),
+            out_shape=out_shapes, interpret=interpret,
+            compiler_params=_backend.compiler_params(
+                family, dimension_semantics=("parallel", "parallel")),
+            name="slot_decode_attention_prefix",
+        )(*scalars, qt, prefix_k, prefix_v)
+    # back from tile rows to slots (tiles past num_tiles hold garbage: masked out)
+    in_use = (jnp.arange(n_tiles) < plan["num_tiles"])[:, None]
+    o_p = o_p.reshape(n_tiles, hkv, tile, gp, dh).transpose(0, 2, 1, 3, 4).reshape(-1, hkv, gp, dh)
+    lse_p = lse_p.reshape(n_tiles, hkv, tile, gp).transpose(0, 2, 1, 3).reshape(-1, hkv, gp)
+    ok = (rs >= 0) & jnp.repeat(in_use[:, 0], tile)
+    dest = jnp.where(ok, rs, b)
+    o_pref = jnp.zeros((b, hkv, gp, dh), jnp.float32).at[dest].set(o_p, mode="drop")
+    lse_pref = jnp.full((b, hkv, gp), -jnp.inf, jnp.float32).at[dest].set(lse_p, mode="drop")
+
+    # kernel 2: the slots' own KV, page by page
+    own_shapes = (jax.ShapeDtypeStruct((b, hkv, gp, dh), jnp.float32),
+                  jax.ShapeDtypeStruct((b, hkv, gp, 1), jnp.float32))
+    if family == "triton":
+        full = lambda x: pl.BlockSpec(x.shape, lambda i, k: (0,) * x.ndim)
+        kv_spec = pl.BlockSpec((n_layers, n_pages, None, page, dh), lambda i, k: (0, 0, k, 0, 0))
+        qo_spec = pl.BlockSpec((None, None, gp, dh), lambda i, k: (i, k, 0, 0))
+        o_s, lse_s = pl.pallas_call(
+            _own_kernel_triton,
+            grid=(b, hkv),
+            in_specs=[full(layer_arr), full(page_table), full(slen), qo_spec, kv_spec, kv_spec],
+            out_specs=[qo_spec, pl.BlockSpec((None, None, gp, 1), lambda i, k: (i, k, 0, 0))],
+            out_shape=own_shapes, interpret=interpret,
+            compiler_params=_backend.compiler_params(
+                family, dimension_semantics=("parallel", "parallel")),
+            name="slot_decode_attention_own",
+        )(layer_arr, page_table, slen, qs, pages_k, pages_v)
+    else:
+        from jax.experimental.pallas import tpu as pltpu
+        last = jnp.maximum((slen + page - 1) // page - 1, 0).astype(jnp.int32)
+        kv_spec = pl.BlockSpec(
+            (None, None, None, page, dh),
+            lambda i, k, j, ly, tb, la, sl: (ly[0], tb[i * max_pages + jnp.minimum(j, la[i])], k,
+                                             0, 0))
+        q_spec = pl.BlockSpec((None, None, gp, dh), lambda i, k, j, *_: (i, k, 0, 0))
+        o_s, lse_s = pl.pallas_call(
+            functools.partial(_own_kernel_mosaic, block_s=page),
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=4, grid=(b, hkv, max_pages),
+                in_specs=[q_spec, kv_spec, kv_spec],
+                out_specs=[q_spec,
+                           pl.BlockSpec((None, None, gp, 1), lambda i, k, j, *_: (i, k, 0, 0))],
+                scratch_shapes=[pltpu.VMEM((gp, 1), jnp.float32),
+                                pltpu.VMEM((gp, 1), jnp.float32),
+                                pltpu.VMEM((gp, dh), jnp.float32)]),
+            out_shape=own_shapes, interpret=interpret,
+            compiler_params=_backend.compiler_params(
+                family, dimension_semantics=("parallel", "parallel", "arbitrary")),
+            name="slot_decode_attention_own",
+        )(layer_arr, page_table.reshape(-1), last, slen, qs, pages_k, pages_v)
+    out = _merge(o_pref, lse_pref, o_s, lse_s[..., 0])          # [B, Hkv, Gp, Dh]
+    out = jnp.where((prefix_index >= 0)[:, None, None, None], out, 0.0)
+    return out[:, :, :g].reshape(b, h, dh).astype(q.dtype)
+
+
+def slot_decode_attention(
+    q, prefix_k, prefix_v, prefix_len, prefix_index, pages_k, pages_v, page_table, suffix_len, *,
+    layer=None, scale=None, impl="auto",
+) -> jax.Array:
+    """Decode attention of B slots (module docstring for shapes and layouts).
+
+    Args:
+      q: ``[B, H, Dh]`` the current token's queries, one row per slot.
+      prefix_k, prefix_v: ``[K, Hkv, P, Dh]`` a pool of prompt KVs (``[L, K, ...]`` with layer).
+      prefix_len: ``[K]`` valid prompt positions. prefix_index: ``[B]`` each slot's prompt
+        (< 0: empty slot, output zeros).
+      pages_k, pages_v: ``[NP, Hkv, page, Dh]`` the page pool of the slots' own KV (``[L, NP,
+        ...]`` with layer); a uint16 pool holds bfloat16 bit patterns (reference only).
+      page_table: ``int32[B, MP]``: own position s of slot b is in page ``page_table[b, s //
+        page]`` (entries past the slot's length are ignored).
+      suffix_len: ``[B]`` valid own positions.
+      layer: int or traced int32: read layer ``layer`` of the pools in place.
+      impl: "auto" (kernels on GPU/TPU, reference on CPU), "reference" or "pallas".
+    Returns ``out[B, H, Dh]`` = softmax attention over prompt ++ own KV, q's dtype.
+    """
+    pallas = resolve_impl(impl, pages_k.dtype, pages_k.shape[-2]) == "pallas"
+    fn = slot_decode_attention_pallas if pallas else slot_decode_attention_reference
+    return fn(q, prefix_k, prefix_v, prefix_len, prefix_index, pages_k, pages_v, page_table,
+              suffix_len, layer=layer, scale=scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# The grouped form: N samples per row share row b's prompt (or a pool entry by prefix_index)
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_grouped(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, suffix_len,
+                   prefix_index) -> None:
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, N, H, Dh], got {q.shape}")
+    b, n, h, dh = q.shape
+    pool = prefix_k.shape[0] if prefix_index is not None else b
+    if prefix_k.ndim != 4 or prefix_k.shape[0] != pool or prefix_k.shape[3] != dh:
+        raise ValueError(f"prefix_k must be [{'K' if prefix_index is not None else 'B'}={pool}, "
+                         f"P, Hkv, Dh={dh}], got {prefix_k.shape}")
+    hkv = prefix_k.shape[2]
+    if h % hkv:
+        raise ValueError(f"num heads H={h} must be a multiple of num kv heads Hkv={hkv}")
+    if prefix_v.shape != prefix_k.shape:
+        raise ValueError(f"prefix_v shape {prefix_v.shape} != prefix_k shape {prefix_k.shape}")
+    if suffix_k.ndim != 5 or suffix_k.shape[:2] != (b, n) or suffix_k.shape[3:] != (hkv, dh):
+        raise ValueError(f"suffix_k must be [B={b}, N={n}, S, Hkv={hkv}, Dh={dh}], "
+                         f"got {suffix_k.shape}")
+    if suffix_v.shape != suffix_k.shape:
+        raise ValueError(f"suffix_v shape {suffix_v.shape} != suffix_k shape {suffix_k.shape}")
+    if prefix_len.shape != (pool,):
+        raise ValueError(f"prefix_len must be [{pool}], got {prefix_len.shape}")
+    if suffix_len.shape != (b, n):
+        raise ValueError(f"suffix_len must be [B={b}, N={n}], got {suffix_len.shape}")
+    if prefix_index is not None and prefix_index.shape != (b, n):
+        raise ValueError(f"prefix_index must be [B={b}, N={n}], got {prefix_index.shape}")
+
+
+def _grouped(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, suffix_len, prefix_index,
+             scale, fn):
+    _check_grouped(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, suffix_len,
+                   prefix_index)
+    b, n, h, dh = q.shape
+    s_len, hkv = suffix_k.shape[2], suffix_k.shape[3]
+    if prefix_index is None:
+        prefix_index = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, n))
+    page = 16                      # contiguous own KV cut into pages; padding masked by length
+    s_pad = _round_up(s_len, page)
+    mp = s_pad // page
+
+    def own(x):   # [B, N, S, Hkv, Dh] -> pages [B*N*MP, Hkv, page, Dh]
+        x = jnp.pad(x.reshape(b * n, s_len, hkv, dh), ((0, 0), (0, s_pad - s_len), (0, 0), (0, 0)))
+        return x.reshape(b * n * mp, page, hkv, dh).transpose(0, 2, 1, 3)
+
+    table = jnp.arange(b * n * mp, dtype=jnp.int32).reshape(b * n, mp)
+    pre = lambda x: x.transpose(0, 2, 1, 3)
+    out = fn(q.reshape(b * n, h, dh), pre(prefix_k), pre(prefix_v), prefix_len,
+             prefix_index.reshape(b * n).astype(jnp.int32), own(suffix_k), own(suffix_v), table,
+             suffix_len.reshape(b * n).astype(jnp.int32), scale=scale)
+    return out.reshape(b, n, h, dh)
+
+
+def shared_prefix_decode_attention_reference(
+    q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, suffix_len, *, prefix_index=None,
+    scale=None,
+) -> jax.Array:
+    """Grouped form of the reference: ``q[B, N, H, Dh]``, ``prefix_k/v[B, P, Hkv, Dh]`` (or a pool
+    ``[K, P, Hkv, Dh]`` with ``prefix_index[B, N]``), ``prefix_len[B or K]``,
+    ``suffix_k/v[B, N, S, Hkv, Dh]``, ``suffix_len[B, N]`` -> ``out[B, N, H, Dh]``."""
+    return _grouped(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, suffix_len,
+                    prefix_index, scale, slot_decode_attention_reference)
+
+
+def shared_prefix_decode_attention_pallas(
+    q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, suffix_len, *, prefix_index=None,
+    scale=None, **kernel_options,
+) -> jax.Array:
+    """Grouped form of the Pallas kernels (contract of the grouped reference);
+    ``kernel_options`` (family, tile, block_p) go to :func:`slot_decode_attention_pallas`."""
+    return _grouped(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, suffix_len,
+                    prefix_index, scale, functools.partial(slot_decode_attention_pallas,
+                                                           **kernel_options))
 
 
 def shared_prefix_decode_attention(
-    q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, suffix_len, *, scale=None, impl="auto"
+    q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, suffix_len, *, prefix_index=None,
+    scale=None, impl="auto",
 ) -> jax.Array:
-    """Decode attention of ``q[B, N, H, Dh]`` against a shared prompt KV and per-sample KV.
+    """Decode attention of ``q[B, N, H, Dh]`` (N samples per row) against a shared prompt KV and
+    per-sample KV.
 
     Args:
-      q: ``[B, N, H, Dh]`` queries of the current token of each of N samples per prompt.
-      prefix_k, prefix_v: ``[B, P, Hkv, Dh]`` prompt KV, stored once per prompt.
-      prefix_len: ``[B]`` int, valid prompt positions (right padding).
+      q: ``[B, N, H, Dh]`` queries of the current token of each of N samples per row.
+      prefix_k, prefix_v: ``[B, P, Hkv, Dh]`` prompt KV, stored once per row; with
+        ``prefix_index`` a pool ``[K, P, Hkv, Dh]`` of prompts.
+      prefix_len: ``[B]`` (or ``[K]``) valid prompt positions (right padding).
       suffix_k, suffix_v: ``[B, N, S, Hkv, Dh]`` each sample's generated KV.
-      suffix_len: ``[B, N]`` int, valid generated positions.
+      suffix_len: ``[B, N]`` valid generated positions.
+      prefix_index: optional ``int32[B, N]``: sample (b, n) reads pool prompt
+        ``prefix_index[b, n]`` (< 0: empty, output zeros); default: prompt b.
       scale: score scale, default ``Dh ** -0.5``.
       impl: "auto" (kernel on GPU/TPU, reference on CPU), "reference" or "pallas".
 
-    Returns:
-      ``out[B, N, H, Dh]``, exactly softmax attention over prefix ++ suffix.
+    Returns ``out[B, N, H, Dh]``, exactly softmax attention over prefix ++ suffix. (This form
+    copies the KV into the slot layout per call; a decode loop keeps its pools in that layout
+    and calls :func:`slot_decode_attention`.)
     """
-    if resolve_impl(impl) == "pallas":
+    if resolve_impl(impl, suffix_k.dtype) == "pallas":
         return shared_prefix_decode_attention_pallas(
-            q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, suffix_len, scale=scale
-        )
+            q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, suffix_len,
+            prefix_index=prefix_index, scale=scale)
     return shared_prefix_decode_attention_reference(
-        q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, suffix_len, scale=scale
-    )
+        q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, suffix_len,
+        prefix_index=prefix_index, scale=scale)

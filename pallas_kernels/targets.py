@@ -40,3 +40,8 @@ SAMPLING_VARIANTS: dict[str, dict] = {
 }
 # Decode attention at a small decode batch (B prompts x N samples, P prompt, S generated).
 DECODE_ATTENTION = dict(batch=2, samples=16, prefix=512, suffix=256)
+# The rollout's slot decode attention (slot_decode_attention, as its decode step calls it): decode
+# slots per device, prompts in the pool, prompt positions, own positions per slot (BroRL's 16k
+# context), a page pool for a quarter of the slots' capacity, a 2-layer KV store read in place.
+SLOT_DECODE_ATTENTION = dict(slots=64, pool=4, prompt=1024, own=16384, page_fraction=0.25,
+                             layers=2)

@@ -1,29 +1,44 @@
-"""brorl_jax.rollout: large-N generation that prefills each prompt once and shares its KV cache
-among its N continuations (docs/INTERFACES.md, "rollout"; design in docs/rollout.md)."""
+"""brorl_jax.rollout: large-N generation with continuous batching over decode slots; each prompt is
+prefilled once and its KV shared by its N continuations (docs/INTERFACES.md, "rollout"; design
+in docs/rollout.md)."""
 from brorl_jax.rollout.engine import (
+    Engine,
+    GroupResult,
     RolloutResult,
-    bucket_num_prompts,
-    bucket_prompt_length,
-    decode_bytes_per_sample,
-    decode_chunk_fn,
-    prefill_prompts_fn,
-    validate_inputs,
+    RolloutStream,
+    assemble,
     generate,
-    kv_bytes,
-    plan_chunks,
+    generate_stream,
 )
 from brorl_jax.rollout.naive import generate_naive
+from brorl_jax.rollout.plan import (
+    SlotPlan,
+    bucket_num_prompts,
+    bucket_prompt_length,
+    kv_bytes,
+    plan_slots,
+    rollout_bytes,
+    slot_bytes,
+    validate_inputs,
+)
+from brorl_jax.rollout.programs import prefill_prompts_fn
 
 __all__ = [
+    "Engine",
+    "GroupResult",
     "RolloutResult",
+    "RolloutStream",
+    "SlotPlan",
+    "assemble",
     "generate",
+    "generate_stream",
     "generate_naive",
-    "plan_chunks",
+    "plan_slots",
+    "rollout_bytes",
     "kv_bytes",
-    "decode_bytes_per_sample",
+    "slot_bytes",
     "bucket_prompt_length",
     "bucket_num_prompts",
     "prefill_prompts_fn",
-    "decode_chunk_fn",
     "validate_inputs",
 ]

@@ -1,51 +1,56 @@
-"""Large-N rollout engine: each prompt is prefilled once, its N continuations share its KV cache.
+"""Large-N rollout engine: continuous batching over decode slots, prompts prefilled once and shared.
 
-BroRL (arXiv 2510.01180, Sec. 4) scales the number of rollouts per prompt N to 512. Engines that
-repeat the prompt N times prefill it N times and keep N copies of its KV cache; here "one prompt,
-N continuations" is the primary shape:
+BroRL (arXiv 2510.01180, Sec. 4) samples N = 512 continuations per prompt, and RLVR responses are
+long-tailed. The engine keeps a fixed number of decode *slots* (sized from the memory budget); a
+slot holds one sample's own KV and position. Prompts live in a small *pool*: each is prefilled
+once when admitted and its KV is shared by all its slots, and kept only while a sample of it is
+pending or live. Inside one compiled ``lax.while_loop`` a slot whose sample stops takes the next
+pending sample, of the same prompt while it has one (no prefill), else of the next prompt. The
+loop returns to the host only when a prompt's group of N samples is complete (it is handed out and
+its entry re-used for the next prompt), or when nothing is left to admit and the live samples fit
+the next smaller slot bucket (the tail is compacted, so its compute follows the live samples), so
+host round trips number about (prompts + log2(slots)) per call, never one per token.
 
-* prefill: the G prompts (right-padded to a bucketed length P) run once ->
-  prefix KV ``[L, G, P, Hkv, Dh]`` and the last-position logits ``[G, V]``;
-* decode: each of the G*N samples keeps only its own generated KV, suffix KV
-  ``[L, G, N, S, Hkv, Dh]``; attention reads the shared prefix plus the sample's own suffix and
-  merges the two exactly by log-sum-exp (``pallas_kernels.decode_attention``).
+``schedule="lockstep"`` keeps the earlier behaviour (a wave of samples decodes until its longest
+one stops, then the next wave starts) for comparison and as a test reference.
 
-KV memory is O(G*P + G*N*S) instead of O(G*N*(P+S)). The decode loop is one ``lax.while_loop``
-(stops when every sample has emitted a stop token or the budget is reached), with no host round
-trip per token; the suffix KV buffers are donated and reused across chunks. When the G*N samples do
-not fit ``memory_budget_bytes``, the N samples of each prompt are split into chunks that all reuse
-the same prefill.
+Randomness: sample ``n`` of prompt ``g`` draws its step-t uniform from
+``fold_in(fold_in(PRNGKey(seed), g * N + n), t)``, so results do not depend on the slot count,
+the budget, the schedule, the device or the order.
 
-Randomness: sample ``i = g * N + n`` (prompt g, rollout n) at step t draws its uniform from
-``fold_in(fold_in(PRNGKey(seed), i), t)``, so results do not depend on chunking or batching.
+Log-probs: ``logprobs[g, n, t] = log_softmax(logits / T)[token]`` over the full vocabulary,
+i.e. the temperature-scaled distribution *before* top-k/top-p filtering (what the trainer
+recomputes for the truncated importance-sampling ratio, BroRL Sec. 3.1); greedy (T = 0) reports
+``log_softmax(logits)``.
 
-Log-probs: ``logprobs[g, n, t] = log_softmax(logits / T)[token]`` over the full vocabulary, i.e.
-the temperature-scaled distribution *before* top-k/top-p filtering (what the trainer recomputes for
-the truncated importance-sampling ratio, BroRL Sec. 3.1); for greedy (T = 0) ``log_softmax(logits)``.
+Under a mesh every program runs inside ``shard_map`` over all mesh devices (Pallas kernels are not
+auto-partitioned): each device decodes its share (``ceil(N / devices)``) of every prompt's samples
+in its own slots, with its own copy of the prompt pool; the loop's stop tests are combined over
+devices (psum/pmax), so all devices return to the host together.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
+import queue
+import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from brorl_jax.models import ModelConfig, embed, final_norm, layer_finish, layer_qkv
-from brorl_jax.models import lm_logits
+from brorl_jax.models import ModelConfig
 from brorl_jax.models.transformer import dtype_of
+from brorl_jax.rollout import programs
+from brorl_jax.rollout.plan import (KV_FRACTION, MIN_SLOTS, PREFILL_SCORE_BYTES, SCHEDULES,
+                                    SlotPlan, bucket_prompt_length, pages_for, pool_size_for,
+                                    plan_slots, resolve_eos_ids, slot_buckets, stop_table,
+                                    validate_inputs)
 from pallas_kernels.decode_attention import resolve_impl as _resolve_attention_impl
-from pallas_kernels.decode_attention import shared_prefix_decode_attention
 from pallas_kernels.sampling import resolve_impl as _resolve_sampling_impl
-from pallas_kernels.sampling import sample_tokens
-
-# Attention-score bytes allowed per prefill call ([Gb, H, P, P] f32); larger prompt batches are
-# prefilled in several calls of the same shape.
-_PREFILL_SCORE_BYTES = 256 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +63,10 @@ class RolloutResult:
     finished bool[G, N]: a stop token was generated. truncated bool[G, N]: hit max_new_tokens
     without a stop token (exactly one of finished/truncated is True).
     mask bool[G, N, S]: ``t < lengths``.  prompt_lengths int32[G].
-    num_chunks: how many decode chunks the N samples were split into (memory budget).
-    stats: timings and padded shapes for logging/benchmarks: prefill_seconds, decode_seconds,
-      decode_forward_rows (sum over loop iterations of the rows run through the model),
-      padded_num_prompts, padded_prompt_len, samples_per_chunk.
+    num_chunks: waves of slots the samples needed (samples / (slots x devices), rounded up).
+    stats: per call, for logging and benchmarks (see ``Engine`` and docs/rollout.md): useful_tokens,
+      decode_steps, num_slots, pool_size, mean_live_slots, occupancy, refills, compactions,
+      round_trips, prefill/decode/host/total seconds, decode_forward_rows, group_seconds, ...
     """
 
     tokens: np.ndarray
@@ -83,369 +88,498 @@ class RolloutResult:
         return self.tokens.shape[1]
 
 
-# ----------------------------------------------------------------------------------------------
-# Shapes, validation, memory model
-# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class GroupResult:
+    """The N samples of one prompt, handed out as soon as all of them are done.
 
-
-def bucket_prompt_length(length: int) -> int:
-    """Padded prompt length: the next power of two up to 64, then the next multiple of 64.
-
-    Keeps the number of distinct compiled shapes small while wasting < 64 positions on long prompts.
+    prompt_index: position of the prompt in the call's ``prompts``. tokens/logprobs [N, S],
+    lengths/finished/truncated [N], mask [N, S] as in :class:`RolloutResult`.
+    decode_step: decode steps run (since the call started) when the group completed.
+    seconds: wall time from the start of the call to the group being ready on the host.
     """
-    if length <= 64:
-        return max(8, 1 << (length - 1).bit_length())
-    return -(-length // 64) * 64
+
+    prompt_index: int
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    lengths: np.ndarray
+    finished: np.ndarray
+    truncated: np.ndarray
+    mask: np.ndarray
+    prompt_length: int
+    decode_step: int
+    seconds: float
 
 
-def bucket_num_prompts(num_prompts: int) -> int:
-    """Padded prompt batch: the next power of two."""
-    return 1 << (num_prompts - 1).bit_length()
+def _group(prompt_index, tok, logp, lengths, fin, prompt_length, step, seconds) -> GroupResult:
+    s = tok.shape[-1]
+    mask = np.arange(s) < lengths[:, None]
+    fin = fin.astype(bool)
+    return GroupResult(prompt_index=int(prompt_index),
+                       tokens=np.where(mask, tok, 0).astype(np.int32),
+                       logprobs=np.where(mask, logp, 0.0).astype(np.float32),
+                       lengths=lengths.astype(np.int32), finished=fin, truncated=~fin, mask=mask,
+                       prompt_length=int(prompt_length), decode_step=int(step),
+                       seconds=float(seconds))
 
 
-def _itemsize(cfg: ModelConfig) -> int:
-    return jnp.dtype(dtype_of(cfg.dtype)).itemsize
+def assemble(groups: Sequence[GroupResult], num_chunks: int = 1,
+             stats: dict | None = None) -> RolloutResult:
+    """A :class:`RolloutResult` from every prompt's group (any order)."""
+    groups = sorted(groups, key=lambda gr: gr.prompt_index)
+    stack = lambda name: np.stack([getattr(gr, name) for gr in groups])
+    return RolloutResult(tokens=stack("tokens"), logprobs=stack("logprobs"),
+                         lengths=stack("lengths"), finished=stack("finished"),
+                         truncated=stack("truncated"), mask=stack("mask"),
+                         prompt_lengths=np.asarray([gr.prompt_length for gr in groups], np.int32),
+                         num_chunks=num_chunks, stats=dict(stats or {}))
 
 
-def kv_bytes(cfg: ModelConfig, num_sequences: int, length: int) -> int:
-    """Bytes of a K+V cache for ``num_sequences`` sequences of ``length`` positions, all layers."""
-    return (2 * cfg.num_hidden_layers * num_sequences * length * cfg.num_key_value_heads
-            * cfg.head_dim * _itemsize(cfg))
+class RolloutStream:
+    """Iterator over :class:`GroupResult` in completion order, while decoding goes on.
 
-
-def decode_bytes_per_sample(cfg: ModelConfig, prompt_len: int, max_new_tokens: int) -> int:
-    """Working memory of one sample in the decode loop: its suffix KV, its logits row and the
-    sampling temporaries (~4 f32 rows of V), its outputs, activations and attention scores."""
-    s = max_new_tokens
-    activations = 4 * (4 * cfg.hidden_size + 3 * cfg.intermediate_size
-                       + 4 * cfg.num_attention_heads * cfg.head_dim)
-    scores = 4 * 2 * cfg.num_attention_heads * (prompt_len + s)
-    return kv_bytes(cfg, 1, s) + 4 * 4 * cfg.vocab_size + 9 * s + activations + scores
-
-
-def decode_fixed_bytes(cfg: ModelConfig, num_prompts: int, prompt_len: int) -> int:
-    """Memory shared by all samples: the prompts' KV and their last-position logits."""
-    return kv_bytes(cfg, num_prompts, prompt_len) + 4 * num_prompts * cfg.vocab_size
-
-
-def plan_chunks(
-    cfg: ModelConfig,
-    num_prompts: int,
-    prompt_len: int,
-    rollouts_per_prompt: int,
-    max_new_tokens: int,
-    memory_budget_bytes: int | None,
-) -> tuple[int, int]:
-    """(num_chunks, samples_per_chunk) such that one chunk's decode memory fits the budget.
-
-    Chunks are equal-sized (the last may hold a few discarded extra samples) so every chunk uses
-    the same compiled loop. The budget covers the rollout working memory (prompt KV, per-sample
-    KV, logits, activations), not the parameters.
+    With ``background=True`` (default of :meth:`Engine.stream`) a thread drives the device loop
+    and queues each group as it completes, so the consumer's work per group (decoding text,
+    sending it to verifier processes) overlaps decoding instead of pausing it. ``stats`` holds the
+    call's statistics once the stream is exhausted; ``result()`` consumes what is left and
+    assembles the full :class:`RolloutResult`. ``close()`` (or leaving a ``with`` block) stops
+    the device loop at its next return to the host. ``wait_seconds``: how long the consumer has
+    waited for groups (in ``__next__``); the device never waits for the consumer (the queue is
+    unbounded: at most all of the call's groups, which generate() would hold anyway).
     """
-    n = rollouts_per_prompt
-    if memory_budget_bytes is None:
-        return 1, n
-    fixed = decode_fixed_bytes(cfg, num_prompts, prompt_len)
-    per_sample = decode_bytes_per_sample(cfg, prompt_len, max_new_tokens) * num_prompts
-    fit = (memory_budget_bytes - fixed) // per_sample
-    if fit < 1:
-        raise ValueError(
-            f"memory_budget_bytes={memory_budget_bytes} is too small: the prompt KV needs {fixed} "
-            f"bytes and one sample per prompt {per_sample} more; pass at least {fixed + per_sample} "
-            "or fewer/shorter prompts or a smaller max_new_tokens"
-        )
-    if fit >= n:
-        return 1, n
-    num_chunks = -(-n // fit)
-    return num_chunks, -(-n // num_chunks)
+
+    _END = object()
+
+    def __init__(self, run: Callable[[Callable[[], bool]], Iterator], *, background: bool):
+        self._closed = False
+        self._delivered: list[GroupResult] = []
+        self.wait_seconds = 0.0
+        self.stats: dict = {}
+        self.num_chunks = 1
+        self._gen = run(lambda: self._closed)
+        self._queue: queue.Queue | None = None
+        if background:
+            self._queue = queue.Queue()
+            self._thread = threading.Thread(target=self._drive, name="rollout-stream", daemon=True)
+            self._thread.start()
+
+    def _drive(self) -> None:
+        try:
+            for item in self._gen:
+                self._queue.put(("group", item))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+            self._queue.put(("error", e))
+        self._queue.put(("end", None))
+
+    def _next_item(self):
+        if self._queue is None:
+            try:
+                return "group", next(self._gen)
+            except StopIteration:
+                return "end", None
+        return self._queue.get()
+
+    def __iter__(self) -> "RolloutStream":
+        return self
+
+    def __next__(self) -> GroupResult:
+        t0 = time.perf_counter()
+        kind, item = self._next_item()
+        self.wait_seconds += time.perf_counter() - t0
+        if kind == "error":
+            raise item
+        if kind == "end":
+            raise StopIteration
+        if isinstance(item, dict):        # the final statistics
+            self.stats, self.num_chunks = item["stats"], item["num_chunks"]
+            self.stats["useful_tokens"] = int(sum(g.lengths.sum() for g in self._delivered))
+            return self.__next__()
+        self._delivered.append(item)
+        return item
+
+    def close(self) -> None:
+        self._closed = True
+        if self._queue is not None:
+            for _ in self:   # let the driver thread reach its next host return and finish
+                pass
+        else:
+            self._gen.close()
+
+    def __enter__(self) -> "RolloutStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def result(self) -> RolloutResult:
+        for _ in self:
+            pass
+        return assemble(self._delivered, self.num_chunks, self.stats)
 
 
-def validate_inputs(
-    cfg: ModelConfig, prompts: Any, rollouts_per_prompt: int, max_new_tokens: int,
-    temperature: float, top_p: float, top_k: int,
-) -> list[list[int]]:
-    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
-        raise ValueError("prompts must be a list of token-id lists (tokenize the text first)")
-    if len(prompts) == 0:
-        raise ValueError("prompts is empty: pass at least one prompt (a list of token ids)")
-    if not isinstance(rollouts_per_prompt, (int, np.integer)) or rollouts_per_prompt <= 0:
-        raise ValueError(f"rollouts_per_prompt must be a positive int, got {rollouts_per_prompt!r}")
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if not (temperature >= 0.0) or math.isinf(temperature):
-        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
-    if not isinstance(top_k, (int, np.integer)) or top_k < 0:
-        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
-    out = []
-    for i, p in enumerate(prompts):
-        ids = np.asarray(p)
-        if ids.ndim != 1 or ids.size == 0:
-            raise ValueError(f"prompts[{i}] is empty or not a flat list of token ids")
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"prompts[{i}] must hold integer token ids, got dtype {ids.dtype}")
-        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
-            raise ValueError(
-                f"prompts[{i}] has token ids outside [0, vocab_size={cfg.vocab_size})"
-            )
-        if ids.size + max_new_tokens > cfg.max_position_embeddings:
-            raise ValueError(
-                f"prompts[{i}] has {ids.size} tokens; with max_new_tokens={max_new_tokens} that "
-                f"exceeds the model context max_position_embeddings={cfg.max_position_embeddings}; "
-                "truncate the prompt or lower max_new_tokens"
-            )
-        out.append([int(t) for t in ids])
-    return out
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
 
 
+class Engine:
+    """The rollout's compiled programs for one model config and device layout.
 
-
-def resolve_eos_ids(model: Any, eos_ids: Sequence[int] | None) -> tuple[int, ...]:
-    """Stop tokens: ``eos_ids`` if given, else the model's generation config, else its config."""
-    if eos_ids is not None:
-        return tuple(sorted({int(e) for e in eos_ids}))
-    ids = tuple(getattr(model, "generation_eos_ids", ()) or ()) or tuple(model.config.eos_token_ids)
-    return tuple(sorted({int(e) for e in ids}))
-
-
-def pad_prompts(prompts: list[list[int]], num_rows: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-    """Right-padded ``tokens int32[num_rows, length]`` and ``lengths int32[num_rows]``.
-
-    Rows past ``len(prompts)`` are one-token dummy prompts (their samples are discarded)."""
-    tokens = np.zeros((num_rows, length), np.int32)
-    lengths = np.ones((num_rows,), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-        lengths[i] = len(p)
-    return tokens, lengths
-
-
-# ----------------------------------------------------------------------------------------------
-# Prefill (once per prompt)
-# ----------------------------------------------------------------------------------------------
-
-
-def prefill_prompts_fn(
-    params: dict, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Prefill right-padded prompts once.
-
-    tokens int32[G, P], lengths int32[G] -> (prefix_k, prefix_v [L, G, P, Hkv, Dh] compute dtype,
-    last_logits f32[G, V] = logits at position lengths-1). Padding keys are masked; the KV at
-    padding positions is garbage and masked again in decode by ``lengths``.
-    """
-    g, p = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (g, p))
-    valid = positions < lengths[:, None]
-    allowed = (jnp.tril(jnp.ones((p, p), bool))[None] & valid[:, None, :])[:, None]  # [G,1,P,P]
-
-    def layer(x, layer_params):
-        q, k, v = layer_qkv(layer_params, cfg, x, positions)
-        # XLA's fused attention (GQA-aware, f32 softmax): same math as models.attention, ~1.5x
-        # faster on CPU for long prompts because it avoids the explicit head-group reshapes
-        attn = jax.nn.dot_product_attention(q, k, v, mask=allowed, implementation="xla")
-        return layer_finish(layer_params, cfg, x, attn.astype(x.dtype)), (k, v)
-
-    x, (prefix_k, prefix_v) = jax.lax.scan(layer, embed(params, cfg, tokens), params["layers"])
-    x_last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [G, 1, D]
-    logits = lm_logits(params, cfg, final_norm(params, cfg, x_last))[:, 0]
-    return prefix_k, prefix_v, logits
-
-
-# un-jitted forms are public so brorl_jax.parallel can jit them with explicit shardings
-prefill_prompts = jax.jit(prefill_prompts_fn, static_argnums=(1,))
-
-
-def prefill_in_batches(
-    params: dict, cfg: ModelConfig, tokens: np.ndarray, lengths: np.ndarray
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """:func:`prefill_prompts` over prompt micro-batches (power of two) that bound the
-    [Gb, H, P, P] attention scores to ~256 MiB; concatenated on the prompt axis."""
-    g, p = tokens.shape
-    per_prompt = 4 * cfg.num_attention_heads * p * p
-    gb = max(1, min(g, _PREFILL_SCORE_BYTES // max(per_prompt, 1)))
-    gb = 1 << (gb.bit_length() - 1)  # g is a power of two, so gb divides it
-    if gb == g:
-        return prefill_prompts(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths))
-    parts = [
-        prefill_prompts(params, cfg, jnp.asarray(tokens[i : i + gb]), jnp.asarray(lengths[i : i + gb]))
-        for i in range(0, g, gb)
-    ]
-    return (jnp.concatenate([pt[0] for pt in parts], axis=1),
-            jnp.concatenate([pt[1] for pt in parts], axis=1),
-            jnp.concatenate([pt[2] for pt in parts], axis=0))
-
-
-# ----------------------------------------------------------------------------------------------
-# Sampling step shared with the naive engine
-# ----------------------------------------------------------------------------------------------
-
-
-def sample_step(
-    logits: jax.Array, sample_keys: jax.Array, step: jax.Array, *, temperature: float,
-    top_k: int, top_p: float, impl: str,
-) -> tuple[jax.Array, jax.Array]:
-    """Draw one token per sample: ``logits f32[B, V]``, ``sample_keys [B, 2]`` (one key per
-    sample, ``fold_in(seed_key, sample_index)``), ``step`` int -> (tokens int32[B], logp f32[B])."""
-    if temperature == 0.0:
-        uniforms = jnp.zeros(logits.shape[:1], jnp.float32)  # unused by greedy
-    else:
-        uniforms = jax.vmap(
-            lambda k: jax.random.uniform(jax.random.fold_in(k, step), (), jnp.float32)
-        )(sample_keys)
-    return sample_tokens(logits, uniforms, temperature=temperature, top_k=top_k, top_p=top_p,
-                         impl=impl)
-
-
-def sample_keys_for(seed_key: jax.Array, sample_ids: jax.Array) -> jax.Array:
-    """Per-sample key streams: ``fold_in(seed_key, global sample index)`` -> keys [B, 2]."""
-    return jax.vmap(lambda i: jax.random.fold_in(seed_key, i))(sample_ids.reshape(-1))
-
-
-# ----------------------------------------------------------------------------------------------
-# Decode loop (one compiled while_loop per chunk of samples)
-# ----------------------------------------------------------------------------------------------
-
-
-def decode_chunk_fn(
-    params: dict,
-    prefix_k: jax.Array,
-    prefix_v: jax.Array,
-    prompt_lengths: jax.Array,
-    first_logits: jax.Array,
-    sample_ids: jax.Array,
-    live: jax.Array,
-    seed_key: jax.Array,
-    suffix_k: jax.Array,
-    suffix_v: jax.Array,
-    *,
-    cfg: ModelConfig,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    eos_ids: tuple[int, ...],
-    attention_impl: str,
-    sampling_impl: str,
-) -> tuple[dict, jax.Array, jax.Array]:
-    """Generate ``n`` continuations of each of G prefilled prompts.
+    Hold one for the lifetime of a training run: each distinct shape (prompt bucket, slots,
+    pool, sampling settings) is compiled once, on first use, and kept on this object (nothing is
+    cached at module level). ``num_compiled()`` counts them.
 
     Args:
-      prefix_k, prefix_v: [L, G, P, Hkv, Dh] prompt KV (shared by the n samples of a prompt).
-      prompt_lengths: int32[G]. first_logits: f32[G, V] (prefill's last-position logits).
-      sample_ids: int32[G, n] global sample indices (RNG streams). live: bool[G] (False = padding
-        prompt: its samples start finished, so they never keep the loop alive).
-      seed_key: PRNG key data uint32[2].
-      suffix_k, suffix_v: [L, G, n, S, Hkv, Dh] donated scratch for the samples' own KV.
-
-    Returns:
-      (outputs dict of tokens/logprobs [G, n, S], lengths/finished [G, n]; suffix_k; suffix_v)
-      The suffix buffers come back so the next chunk can reuse (donate) them.
+      model_cfg: the model's ``ModelConfig``.
+      mesh: a ``jax.sharding.Mesh`` of this process's devices (or an ``AbstractMesh`` to trace and
+        lower only); every program runs inside ``shard_map`` over all its axes. None: one device
+        (the same programs under plain jit).
+      impl: kernels: "auto" (Pallas on GPU/TPU, jnp reference on CPU), "pallas" or "reference";
+        or a mapping {"attention": ..., "sampling": ...} to choose per kernel.
+      schedule: "continuous" (refill finished slots, compact the tail) or "lockstep".
+      min_slots: the smallest slot bucket the tail is compacted to.
+      page_size: positions per KV page (default: 128 when tracing for TPU, else 16).
+      kv_fraction: with a memory budget, the share of the slots' full length their pages cover
+        (``plan.KV_FRACTION``; 1 = never wait for a page).
     """
-    num_layers, g, n, s = suffix_k.shape[:4]
-    h, dh = cfg.num_attention_heads, cfg.head_dim
-    b = g * n
-    keys = sample_keys_for(seed_key, sample_ids)
-    eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
-    sample = functools.partial(sample_step, temperature=temperature, top_k=top_k, top_p=top_p,
-                               impl=sampling_impl)
 
-    # token 0 comes from the prefill logits: shared over n, drawn independently per sample
-    logits0 = jnp.broadcast_to(first_logits[:, None, :], (g, n, first_logits.shape[-1]))
-    tok0, logp0 = sample(logits0.reshape(b, -1), keys, jnp.int32(0))
-    tok0, logp0 = tok0.reshape(g, n), logp0.reshape(g, n)
-    done0 = jnp.isin(tok0, eos) | ~live[:, None]
-    tokens = jnp.zeros((g, n, s), jnp.int32).at[:, :, 0].set(tok0)
-    logprobs = jnp.zeros((g, n, s), jnp.float32).at[:, :, 0].set(logp0)
-    state = dict(t=jnp.int32(0), tokens=tokens, logprobs=logprobs, cur=tok0,
-                 lengths=jnp.ones((g, n), jnp.int32), done=done0, finished=jnp.isin(tok0, eos),
-                 suffix_k=suffix_k, suffix_v=suffix_v)
+    def __init__(self, model_cfg: ModelConfig, *, mesh: Any = None, impl: str = "auto",
+                 schedule: str = "continuous", min_slots: int = MIN_SLOTS,
+                 page_size: int | None = None, kv_fraction: float = KV_FRACTION):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if not isinstance(min_slots, int) or min_slots < 1:
+            raise ValueError(f"min_slots must be a positive int, got {min_slots!r}")
+        self.cfg = model_cfg
+        self.impl = impl
+        self._kernel_impls()   # validate now
+        self.schedule = schedule
+        self.min_slots = min_slots
+        self.page_size = page_size
+        if not 0 < kv_fraction <= 1:
+            raise ValueError(f"kv_fraction must be in (0, 1], got {kv_fraction!r}")
+        self.kv_fraction = kv_fraction
+        if isinstance(mesh, Mesh) and jax.process_count() > 1:
+            local = set(jax.local_devices())
+            if not all(d in local for d in mesh.devices.flat):
+                raise ValueError("the rollout mesh must hold only this process's devices "
+                                 "(jax.local_devices()); each process runs its own rollouts")
+        self.mesh = mesh            # None: one device, the programs run without shard_map
+        self.axes = () if mesh is None else tuple(mesh.axis_names)
+        self.num_devices = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in self.axes]))
+        self._programs: dict = {}
 
-    def cond(st):
-        return (st["t"] + 1 < s) & ~jnp.all(st["done"])
+    # ------------------------------------------------------------------ programs
+    def _spec(self, *, prompt_len, max_new_tokens, plan: SlotPlan, rollouts_per_prompt,
+              temperature, top_k, top_p) -> programs.Spec:
+        return programs.Spec(
+            cfg=self.cfg, prompt_len=int(prompt_len), max_new_tokens=int(max_new_tokens),
+            page_size=plan.page_size, max_pages=plan.max_pages, num_pages=plan.num_pages,
+            pool=plan.pool, share=plan.share,
+            rollouts_per_prompt=int(rollouts_per_prompt), temperature=float(temperature),
+            top_k=int(top_k), top_p=float(top_p),
+            attention_impl=_resolve_attention_impl(
+                self._kernel_impls()[0], dtype_of(self.cfg.dtype), plan.page_size,
+                in_shard_map=True),     # a mesh's programs run under shard_map
+            sampling_impl=_resolve_sampling_impl(self._kernel_impls()[1]),
+            lockstep=self.schedule == "lockstep", min_slots=self.min_slots, axes=self.axes)
 
-    def body(st):
-        t = st["t"]
-        # the token at output index t sits at position len + t and owns suffix slot t
-        positions = (prompt_lengths[:, None] + t).repeat(n, axis=1).reshape(b, 1)
-        suffix_len = jnp.full((g, n), t + 1, jnp.int32)
+    def _kernel_impls(self) -> tuple[str, str]:
+        """(attention impl, sampling impl) from ``impl`` (resolved when a program is built, so
+        "auto" follows the compile target)."""
+        impl = self.impl
+        if isinstance(impl, str):
+            out = (impl, impl)
+        elif hasattr(impl, "keys") and set(impl) <= {"attention", "sampling"}:
+            out = (impl.get("attention", "auto"), impl.get("sampling", "auto"))
+        else:
+            raise ValueError(f"impl must be 'auto', 'pallas', 'reference' or a mapping with keys "
+                             f"'attention'/'sampling', got {impl!r}")
+        _resolve_attention_impl(out[0], in_shard_map=True), _resolve_sampling_impl(out[1])
+        return out
 
-        def layer(carry, xs):
-            x, sk_all, sv_all = carry
-            layer_params, pk, pv, idx = xs
-            q, k, v = layer_qkv(layer_params, cfg, x, positions)
-            start = (idx, 0, 0, t, 0, 0)
-            sk_all = jax.lax.dynamic_update_slice(
-                sk_all, k.reshape(1, g, n, 1, *k.shape[2:]).astype(sk_all.dtype), start)
-            sv_all = jax.lax.dynamic_update_slice(
-                sv_all, v.reshape(1, g, n, 1, *v.shape[2:]).astype(sv_all.dtype), start)
-            attn = shared_prefix_decode_attention(
-                q.reshape(g, n, h, dh), pk, pv, prompt_lengths, sk_all[idx], sv_all[idx],
-                suffix_len, impl=attention_impl,
-            )
-            x = layer_finish(layer_params, cfg, x, attn.reshape(b, 1, h, dh).astype(x.dtype))
-            return (x, sk_all, sv_all), None
+    def _smap(self, fn, n_rep: int, n_dev: int, donate: tuple[int, ...] = ()):
+        """jit(shard_map(fn)): the first n_rep arguments replicated, the next n_dev per device
+        (leading device axis); fn(dev_index, *rep, *per_device) -> (per_device_out, rep_out).
+        On one device (no mesh) the same body runs under plain jit (device axis of size 1)."""
+        axes = self.axes
 
-        x0 = embed(params, cfg, st["cur"].reshape(b, 1))
-        (x, sk_all, sv_all), _ = jax.lax.scan(
-            layer, (x0, st["suffix_k"], st["suffix_v"]),
-            (params["layers"], prefix_k, prefix_v, jnp.arange(num_layers)),
-        )
-        logits = lm_logits(params, cfg, final_norm(params, cfg, x))[:, 0]
-        tok, logp = sample(logits, keys, t + 1)
-        tok, logp = tok.reshape(g, n), logp.reshape(g, n)
-        active = ~st["done"]
-        tok = jnp.where(active, tok, 0)
-        is_eos = jnp.isin(tok, eos) & active
-        return dict(
-            t=t + 1,
-            tokens=st["tokens"].at[:, :, t + 1].set(tok),
-            logprobs=st["logprobs"].at[:, :, t + 1].set(jnp.where(active, logp, 0.0)),
-            cur=tok,
-            lengths=st["lengths"] + active.astype(jnp.int32),
-            done=st["done"] | is_eos,
-            finished=st["finished"] | is_eos,
-            suffix_k=sk_all,
-            suffix_v=sv_all,
-        )
+        def per_device(*args):
+            rep, devs = args[:n_rep], jax.tree.map(lambda x: x[0], args[n_rep:])
+            dev = jax.lax.axis_index(axes) if axes else jnp.int32(0)
+            d_out, r_out = fn(dev, *rep, *devs)
+            return jax.tree.map(lambda x: x[None], d_out), r_out
 
-    st = jax.lax.while_loop(cond, body, state)
-    out = dict(tokens=st["tokens"], logprobs=st["logprobs"], lengths=st["lengths"],
-               finished=st["finished"], steps=st["t"] + 1)
-    return out, st["suffix_k"], st["suffix_v"]
+        if self.mesh is None:
+            return jax.jit(per_device, donate_argnums=donate)
+        dev = P(axes)
+        mapped = jax.shard_map(per_device, mesh=self.mesh,
+                               in_specs=(P(),) * n_rep + (dev,) * n_dev, out_specs=(dev, P()),
+                               check_vma=False)
+        return jax.jit(mapped, donate_argnums=donate)
 
+    def _program(self, name: str, spec: programs.Spec, *extra):
+        key = (name, spec, *extra)
+        if key in self._programs:
+            return self._programs[key]
+        if name == "init":
+            num_slots, = extra
+            fn = self._smap(lambda dev: ((programs.init_pool(spec),
+                                          programs.init_slots(spec, num_slots),
+                                          programs.init_kv(spec), programs.init_stats()), None),
+                            0, 0)
+        elif name == "admit":
+            fn = self._smap(lambda dev, params, tokens, lengths, entries, gids, stop, seed, pool: (
+                programs.admit(params, pool, tokens, lengths, entries, gids, stop, seed,
+                               spec=spec, dev=dev), None), 7, 1, donate=(7,))
+        elif name == "release":
+            fn = self._smap(lambda dev, free, pool: (programs.release(pool, free), None), 1, 1,
+                            donate=(1,))
+        elif name == "decode":
+            def decode(dev, params, stop, seed, final, pool, slots, kv, stats):
+                pool, slots, kv, stats, sm = programs.decode(params, pool, slots, kv, stats, stop,
+                                                             seed, final, spec=spec, dev=dev)
+                return (pool, slots, kv, stats), sm
+            fn = self._smap(decode, 4, 4, donate=(4, 5, 6, 7))
+        elif name == "compact":
+            num_slots, = extra
+            fn = self._smap(lambda dev, slots: (programs.compact(slots, num_slots=num_slots), None),
+                            0, 1)
+        elif name == "fetch":
+            fn = self._smap(lambda dev, entry, pool: (programs.fetch(pool, entry), None), 1, 1)
+        else:
+            raise KeyError(name)
+        self._programs[key] = fn
+        return fn
 
-decode_chunk = jax.jit(
-    decode_chunk_fn,
-    static_argnames=("cfg", "max_new_tokens", "temperature", "top_k", "top_p", "eos_ids",
-                     "attention_impl", "sampling_impl"),
-    donate_argnames=("suffix_k", "suffix_v"),
-)
+    def num_compiled(self) -> dict[str, int]:
+        """Compiled executables per program kind ("decode", "compact", "admit", ...)."""
+        out: dict[str, int] = {}
+        for key, fn in self._programs.items():
+            out[key[0]] = out.get(key[0], 0) + fn._cache_size()
+        return out
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, num_prompts: int, prompt_len: int, rollouts_per_prompt: int,
+             max_new_tokens: int, memory_budget_bytes: int | None = None) -> SlotPlan:
+        """Slots, pages and pool entries per device for a call (see ``plan.plan_slots``)."""
+        return plan_slots(self.cfg, num_prompts, prompt_len, rollouts_per_prompt, max_new_tokens,
+                          memory_budget_bytes, num_devices=self.num_devices,
+                          min_slots=self.min_slots, page_size=self.page_size,
+                          kv_fraction=self.kv_fraction)
+
+    def decode_program(self, params: Any, *, prompt_len: int, rollouts_per_prompt: int,
+                       max_new_tokens: int, num_prompts: int = 1, slots: int | None = None,
+                       memory_budget_bytes: int | None = None, temperature: float = 1.0,
+                       top_k: int = 0, top_p: float = 1.0, sharding: Any = None):
+        """(the jitted decode program, its arguments as ShapeDtypeStructs) for a call of these
+        shapes, nothing allocated: ``params`` may be ShapeDtypeStructs; ``slots`` overrides the
+        budget's slot count (with its pool and ``kv_fraction`` of pages); ``sharding`` is put on
+        every argument (e.g. a device of a compile-only topology)."""
+        plan = self.plan(num_prompts, prompt_len, rollouts_per_prompt, max_new_tokens,
+                         memory_budget_bytes)
+        if slots is not None:   # that many slots, their pool and kv_fraction of their length
+            pages = pages_for(int(slots), max_new_tokens, plan.page_size, self.kv_fraction)
+            plan = dataclasses.replace(plan, slots=int(slots), num_pages=pages,
+                                       pool=pool_size_for(int(slots), plan.share, num_prompts),
+                                       buckets=slot_buckets(int(slots),
+                                                            min(self.min_slots, int(slots))))
+        spec = self._spec(prompt_len=prompt_len, max_new_tokens=max_new_tokens, plan=plan,
+                          rollouts_per_prompt=rollouts_per_prompt, temperature=temperature,
+                          top_k=top_k, top_p=top_p)
+        d = self.num_devices
+        shapes = jax.eval_shape(lambda: (programs.init_pool(spec),
+                                         programs.init_slots(spec, plan.slots),
+                                         programs.init_kv(spec), programs.init_stats()))
+        sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        state = jax.tree.map(lambda x: sds((d,) + tuple(x.shape), x.dtype), shapes)
+        args = (jax.tree.map(lambda x: sds(x.shape, x.dtype), params),
+                sds((self.cfg.vocab_size,), jnp.bool_), sds((2,), jnp.uint32),
+                sds((), jnp.bool_), *state)
+        return self._program("decode", spec), args
+
+    def lower_decode(self, params: Any, *, platform: str | None = None, **call):
+        """The decode program (:meth:`decode_program`, same keywords) traced and lowered.
+        ``platform`` ("cuda"/"tpu") lowers for that target; wrap the call in
+        ``pallas_kernels.compile_target(platform)`` (and for "tpu" build the engine on an
+        AbstractMesh of TPU devices) so the kernels trace their compiled form."""
+        fn, args = self.decode_program(params, **call)
+        return fn.trace(*args).lower(lowering_platforms=(platform,) if platform else None)
+
+    # ------------------------------------------------------------------ calls
+    def generate(self, params: Any, prompts: Sequence[Sequence[int]], **kwargs) -> RolloutResult:
+        """All groups at once: :meth:`stream` without a thread, assembled."""
+        return self.stream(params, prompts, background=False, **kwargs).result()
+
+    def stream(self, params: Any, prompts: Sequence[Sequence[int]], *, rollouts_per_prompt: int,
+               max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+               top_k: int = 0, seed: int = 0, eos_ids: Sequence[int] | None = None,
+               memory_budget_bytes: int | None = None, background: bool = True) -> RolloutStream:
+        """Each prompt's group of N samples as soon as it is complete (a :class:`RolloutStream`).
+
+        Arguments as in :func:`brorl_jax.rollout.generate`; ``eos_ids`` defaults to the config's
+        ``eos_token_ids``. Inputs are checked here, before anything runs."""
+        if self.mesh is not None and not isinstance(self.mesh, Mesh):
+            raise ValueError("this engine's mesh is abstract: it can only lower (lower_decode)")
+        cfg = self.cfg
+        prompts = validate_inputs(cfg, prompts, rollouts_per_prompt, max_new_tokens,
+                                  temperature, top_p, top_k)
+        eos = tuple(cfg.eos_token_ids) if eos_ids is None else tuple(eos_ids)
+        stop = stop_table(cfg, eos)
+        if memory_budget_bytes is not None and (
+                not isinstance(memory_budget_bytes, (int, np.integer)) or memory_budget_bytes <= 0):
+            raise ValueError(f"memory_budget_bytes must be a positive int or None, got "
+                             f"{memory_budget_bytes!r}")
+        p = bucket_prompt_length(max(len(x) for x in prompts))
+        plan = self.plan(len(prompts), p, rollouts_per_prompt, max_new_tokens,
+                         memory_budget_bytes)
+        spec = self._spec(prompt_len=p, max_new_tokens=max_new_tokens, plan=plan,
+                          rollouts_per_prompt=rollouts_per_prompt, temperature=temperature,
+                          top_k=top_k, top_p=top_p)
+        if self.mesh is not None:       # replicated on the mesh once per call
+            params = jax.device_put(params, NamedSharding(self.mesh, P()))
+        run = functools.partial(self._run, params, prompts, spec, plan, stop,
+                                np.asarray(jax.random.PRNGKey(seed)))
+        return RolloutStream(run, background=background)
+
+    def _run(self, params, prompts, spec: programs.Spec, plan: SlotPlan, stop, seed_key,
+             should_stop: Callable[[], bool]) -> Iterator:
+        """The host side of the scheduler: admit prompts into free pool entries, run the decode
+        loop until it returns, hand out complete groups, compact the tail. Yields GroupResults,
+        then a dict with the call's statistics."""
+        t_start = time.perf_counter()
+        cfg, g_total, n, s = self.cfg, len(prompts), spec.rollouts_per_prompt, spec.max_new_tokens
+        k_pool, d = spec.pool, self.num_devices
+        num_slots = plan.slots
+        pool, slots, kv, stats = self._program("init", spec, num_slots)()[0]
+        jax.block_until_ready(kv["pages_k"])
+        t_init = time.perf_counter() - t_start
+        entry_gid = [-1] * k_pool
+        next_prompt = 0
+        per_prompt = 4 * cfg.num_attention_heads * spec.prompt_len ** 2
+        ga_max = max(1, min(_pow2_at_least(k_pool), PREFILL_SCORE_BYTES // max(per_prompt, 1)))
+        ga_max = 1 << (ga_max.bit_length() - 1)
+        t_prefill = t_decode = 0.0
+        counters = dict(slot_steps=0, compactions=0, round_trips=0, admissions=0)
+        calls: list = []          # (slots, steps, seconds) of each decode call
+
+        def admit_free():
+            nonlocal pool, next_prompt, t_prefill
+            free = [e for e in range(k_pool) if entry_gid[e] < 0]
+            while free and next_prompt < g_total:
+                take = min(len(free), g_total - next_prompt, ga_max)
+                ga = 1 if take == 1 else ga_max     # two admission programs at most
+                toks = np.zeros((ga, spec.prompt_len), np.int32)
+                lens = np.ones((ga,), np.int32)
+                gids = np.full((ga,), -1, np.int32)
+                ents = np.full((ga,), k_pool, np.int32)
+                for r in range(take):
+                    pr = prompts[next_prompt + r]
+                    toks[r, : len(pr)] = pr
+                    lens[r], gids[r], ents[r] = len(pr), next_prompt + r, free[r]
+                    entry_gid[free[r]] = next_prompt + r
+                t0 = time.perf_counter()
+                pool = self._program("admit", spec, ga)(params, toks, lens, ents, gids, stop,
+                                                        seed_key, pool)[0]
+                jax.block_until_ready(pool["gid"])
+                t_prefill += time.perf_counter() - t0
+                counters["admissions"] += 1
+                next_prompt += take
+                free = free[take:]
+
+        admit_free()
+        ready: list = []          # (prompt, fetched device arrays, step) not yet handed out
+        delivered = 0
+        last_steps = 0
+        decode = self._program("decode", spec)
+        while delivered + len(ready) < g_total and not should_stop():
+            t0 = time.perf_counter()
+            (pool, slots, kv, stats), sm = decode(params, stop, seed_key,
+                                                  np.bool_(next_prompt >= g_total), pool, slots,
+                                                  kv, stats)
+            # hand out the groups of the previous return while this decode call runs
+            for item in ready:
+                yield self._hand_out(item, prompts, spec, t_start)
+                delivered += 1
+            ready = []
+            sm = jax.device_get(sm)
+            t_decode += time.perf_counter() - t0
+            steps = int(sm["steps"])
+            calls.append((num_slots, steps - last_steps, time.perf_counter() - t0))
+            counters["round_trips"] += 1
+            counters["slot_steps"] += (steps - last_steps) * num_slots * d
+            done_entries = [e for e in range(k_pool) if sm["complete"][e]]
+            progressed = bool(done_entries) or steps > last_steps
+            last_steps = steps
+            for e in done_entries:
+                ready.append((entry_gid[e], self._program("fetch", spec)(np.int32(e), pool)[0],
+                              steps))
+            if done_entries:
+                free = np.zeros((k_pool,), bool)
+                free[done_entries] = True
+                pool = self._program("release", spec)(free, pool)[0]
+                for e in done_entries:
+                    entry_gid[e] = -1
+                admit_free()
+            if (not spec.lockstep and next_prompt >= g_total and int(sm["pending"]) == 0
+                    and delivered + len(ready) < g_total):
+                for smaller in self._buckets_below(num_slots, spec):
+                    if int(sm["live"]) > smaller:
+                        break
+                    slots = self._program("compact", spec, smaller)(slots)[0]
+                    num_slots = smaller
+                    counters["compactions"] += 1
+                    progressed = True
+            if not progressed:
+                raise RuntimeError(f"rollout scheduler made no progress (a bug): summary={sm}, "
+                                   f"slots={num_slots}, entries={entry_gid}")
+        for item in ready:
+            yield self._hand_out(item, prompts, spec, t_start)
+        final = jax.device_get(stats)
+        total = time.perf_counter() - t_start
+        steps = int(final["steps"][0])
+        live = int(final["live"].sum())
+        yield dict(num_chunks=max(1, -(-g_total * n // (plan.slots * d))), stats=dict(
+            decode_steps=steps, num_slots=plan.slots * d, slots_per_device=plan.slots,
+            pool_size=k_pool, devices=d, schedule=self.schedule,
+            mean_live_slots=live / max(steps, 1),
+            occupancy=live / max(counters["slot_steps"], 1),
+            decode_forward_rows=counters["slot_steps"],
+            assigned=int(final["assigned"].sum()), refills=int(final["refills"].sum()),
+            page_size=plan.page_size, pages_per_device=plan.num_pages,
+            stalls=int(final["stalls"].sum()), restarts=int(final["restarts"].sum()),
+            compactions=counters["compactions"], round_trips=counters["round_trips"],
+            admissions=counters["admissions"], prefill_seconds=t_prefill,
+            decode_seconds=t_decode, init_seconds=t_init,
+            host_seconds=total - t_prefill - t_decode - t_init,
+            total_seconds=total, padded_prompt_len=spec.prompt_len, padded_num_prompts=g_total,
+            memory_bytes_per_device=plan.bytes_per_device, decode_calls=calls))
+
+    def _hand_out(self, item, prompts, spec: programs.Spec, t_start: float) -> GroupResult:
+        gid, arrays, step = item
+        rows = self.num_devices * spec.share
+        tok, logp, lens, fin = (np.asarray(a).reshape((rows,) + a.shape[2:])
+                                [: spec.rollouts_per_prompt] for a in jax.device_get(arrays))
+        return _group(gid, tok, logp, lens, fin, len(prompts[gid]), step,
+                      time.perf_counter() - t_start)
+
+    @staticmethod
+    def _buckets_below(num_slots: int, spec: programs.Spec) -> list[int]:
+        return list(slot_buckets(num_slots, min(spec.min_slots, num_slots))[1:])
 
 
 # ----------------------------------------------------------------------------------------------
-# Public entry point
+# Public entry points
 # ----------------------------------------------------------------------------------------------
 
 
-def finalize(
-    tokens: np.ndarray, logprobs: np.ndarray, lengths: np.ndarray, finished: np.ndarray,
-    prompt_lengths: np.ndarray, num_chunks: int,
-) -> RolloutResult:
-    """Mask everything past each sample's length (pad id 0, log-prob 0) and build the result."""
-    s = tokens.shape[-1]
-    mask = np.arange(s) < lengths[..., None]
-    return RolloutResult(
-        tokens=np.where(mask, tokens, 0).astype(np.int32),
-        logprobs=np.where(mask, logprobs, 0.0).astype(np.float32),
-        lengths=lengths.astype(np.int32),
-        finished=finished.astype(bool),
-        truncated=~finished.astype(bool),
-        mask=mask,
-        prompt_lengths=prompt_lengths.astype(np.int32),
-        num_chunks=num_chunks,
-    )
+def _hashable(impl):
+    return tuple(sorted(impl.items())) if hasattr(impl, "items") else impl
+
+
+@functools.lru_cache(maxsize=4)
+def _default_engine(cfg: ModelConfig, mesh: Any, impl: Any) -> Engine:
+    """generate()'s engine when the caller holds none: a few recent ones are kept (bounded) so
+    repeated calls with the same model do not recompile; a training loop holds its own Engine."""
+    return Engine(cfg, mesh=mesh, impl=dict(impl) if isinstance(impl, tuple) else impl)
 
 
 def generate(
@@ -471,66 +605,37 @@ def generate(
       prompts: G token-id lists of any (non-zero) lengths.
       rollouts_per_prompt: N samples per prompt. max_new_tokens: S, the response budget.
       temperature: 0 = greedy. top_p in (0, 1], top_k >= 0 (0 = off): HF order, top-k then top-p.
-      seed: RNG seed; sample ``g * N + n`` has its own stream, independent of chunking.
-      eos_ids: stop tokens (default: the model's generation config, then its config).
-      memory_budget_bytes: bound on the decode working memory; N is split into chunks that share
-        the prefill when G*N samples do not fit (see :func:`plan_chunks`).
+      seed: RNG seed; sample ``g * N + n`` has its own stream, independent of the schedule.
+      eos_ids: stop tokens (default: the model's generation config, then its config); any number.
+      memory_budget_bytes: bound on the rollout's working memory over all devices (not the
+        parameters); it sets the number of decode slots (see ``plan.plan_slots``).
       params: overrides ``model.params`` (the trainer's current policy).
       impl: kernels: "auto" (Pallas on GPU/TPU, jnp reference on CPU), "pallas" or "reference".
-      mesh: a ``jax.sharding.Mesh`` (brorl_jax.parallel.make_mesh): run on it, each prompt's KV
-        replicated over the sample axes and its N samples split over them
-        (``brorl_jax.parallel.sharded.sharded_generate``; same tokens for a seed as without).
+      mesh: a ``jax.sharding.Mesh``: each device decodes its share of every prompt's samples
+        (same tokens for a seed as without).
 
     Returns:
       :class:`RolloutResult` with tokens/logprobs [G, N, S], lengths/finished/truncated [G, N].
-    """
-    if mesh is not None:
-        from brorl_jax.parallel.sharded import sharded_generate
-        return sharded_generate(
-            model, prompts, mesh=mesh, rollouts_per_prompt=rollouts_per_prompt,
-            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            seed=seed, eos_ids=eos_ids, memory_budget_bytes=memory_budget_bytes, params=params,
-            impl=impl)
-    cfg: ModelConfig = model.config
-    prompts = validate_inputs(cfg, prompts, rollouts_per_prompt, max_new_tokens, temperature, top_p, top_k)
-    params = model.params if params is None else params
-    eos = resolve_eos_ids(model, eos_ids)
-    attention_impl, sampling_impl = _resolve_attention_impl(impl), _resolve_sampling_impl(impl)
-    g_real, n_real, s = len(prompts), int(rollouts_per_prompt), int(max_new_tokens)
-    g = bucket_num_prompts(g_real)
-    p = bucket_prompt_length(max(len(x) for x in prompts))
-    tokens, lengths = pad_prompts(prompts, g, p)
 
-    t0 = time.perf_counter()
-    prefix_k, prefix_v, first_logits = prefill_in_batches(params, cfg, tokens, lengths)
-    first_logits.block_until_ready()
-    t1 = time.perf_counter()
-    num_chunks, n = plan_chunks(cfg, g, p, n_real, s, memory_budget_bytes)
-    shape = (cfg.num_hidden_layers, g, n, s, cfg.num_key_value_heads, cfg.head_dim)
-    suffix_k = jnp.zeros(shape, dtype_of(cfg.dtype))
-    suffix_v = jnp.zeros(shape, dtype_of(cfg.dtype))
-    seed_key = jax.random.PRNGKey(seed)
-    live = jnp.asarray(np.arange(g) < g_real)
-    prompt_lengths = jnp.asarray(lengths)
-    outs = []
-    for c in range(num_chunks):
-        ids = np.arange(g)[:, None] * n_real + c * n + np.arange(n)[None, :]
-        out, suffix_k, suffix_v = decode_chunk(
-            params, prefix_k, prefix_v, prompt_lengths, first_logits,
-            jnp.asarray(ids, jnp.int32), live, seed_key, suffix_k, suffix_v,
-            cfg=cfg, max_new_tokens=s, temperature=float(temperature), top_k=int(top_k),
-            top_p=float(top_p), eos_ids=eos, attention_impl=attention_impl,
-            sampling_impl=sampling_impl,
-        )
-        outs.append(jax.device_get(out))
-    t2 = time.perf_counter()
-    cat = {k: np.concatenate([o[k] for o in outs], axis=1)[:g_real, :n_real]
-           for k in ("tokens", "logprobs", "lengths", "finished")}
-    result = finalize(cat["tokens"], cat["logprobs"], cat["lengths"], cat["finished"],
-                      lengths[:g_real], num_chunks)
-    result.stats.update(
-        prefill_seconds=t1 - t0, decode_seconds=t2 - t1,
-        decode_forward_rows=int(sum((int(o["steps"]) - 1) * g * n for o in outs)),
-        padded_num_prompts=g, padded_prompt_len=p, samples_per_chunk=n,
-    )
-    return result
+    Uses a bounded set of recently used engines; a caller that generates repeatedly (a training
+    loop) should hold an :class:`Engine` and call its ``generate`` / ``stream``.
+    """
+    eos = resolve_eos_ids(model, eos_ids)
+    engine = _default_engine(model.config, mesh, _hashable(impl))
+    return engine.generate(
+        model.params if params is None else params, prompts,
+        rollouts_per_prompt=rollouts_per_prompt, max_new_tokens=max_new_tokens,
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, eos_ids=eos,
+        memory_budget_bytes=memory_budget_bytes)
+
+
+def generate_stream(model: Any, prompts: Sequence[Sequence[int]], *, engine: Engine | None = None,
+                    params: dict | None = None, eos_ids: Sequence[int] | None = None,
+                    impl: str = "auto", mesh: Any = None, background: bool = True,
+                    **kwargs) -> RolloutStream:
+    """Like :func:`generate`, but an iterator of :class:`GroupResult` (one per prompt, in
+    completion order) while decoding goes on. Pass ``engine=`` to reuse compiled programs."""
+    engine = engine or _default_engine(model.config, mesh, _hashable(impl))
+    return engine.stream(model.params if params is None else params, prompts,
+                         eos_ids=resolve_eos_ids(model, eos_ids), background=background,
+                         **kwargs)

@@ -17,12 +17,52 @@ import numpy as np
 
 from brorl_jax.models import ModelConfig, attention, embed, final_norm, layer_finish, layer_qkv
 from brorl_jax.models import lm_logits
-from brorl_jax.models.transformer import dtype_of
-from brorl_jax.rollout.engine import (
-    RolloutResult, validate_inputs, bucket_num_prompts, bucket_prompt_length, finalize, pad_prompts,
-    prefill_in_batches, resolve_eos_ids, sample_keys_for, sample_step,
-)
+from brorl_jax.rollout.engine import RolloutResult
+from brorl_jax.rollout.plan import (PREFILL_SCORE_BYTES, bucket_num_prompts, bucket_prompt_length,
+                                    pad_prompts, resolve_eos_ids, validate_inputs)
+from brorl_jax.rollout.programs import prefill_prompts_fn, sample_keys_for, sample_step
 from pallas_kernels.sampling import resolve_impl as _resolve_sampling_impl
+
+prefill_prompts = jax.jit(prefill_prompts_fn, static_argnums=(1,))
+
+
+def prefill_in_batches(
+    params: dict, cfg: ModelConfig, tokens: np.ndarray, lengths: np.ndarray
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`prefill_prompts` over prompt micro-batches (power of two) that bound the
+    [Gb, H, P, P] attention scores; concatenated on the prompt axis."""
+    g, p = tokens.shape
+    per_prompt = 4 * cfg.num_attention_heads * p * p
+    gb = max(1, min(g, PREFILL_SCORE_BYTES // max(per_prompt, 1)))
+    gb = 1 << (gb.bit_length() - 1)  # g is a power of two, so gb divides it
+    parts = [
+        prefill_prompts(params, cfg, jnp.asarray(tokens[i : i + gb]), jnp.asarray(lengths[i : i + gb]))
+        for i in range(0, g, gb)
+    ]
+    if len(parts) == 1:
+        return parts[0]
+    return (jnp.concatenate([pt[0] for pt in parts], axis=1),
+            jnp.concatenate([pt[1] for pt in parts], axis=1),
+            jnp.concatenate([pt[2] for pt in parts], axis=0))
+
+
+def finalize(
+    tokens: np.ndarray, logprobs: np.ndarray, lengths: np.ndarray, finished: np.ndarray,
+    prompt_lengths: np.ndarray, num_chunks: int,
+) -> RolloutResult:
+    """Mask everything past each sample's length (pad id 0, log-prob 0) and build the result."""
+    s = tokens.shape[-1]
+    mask = np.arange(s) < lengths[..., None]
+    return RolloutResult(
+        tokens=np.where(mask, tokens, 0).astype(np.int32),
+        logprobs=np.where(mask, logprobs, 0.0).astype(np.float32),
+        lengths=lengths.astype(np.int32),
+        finished=finished.astype(bool),
+        truncated=~finished.astype(bool),
+        mask=mask,
+        prompt_lengths=prompt_lengths.astype(np.int32),
+        num_chunks=num_chunks,
+    )
 
 
 @functools.partial(

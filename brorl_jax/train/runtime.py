@@ -13,11 +13,13 @@ The loop (train/loop.py) talks to one interface, `Runtime`, and never asks which
                                 process)
 
   LocalRuntime   one device: plain `jax.jit` of algo.make_update_step / make_logprob_fn and
-                 rollout.generate (the path every CPU test and the demo take).
+                 a rollout.Engine (the path every CPU test and the demo take).
   MeshRuntime    several devices, one or several processes: the mesh of
                  `mesh.data x mesh.fsdp x mesh.tensor`; the train state sharded by the
                  `mesh.rules` rule set (parallel.rules); sharded update and log-prob steps
-                 (explicit in/out shardings, donated state); rollouts over the mesh's sample axes.
+                 (explicit in/out shardings, donated state); rollouts by a rollout.Engine on the
+                 rollout mesh (under shard_map: each device decodes its share of every prompt's
+                 samples in its own slots).
                  With several processes (jax.distributed) each process feeds only its rows of the
                  update (distributed.global_batch); rollouts are local: every process reads its
                  own prompt shard, generates on its own devices with a host copy of the current
@@ -71,6 +73,7 @@ class Runtime:
         self.rollout_impl = cfg.rollout.impl
         self.memory_budget_bytes = int(cfg.rollout.memory_budget_gb * 2**30) or None
         self._steps: dict[Any, Any] = {}
+        self._rollout: rollout.Engine | None = None
 
     # -- cross-process helpers ------------------------------------------------------------------
     def allgather_rows(self, x: np.ndarray) -> np.ndarray:
@@ -122,8 +125,20 @@ class Runtime:
     def rollout_params(self, params):
         raise NotImplementedError
 
+    rollout_mesh = None             # None: one device (LocalRuntime)
+
     def generate(self, model, params, prompts, **kwargs):
-        raise NotImplementedError
+        """Rollouts (rollout.RolloutResult) through the runtime's rollout Engine."""
+        return self.rollout_engine(model.config).generate(
+            params, prompts, memory_budget_bytes=self.memory_budget_bytes, **kwargs)
+
+    def rollout_engine(self, model_cfg) -> rollout.Engine:
+        """The rollout's compiled programs, held for the run (one Engine per model config; on
+        the rollout mesh under shard_map, so the Pallas kernels run per device)."""
+        if self._rollout is None or self._rollout.cfg != model_cfg:
+            self._rollout = rollout.Engine(model_cfg, mesh=self.rollout_mesh,
+                                           impl=self.rollout_impl)
+        return self._rollout
 
     def update(self, algo_cfg, state, batch: dict, rng):
         raise NotImplementedError
@@ -136,7 +151,7 @@ class _LocalSteps:
 
 
 class LocalRuntime(Runtime):
-    """One device: jitted steps, rollout.generate."""
+    """One device: jitted steps, a rollout.Engine."""
 
     def place_state(self, state):
         return state
@@ -146,10 +161,6 @@ class LocalRuntime(Runtime):
 
     def rollout_params(self, params):
         return params
-
-    def generate(self, model, params, prompts, **kwargs):
-        return rollout.generate(model, prompts, params=params, impl=self.rollout_impl,
-                                memory_budget_bytes=self.memory_budget_bytes, **kwargs)
 
     def _compiled(self, algo_cfg) -> _LocalSteps:
         if algo_cfg not in self._steps:
@@ -224,16 +235,6 @@ class MeshRuntime(Runtime):
         if self.num_processes == 1:
             return params
         return multihost_utils.process_allgather(params, tiled=True)
-
-    # -- rollout --------------------------------------------------------------------------------
-    def generate(self, model, params, prompts, **kwargs):
-        impl = self.rollout_impl
-        if impl == "auto" and self.rollout_mesh.size > 1:
-            # The SPMD partitioner cannot split a Pallas call (it would run whole on every
-            # device); the jnp reference kernels partition over the sample axes.
-            impl = "reference"
-        return rollout.generate(model, prompts, mesh=self.rollout_mesh, params=params, impl=impl,
-                                memory_budget_bytes=self.memory_budget_bytes, **kwargs)
 
     # -- update ---------------------------------------------------------------------------------
     def _compile(self, algo_cfg, state, local_batch: dict) -> _MeshSteps:

@@ -23,7 +23,7 @@ from brorl_jax.parallel import sharded
 from brorl_jax.algo import sharded as algo_sharded
 from brorl_jax.parallel.mesh import make_mesh
 from brorl_jax.parallel.vocab_parallel import sharded_fused_logprob, vocab_parallel_logprob
-from brorl_jax.rollout import generate
+from brorl_jax.rollout import Engine, generate, rollout_bytes
 from pallas_kernels.fused_logprob_reference import fused_logprob_reference
 
 EOS = 3
@@ -70,6 +70,11 @@ def main(out_path: str, layouts: str) -> None:
     model = Model(cfg, params, None, (EOS,))
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42]]
     gen_kw = dict(rollouts_per_prompt=8, max_new_tokens=8, temperature=1.0, seed=3)
+    # mixed lengths (a stop set) and a budget of 2 slots per device: refills on every device
+    stops = [EOS] + list(range(100, 140))
+    tail_kw = dict(rollouts_per_prompt=12, max_new_tokens=10, temperature=1.0, seed=5,
+                   eos_ids=stops, memory_budget_bytes=8 * rollout_bytes(cfg, 2, 8, 12, 10, 2,
+                                                                         num_devices=8))
 
     # Single-device references (default device, no mesh).
     state0 = create_train_state(params, optimizer)
@@ -78,11 +83,13 @@ def main(out_path: str, layouts: str) -> None:
     logp_fn = jax.jit(make_logprob_fn(cfg, algo_cfg, micro_batch_size=8))
     ref_logp, ref_ent, _ = logp_fn(params, batch)
     ref_roll = generate(model, prompts, **gen_kw)
+    ref_tail = Engine(cfg).generate(params, prompts, **tail_kw)
     out = {"ref/logp": np.asarray(ref_logp), "ref/entropy": np.asarray(ref_ent),
            "ref/loss": np.asarray(ref_metrics["loss"]),
            "ref/grad_norm": np.asarray(ref_metrics["grad_norm"]),
            "ref/tokens": ref_roll.tokens, "ref/rollout_logprobs": ref_roll.logprobs,
-           "ref/lengths": ref_roll.lengths}
+           "ref/lengths": ref_roll.lengths, "ref/tail_tokens": ref_tail.tokens,
+           "ref/tail_logprobs": ref_tail.logprobs, "ref/tail_lengths": ref_tail.lengths}
     for path, leaf in jax.tree_util.tree_flatten_with_path(ref_state.params)[0]:
         out["ref/params/" + jax.tree_util.keystr(path)] = np.asarray(leaf)
 
@@ -147,12 +154,18 @@ def main(out_path: str, layouts: str) -> None:
             lambda h, w: sf(h, w, yv, temperature=0.7, impl="chunked")), argnums=(0, 1)))(hv, wv)
         out[f"{tag}/sf_loss"] = np.asarray(vals)
         out[f"{tag}/sf_dhidden"], out[f"{tag}/sf_dlm_head"] = map(np.asarray, grads)
-        # rollout: N samples over the sample axes, prompt KV shared
-        roll = sharded.sharded_generate(model, prompts, mesh=mesh, **gen_kw)
+        # rollout: an Engine on the mesh (shard_map; each device decodes its share of samples)
+        engine = Engine(cfg, mesh=mesh)
+        roll = engine.generate(params, prompts, eos_ids=[EOS], **gen_kw)
         out[f"{tag}/tokens"], out[f"{tag}/rollout_logprobs"] = roll.tokens, roll.logprobs
         out[f"{tag}/lengths"] = roll.lengths
-        # the public entry: rollout.generate(mesh=...) routes to the same sharded engine
+        # the public entry: rollout.generate(mesh=...)
         out[f"{tag}/tokens_via_generate"] = generate(model, prompts, mesh=mesh, **gen_kw).tokens
+        tail = engine.generate(params, prompts, **tail_kw)
+        out[f"{tag}/tail_tokens"], out[f"{tag}/tail_logprobs"] = tail.tokens, tail.logprobs
+        out[f"{tag}/tail_lengths"] = tail.lengths
+        out[f"{tag}/tail_refills"] = np.asarray(tail.stats["refills"])
+        out[f"{tag}/tail_slots_per_device"] = np.asarray(tail.stats["slots_per_device"])
     np.savez(out_path, **out)
 
 

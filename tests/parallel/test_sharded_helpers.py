@@ -34,9 +34,3 @@ def test_train_state_shardings_adam_moments_follow_params_and_counters_replicate
     assert sh.step.spec == P()
     assert sh.ref_params["lm_head"]["kernel"].spec == sh.params["lm_head"]["kernel"].spec
 
-
-def test_rollout_chunk_rounded_to_the_sample_axes():
-    # 8 sample devices (data=2 x fsdp=4): 34 samples per chunk -> 32, and one more chunk
-    assert sharded.round_chunk_to_mesh(31, 34, 1024, MESH) == (32, 32)
-    assert sharded.round_chunk_to_mesh(1, 1024, 1024, MESH) == (1, 1024)   # no chunking
-    assert sharded.round_chunk_to_mesh(4, 5, 20, MESH) == (4, 5)           # fewer than devices

@@ -4,8 +4,8 @@ For each mesh layout (data=8; fsdp=4 x tensor=2; data=2 x fsdp=2 x tensor=2) the
 (_sharded_worker.py) runs, from the same inputs, the unsharded reference and the sharded
 update step (donated state; the update's logprob_fn / shard_rows hooks set to the per-device
 shard_map log-prob and row constraints), log-prob steps (with the hooks, plain jit, and the
-standalone vocab-parallel step), and the rollout (N samples over the sample axes); this test
-compares them.
+standalone vocab-parallel step), and the rollout (rollout.Engine on the mesh: each device decodes
+its share of the samples under shard_map, with and without refills); this test compares them.
 """
 from __future__ import annotations
 
@@ -84,3 +84,17 @@ def test_rollout_tokens_match_single_device(results, layout):
                                results["ref/rollout_logprobs"], atol=2e-5)
     # the seed produced non-trivial samples (not all the same token)
     assert len(np.unique(results["ref/tokens"])) > 4
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rollout_with_refills_on_the_mesh_matches_single_device(results, layout):
+    """Mixed lengths and 2 slots per device: every device refills its slots from its share of
+    the samples; the result equals one device's."""
+    assert int(results[f"{layout}/tail_slots_per_device"]) == 2
+    assert int(results[f"{layout}/tail_refills"]) > 0
+    lengths = results["ref/tail_lengths"]
+    assert lengths.min() < lengths.max()            # mixed lengths
+    np.testing.assert_array_equal(results[f"{layout}/tail_lengths"], lengths)
+    np.testing.assert_array_equal(results[f"{layout}/tail_tokens"], results["ref/tail_tokens"])
+    np.testing.assert_allclose(results[f"{layout}/tail_logprobs"],
+                               results["ref/tail_logprobs"], atol=2e-5)

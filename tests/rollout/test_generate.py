@@ -1,5 +1,6 @@
 """brorl_jax.rollout.generate: shared-prefix decoding equals the naive repeated-prompt path and the
-model's own forward pass; result layout, stop tokens, chunking, caching and bad input."""
+model's own forward pass; result layout, stop tokens, caching and bad input. (Memory budgets,
+greedy parity and the scheduler itself: test_scheduler.py.)"""
 from __future__ import annotations
 
 import jax
@@ -8,8 +9,7 @@ import numpy as np
 import pytest
 from rollout_testutil import EOS, PROMPTS, tiny_model
 
-from brorl_jax.rollout import generate, generate_naive, plan_chunks
-from brorl_jax.rollout.engine import decode_chunk, prefill_prompts
+from brorl_jax.rollout import Engine, generate, generate_naive
 
 N, S = 4, 10
 
@@ -71,15 +71,6 @@ def test_shared_prefix_matches_naive_repeated_prompts(model, sampled):
     np.testing.assert_allclose(sampled.logprobs, naive.logprobs, atol=2e-4)
 
 
-def test_greedy_shared_prefix_matches_naive(model):
-    kw = dict(rollouts_per_prompt=2, max_new_tokens=S, temperature=0.0)
-    shared, naive = generate(model, PROMPTS, **kw), generate_naive(model, PROMPTS, **kw)
-    np.testing.assert_array_equal(shared.tokens, naive.tokens)
-    np.testing.assert_allclose(shared.logprobs, naive.logprobs, atol=2e-4)
-    # greedy: every sample of a prompt is the same
-    assert np.all(shared.tokens == shared.tokens[:, :1])
-
-
 def test_logprobs_equal_model_forward(model, sampled):
     for temperature, r in [(1.0, sampled)]:
         for g, prompt in enumerate(PROMPTS):
@@ -118,19 +109,6 @@ def test_same_seed_reproduces_and_other_seed_differs(model, sampled):
     assert len({tuple(row) for row in sampled.tokens[1]}) > 1
 
 
-def test_chunking_by_memory_budget_gives_identical_rollouts(model, sampled):
-    cfg = model.config
-    chunks, per_chunk = plan_chunks(cfg, 4, 32, N, S, 80_000)
-    assert chunks > 1 and per_chunk < N
-    r = generate(model, PROMPTS, rollouts_per_prompt=N, max_new_tokens=S, temperature=1.0,
-                 top_k=20, top_p=0.9, seed=11, memory_budget_bytes=80_000)
-    assert r.num_chunks == chunks
-    np.testing.assert_array_equal(r.tokens, sampled.tokens)
-    np.testing.assert_allclose(r.logprobs, sampled.logprobs, atol=1e-5)
-    with pytest.raises(ValueError, match="memory_budget_bytes"):
-        generate(model, PROMPTS, rollouts_per_prompt=N, max_new_tokens=S, memory_budget_bytes=1000)
-
-
 def test_pallas_kernels_in_the_loop_match_reference(model):
     kw = dict(rollouts_per_prompt=3, max_new_tokens=5, temperature=0.8, top_p=0.9, seed=5)
     prompts = PROMPTS[:2]
@@ -141,12 +119,13 @@ def test_pallas_kernels_in_the_loop_match_reference(model):
 
 
 def test_second_call_with_same_bucketed_shapes_does_not_recompile(model):
-    kw = dict(rollouts_per_prompt=2, max_new_tokens=4, temperature=1.0)
-    generate(model, [[7, 8, 9], [10]], seed=0, **kw)
-    sizes = decode_chunk._cache_size(), prefill_prompts._cache_size()
+    engine = Engine(model.config)
+    kw = dict(rollouts_per_prompt=2, max_new_tokens=4, temperature=1.0, eos_ids=[EOS])
+    engine.generate(model.params, [[7, 8, 9], [10]], seed=0, **kw)
+    sizes = engine.num_compiled()
     # different prompts, lengths and seed, same buckets (G=2, P=8)
-    generate(model, [[11, 12], [13, 14, 15, 16, 17]], seed=1, **kw)
-    assert (decode_chunk._cache_size(), prefill_prompts._cache_size()) == sizes
+    engine.generate(model.params, [[11, 12], [13, 14, 15, 16, 17]], seed=1, **kw)
+    assert engine.num_compiled() == sizes
 
 
 def test_stop_tokens_come_from_the_model_or_argument(model, sampled):
@@ -159,7 +138,8 @@ def test_stop_tokens_come_from_the_model_or_argument(model, sampled):
 
 def test_params_override(model):
     zero = jax.tree.map(jnp.zeros_like, model.params)
-    r = generate(model, PROMPTS[:1], rollouts_per_prompt=2, max_new_tokens=3, temperature=0.0,
+    # the settings of test_greedy_tokens_are_argmax_of_forward (same compiled programs)
+    r = generate(model, PROMPTS, rollouts_per_prompt=1, max_new_tokens=S, temperature=0.0,
                  params=zero)
     # all-zero params -> uniform logits -> argmax is token 0 and log-prob is -log V
     assert np.all(r.tokens == 0)

@@ -1,0 +1,282 @@
+"""Shapes, input checks and the memory model of the rollout (host side, no device work).
+
+Sizes are per device: under a mesh every device holds ``share = ceil(N / devices)`` samples of each
+prompt, its own decode slots and its own copy of the prompt pool (see engine.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from brorl_jax.models import ModelConfig
+from brorl_jax.models.transformer import dtype_of
+from pallas_kernels.decode_attention import default_page_size
+
+# Attention-score bytes allowed per prefill call ([Ga, H, P, P] f32); more prompts are admitted in
+# several calls.
+PREFILL_SCORE_BYTES = 256 * 2**20
+# The share of a slot's capacity (max_new_tokens) its KV pages cover on average, in a memory
+# budget: lengths are long-tailed, so the live KV of a slot averages well below its capacity.
+# A sample that finds no free page waits (its RNG is keyed by step index, so nothing changes);
+# if every live sample waits, the youngest is restarted (same tokens again).
+KV_FRACTION = 0.25
+# Smallest slot bucket the tail is compacted to: below ~32 rows a decode step costs about the same
+# whatever the rows (reading the weights dominates, on CPU as on GPU), so smaller programs would
+# only add compiles.
+MIN_SLOTS = 32
+# First tokens are drawn for at most this many samples per sampling call at admission.
+FIRST_TOKEN_ROWS = 256
+SCHEDULES = ("continuous", "lockstep")
+
+
+def bucket_prompt_length(length: int) -> int:
+    """Padded prompt length: the next power of two up to 64, then the next multiple of 64.
+
+    Keeps the number of distinct compiled shapes small while wasting < 64 positions on long prompts.
+    """
+    if length <= 64:
+        return max(8, 1 << (length - 1).bit_length())
+    return -(-length // 64) * 64
+
+
+def bucket_num_prompts(num_prompts: int) -> int:
+    """Padded prompt batch: the next power of two."""
+    return 1 << (num_prompts - 1).bit_length()
+
+
+def _itemsize(cfg: ModelConfig) -> int:
+    return jnp.dtype(dtype_of(cfg.dtype)).itemsize
+
+
+def kv_bytes(cfg: ModelConfig, num_sequences: int, length: int) -> int:
+    """Bytes of a K+V cache for ``num_sequences`` sequences of ``length`` positions, all layers."""
+    return (2 * cfg.num_hidden_layers * num_sequences * length * cfg.num_key_value_heads
+            * cfg.head_dim * _itemsize(cfg))
+
+
+def cache_len(max_new_tokens: int, page_size: int | None = None) -> int:
+    """Positions a slot can hold: max_new_tokens rounded up to whole pages."""
+    page_size = page_size or default_page_size()
+    return -(-max_new_tokens // page_size) * page_size
+
+
+def page_bytes(cfg: ModelConfig, page_size: int | None = None) -> int:
+    """One page of own KV: K and V of ``page_size`` positions, all layers."""
+    page_size = page_size or default_page_size()
+    return kv_bytes(cfg, 1, page_size)
+
+
+def slot_bytes(cfg: ModelConfig, max_new_tokens: int, page_size: int | None = None) -> int:
+    """Device memory of one decode slot besides its KV pages: its logits row and the sampling
+    temporaries (~4 f32 rows of V), activations, attention temporaries, its page-table row."""
+    page_size = page_size or default_page_size()
+    activations = 4 * (4 * cfg.hidden_size + 3 * cfg.intermediate_size
+                       + 4 * cfg.num_attention_heads * cfg.head_dim)
+    pages = cache_len(max_new_tokens, page_size) // page_size
+    return 4 * 4 * cfg.vocab_size + activations + 4 * pages + 64
+
+
+def pages_for(slots: int, max_new_tokens: int, page_size: int | None = None,
+              kv_fraction: float = KV_FRACTION) -> int:
+    """Pages planned for ``slots`` slots: ``kv_fraction`` of their full length (the share of a
+    slot's capacity that is live on average), never less than one whole sample nor than one page
+    per slot."""
+    page_size = page_size or default_page_size()
+    full = cache_len(max_new_tokens, page_size) // page_size
+    return max(full, slots, math.ceil(slots * full * kv_fraction))
+
+
+def pool_entry_bytes(cfg: ModelConfig, prompt_len: int, share: int, max_new_tokens: int) -> int:
+    """Device memory of one prompt-pool entry: the prompt's KV and its samples' results
+    (tokens and log-probs ``[share, S]``, lengths, flags, queue)."""
+    return kv_bytes(cfg, 1, prompt_len) + results_bytes(share, max_new_tokens) + 32
+
+
+def results_bytes(share: int, max_new_tokens: int) -> int:
+    """One prompt's results on a device: tokens and log-probs [share, S], lengths, flags, queue."""
+    return share * (8 * max_new_tokens + 16)
+
+
+def admission_bytes(cfg: ModelConfig, share: int) -> int:
+    """Temporaries of admitting a prompt beyond its entry: the last logits and the first-token
+    draws (a chunk of broadcast logits rows and the sampling temporaries)."""
+    return 4 * cfg.vocab_size * (1 + 4 * min(share, FIRST_TOKEN_ROWS))
+
+
+def pool_size_for(slots: int, share: int, num_prompts: int) -> int:
+    """Prompt-pool entries: the prompts ``slots`` can hold at once, +1 being drained and +1
+    prefilled ahead, so a freed slot always finds pending work while prompts remain."""
+    return int(min(num_prompts, -(-slots // max(share, 1)) + 2))
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotPlan:
+    """Per-device decode layout: ``slots`` decode slots, ``pool`` prompt entries, ``share``
+    samples of each prompt; own KV in ``num_pages`` pages of ``page_size`` positions (a slot
+    holds up to ``max_pages`` of them); the tail is compacted through ``buckets`` (descending
+    slot counts)."""
+    slots: int
+    pool: int
+    share: int
+    page_size: int
+    max_pages: int
+    num_pages: int
+    buckets: tuple[int, ...]
+    bytes_per_device: int
+
+    @property
+    def cache_len(self) -> int:
+        return self.page_size * self.max_pages
+
+
+def slot_buckets(slots: int, min_slots: int = MIN_SLOTS) -> tuple[int, ...]:
+    """Slot counts of the compiled decode programs, descending: ``slots``, then the numbers
+    2^j and 3 * 2^(j-1) below it down to ``min_slots``. The live batch is compacted to the next
+    one when it fits, so the compute follows the live samples within a factor 1.5 (mean
+    occupancy of an exponentially draining batch ~0.85) with O(log slots) programs."""
+    ladder, p = set(), 1
+    while p < slots:
+        ladder.update(x for x in (p, 3 * p // 2) if min_slots <= x < slots and x == int(x))
+        p *= 2
+    return (slots,) + tuple(sorted(ladder, reverse=True))
+
+
+def rollout_bytes(cfg: ModelConfig, num_prompts: int, prompt_len: int, rollouts_per_prompt: int,
+                  max_new_tokens: int, slots: int, *, num_devices: int = 1,
+                  page_size: int | None = None, kv_fraction: float = KV_FRACTION,
+                  num_pages: int | None = None) -> int:
+    """Working memory per device of ``slots`` decode slots, their KV pages (``num_pages``, default
+    :func:`pages_for`) and their prompt pool."""
+    page_size = page_size or default_page_size()
+    share = -(-rollouts_per_prompt // num_devices)
+    if num_pages is None:
+        num_pages = pages_for(slots, max_new_tokens, page_size, kv_fraction)
+    return (slots * slot_bytes(cfg, max_new_tokens, page_size)
+            + (num_pages + 1) * page_bytes(cfg, page_size)     # +1: the write-off page
+            + pool_size_for(slots, share, num_prompts)
+            * pool_entry_bytes(cfg, prompt_len, share, max_new_tokens)
+            + results_bytes(share, max_new_tokens)    # the results' spare entry (programs.py)
+            + admission_bytes(cfg, share))
+
+
+def plan_slots(cfg: ModelConfig, num_prompts: int, prompt_len: int, rollouts_per_prompt: int,
+               max_new_tokens: int, memory_budget_bytes: int | None, *, num_devices: int = 1,
+               min_slots: int = MIN_SLOTS, page_size: int | None = None,
+               kv_fraction: float = KV_FRACTION) -> SlotPlan:
+    """Decode slots, KV pages and prompt-pool entries per device from the memory budget.
+
+    ``memory_budget_bytes`` covers the rollout's working memory over all ``num_devices`` (not the
+    parameters; :func:`rollout_bytes` per device). Without a budget every sample gets a slot and
+    pages for its full length (nothing ever waits for a page). With a budget, the slots are the
+    most that fit with :func:`pages_for` pages each (``kv_fraction`` of their capacity), and the
+    pages take the rest of the budget. A budget below one slot with one whole sample's pages and
+    its pool raises ``ValueError`` naming the minimum.
+    """
+    page_size = page_size or default_page_size()
+    if not 0 < kv_fraction <= 1:
+        raise ValueError(f"kv_fraction must be in (0, 1], got {kv_fraction}")
+    share = -(-rollouts_per_prompt // num_devices)
+    samples = num_prompts * share
+    max_pages = cache_len(max_new_tokens, page_size) // page_size
+    need = lambda b, pages=None: rollout_bytes(
+        cfg, num_prompts, prompt_len, rollouts_per_prompt, max_new_tokens, b,
+        num_devices=num_devices, page_size=page_size, kv_fraction=kv_fraction, num_pages=pages)
+    if memory_budget_bytes is None:
+        slots = samples
+        pages = slots * max_pages
+    else:
+        budget = int(memory_budget_bytes) // num_devices
+        if need(1) > budget:
+            raise ValueError(
+                f"memory_budget_bytes={memory_budget_bytes} is too small: one decode slot with "
+                f"the pages of a whole sample and its prompt pool needs {need(1)} bytes per "
+                f"device; pass at least {need(1) * num_devices} (over {num_devices} device(s)) "
+                "or shorter prompts or a smaller max_new_tokens")
+        # need() grows with b: bisect the largest b that fits
+        lo, hi = 1, max(1, samples)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if need(mid) <= budget else (lo, mid - 1)
+        slots = lo
+        # the rest of the budget buys pages (no more than every slot's full length)
+        spare = budget - need(slots, 0)
+        pages = max(max_pages, min(slots * max_pages, spare // page_bytes(cfg, page_size)))
+    pool = pool_size_for(min(slots, samples), share, num_prompts)
+    return SlotPlan(slots=slots, pool=pool, share=share, page_size=page_size,
+                    max_pages=max_pages, num_pages=int(pages),
+                    buckets=slot_buckets(slots, min(min_slots, slots)),
+                    bytes_per_device=need(slots, pages))
+
+
+def validate_inputs(
+    cfg: ModelConfig, prompts: Any, rollouts_per_prompt: int, max_new_tokens: int,
+    temperature: float, top_p: float, top_k: int,
+) -> list[list[int]]:
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+        raise ValueError("prompts must be a list of token-id lists (tokenize the text first)")
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty: pass at least one prompt (a list of token ids)")
+    if not isinstance(rollouts_per_prompt, (int, np.integer)) or rollouts_per_prompt <= 0:
+        raise ValueError(f"rollouts_per_prompt must be a positive int, got {rollouts_per_prompt!r}")
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if not (temperature >= 0.0) or math.isinf(temperature):
+        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+    if not isinstance(top_k, (int, np.integer)) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+    out = []
+    for i, p in enumerate(prompts):
+        ids = np.asarray(p)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"prompts[{i}] is empty or not a flat list of token ids")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"prompts[{i}] must hold integer token ids, got dtype {ids.dtype}")
+        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+            raise ValueError(
+                f"prompts[{i}] has token ids outside [0, vocab_size={cfg.vocab_size})"
+            )
+        if ids.size + max_new_tokens > cfg.max_position_embeddings:
+            raise ValueError(
+                f"prompts[{i}] has {ids.size} tokens; with max_new_tokens={max_new_tokens} that "
+                f"exceeds the model context max_position_embeddings={cfg.max_position_embeddings}; "
+                "truncate the prompt or lower max_new_tokens"
+            )
+        out.append([int(t) for t in ids])
+    return out
+
+
+def stop_table(cfg: ModelConfig, eos_ids: Sequence[int]) -> np.ndarray:
+    """bool[V]: True at the stop tokens (one lookup per sampled token, any number of stop ids)."""
+    ids = np.asarray(sorted({int(e) for e in eos_ids}), np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
+        raise ValueError(f"eos_ids must be token ids in [0, vocab_size={cfg.vocab_size}), got "
+                         f"{ids[(ids < 0) | (ids >= cfg.vocab_size)].tolist()[:5]}")
+    table = np.zeros((cfg.vocab_size,), bool)
+    table[ids] = True
+    return table
+
+
+def resolve_eos_ids(model: Any, eos_ids: Sequence[int] | None) -> tuple[int, ...]:
+    """Stop tokens: ``eos_ids`` if given, else the model's generation config, else its config."""
+    if eos_ids is not None:
+        return tuple(sorted({int(e) for e in eos_ids}))
+    ids = tuple(getattr(model, "generation_eos_ids", ()) or ()) or tuple(model.config.eos_token_ids)
+    return tuple(sorted({int(e) for e in ids}))
+
+
+def pad_prompts(prompts: list[list[int]], num_rows: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded ``tokens int32[num_rows, length]`` and ``lengths int32[num_rows]``.
+
+    Rows past ``len(prompts)`` are one-token dummy prompts (their samples are discarded)."""
+    tokens = np.zeros((num_rows, length), np.int32)
+    lengths = np.ones((num_rows,), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+        lengths[i] = len(p)
+    return tokens, lengths
