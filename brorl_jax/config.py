@@ -56,7 +56,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.temperature = 1.0           # not stated in BroRL (ProRL v1: 1.2; NeMo-RL: 1.0)
     c.rollout.top_p = 1.0
     c.rollout.top_k = 0
-    c.rollout.memory_budget_gb = 0.0      # 0 = no chunking of the N samples of a prompt
+    c.rollout.memory_budget_gb = 0.0      # rollout working memory (decode slots, KV pages); 0 = a slot per sample
     c.rollout.impl = "auto"               # auto | pallas | reference (auto: Pallas on GPU/TPU)
     # Options NOT in the paper (docs/options.md), all off by default:
     c.rollout.temperature_schedule = ""   # "step:T,step:T", e.g. "0:1.3,100:0.9,200:0.7"; "" = off

@@ -145,14 +145,19 @@ class RolloutStream:
     the device loop at its next return to the host. ``wait_seconds``: how long the consumer has
     waited for groups (in ``__next__``); the device never waits for the consumer (the queue is
     unbounded: at most all of the call's groups, which generate() would hold anyway).
+    ``started_at``/``finished_at``: ``time.perf_counter()`` at the call and when the device loop
+    ended (None until then), so a consumer can tell how long it kept going after decoding ended.
     """
 
     _END = object()
 
     def __init__(self, run: Callable[[Callable[[], bool]], Iterator], *, background: bool):
         self._closed = False
+        self._ended = False
         self._delivered: list[GroupResult] = []
         self.wait_seconds = 0.0
+        self.started_at = time.perf_counter()
+        self.finished_at: float | None = None     # when the device loop returned for good
         self.stats: dict = {}
         self.num_chunks = 1
         self._gen = run(lambda: self._closed)
@@ -168,6 +173,7 @@ class RolloutStream:
                 self._queue.put(("group", item))
         except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
             self._queue.put(("error", e))
+        self.finished_at = time.perf_counter()
         self._queue.put(("end", None))
 
     def _next_item(self):
@@ -175,6 +181,7 @@ class RolloutStream:
             try:
                 return "group", next(self._gen)
             except StopIteration:
+                self.finished_at = time.perf_counter()
                 return "end", None
         return self._queue.get()
 
@@ -182,12 +189,15 @@ class RolloutStream:
         return self
 
     def __next__(self) -> GroupResult:
+        if self._ended:             # the end (or an error) was delivered: nothing more comes
+            raise StopIteration
         t0 = time.perf_counter()
         kind, item = self._next_item()
         self.wait_seconds += time.perf_counter() - t0
-        if kind == "error":
-            raise item
-        if kind == "end":
+        if kind in ("error", "end"):
+            self._ended = True
+            if kind == "error":
+                raise item
             raise StopIteration
         if isinstance(item, dict):        # the final statistics
             self.stats, self.num_chunks = item["stats"], item["num_chunks"]

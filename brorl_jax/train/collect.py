@@ -5,7 +5,9 @@ Per generation round (ceil(prompts_per_step * generation_batch_multiplier) promp
   1. how many samples per prompt: the samples-per-prompt policy (FixedN = the paper's N, or
      AdaptiveN); prompts with the same N are generated in one call;
   2. over-generation (an option): ceil(factor * N) candidates, N kept by rollout.select_rule;
-  3. scoring in the worker pool, then reward shaping (length penalty, clipping);
+  3. scoring in the worker pool, each group as soon as the rollout streams it out (decoding goes
+     on meanwhile; time/scoring_waited_for_rollout_s and time/rollout_idle_for_scoring_s say how
+     long each side waited on the other), then reward shaping (length penalty, clipping);
   4. the group filter (algo.dynamic_sampling_rule) keeps groups in arrival order until the row
      budget (prompts_per_step * N) is full.
 Then the advantage normaliser ("batch": the estimator's own; "ema": an option) over every kept
@@ -30,7 +32,8 @@ from brorl_jax.algo import policies
 from brorl_jax.train.monitoring import (effective_update_ratio, ngram_diversity, path_diversity,
                                        reward_entropy)
 
-# generate(params, prompt_ids, *, n, temperature, seed) -> rollout.RolloutResult
+# generate(params, prompt_ids, *, n, temperature, seed, stream=True) -> rollout.RolloutStream
+# (each prompt's rollout.GroupResult in completion order; a context manager)
 GenerateFn = Callable[..., Any]
 # score(records, tokens [G, N, S], lengths [G, N]) -> rewards float32 [G, N]
 ScoreFn = Callable[[list, np.ndarray, np.ndarray], np.ndarray]
@@ -94,13 +97,13 @@ class Collector:
                                                 max_group_rows=self.samples_per_prompt.max_n)
         temperature = self.rollout_temperature(step)
         factor = float(r.overgenerate_factor)
-        clip = (float(cfg.algo.reward_clip_low), float(cfg.algo.reward_clip_high))
         thr = acfg.correct_threshold
-        t_roll = t_score = 0.0
+        t_roll = t_score = waited = idle = 0.0
         gen_tokens = gen_samples = 0
         every: list[algo.Group] = []            # all groups after selection, for monitoring
         truncated, n_chosen = [], []
-        cand_total = kept_total = unique_total = dup_kept = clipped = shaped_total = 0
+        sel = {"candidates": 0, "kept": 0, "unique": 0, "duplicates_kept": 0}
+        clip_count = [0, 0]                     # rewards changed by clipping, rewards shaped
         while sampler.need_more():              # raises at the round cap with policy "error"
             batch = next(data_iter)
             seed = round_seed(cfg.train.seed, step, sampler.rounds)
@@ -109,49 +112,26 @@ class Collector:
             groups: list[algo.Group | None] = [None] * len(ns)
             for b, (n, positions) in enumerate(policies.group_by_n(ns)):
                 m = policies.num_candidates(n, factor)
-                t0 = time.perf_counter()
-                res = generate(params, [batch["prompt_ids"][p] for p in positions], n=m,
-                               temperature=temperature,
-                               seed=(seed + b * 1_000_000_007) % (2**31 - 1))
-                t1 = time.perf_counter()
-                rewards = score([batch["records"][p] for p in positions], res.tokens,
-                                res.lengths)
-                t_roll += t1 - t0
-                t_score += time.perf_counter() - t1
-                gen_tokens += int(res.lengths.sum())
-                gen_samples += res.lengths.size
-                truncated.append(res.truncated.ravel())
-                keep = np.broadcast_to(np.arange(n), (len(positions), n))
-                if m > n:
-                    rows = []
-                    for j, p in enumerate(positions):
-                        rng = np.random.default_rng([cfg.train.seed, step, sampler.rounds, int(p)])
-                        idx, info = policies.select_rollouts(
-                            res.tokens[j], res.lengths[j], rewards[j], n, r.select_rule, rng, thr)
-                        rows.append(idx)
-                        unique_total += info["unique"]
-                        dup_kept += info["duplicates_kept"]
-                    keep = np.stack(rows)
-                cand_total += m * len(positions)
-                kept_total += n * len(positions)
-                take = lambda x: np.take_along_axis(x, keep[..., None] if x.ndim == 3 else keep,
-                                                    axis=1)
-                tok, lp, msk, lens, rew = (take(x) for x in (res.tokens, res.logprobs, res.mask,
-                                                             res.lengths, rewards))
-                shaped = algo.apply_length_penalty(rew, lens, step=step,
-                                                   max_length=r.max_new_tokens, cfg=acfg)
-                clipped_now = policies.clip_rewards(shaped, *clip)
-                if clipped_now is not shaped:
-                    clipped += int(np.sum(clipped_now != np.asarray(shaped, np.float32)))
-                    shaped_total += clipped_now.size
-                for j, p in enumerate(positions):
-                    index = int(batch["index"][p])
-                    # every candidate counts for the prompt's difficulty estimate
-                    self.samples_per_prompt.observe(index, float(np.mean(rewards[j] >= thr)))
-                    groups[p] = algo.Group(
-                        prompt_ids=list(batch["prompt_ids"][p]), tokens=tok[j], logprobs=lp[j],
-                        mask=msk[j], lengths=lens[j], rewards=rew[j],
-                        shaped=np.asarray(clipped_now[j], np.float32), index=index)
+                # each group is scored as soon as its samples are done, while decoding goes on
+                with generate(params, [batch["prompt_ids"][p] for p in positions], n=m,
+                              temperature=temperature,
+                              seed=(seed + b * 1_000_000_007) % (2**31 - 1), stream=True) as st:
+                    for gr in st:
+                        p = positions[gr.prompt_index]
+                        record = batch["records"][p]
+                        t0 = time.perf_counter()
+                        rewards = score([record], gr.tokens[None], gr.lengths[None])[0]
+                        t_score += time.perf_counter() - t0
+                        gen_tokens += int(gr.lengths.sum())
+                        gen_samples += gr.lengths.size
+                        truncated.append(gr.truncated)
+                        groups[p] = self._group(gr, batch["prompt_ids"][p], rewards, n, p,
+                                                int(batch["index"][p]), step, sampler.rounds,
+                                                sel, clip_count)
+                    done = time.perf_counter()
+                t_roll += st.finished_at - st.started_at
+                waited += st.wait_seconds
+                idle += max(0.0, done - st.finished_at)
             every += groups
             sampler.add_round(groups)
         advantages = self._advantages(sampler.groups)
@@ -160,6 +140,9 @@ class Collector:
         stats = step_metrics(every, truncated, ds, sampler.groups, advantages, thr=thr,
                              n_nominal=acfg.rollouts_per_prompt)
         stats.update({"time/rollout_s": t_roll, "time/scoring_s": t_score,
+                      # scoring overlaps decoding: how long each side waited on the other
+                      "time/scoring_waited_for_rollout_s": waited,
+                      "time/rollout_idle_for_scoring_s": idle,
                       "perf/generated_samples": gen_samples, "perf/generated_tokens": gen_tokens})
         if self.schedule:
             stats["rollout/temperature"] = temperature
@@ -172,11 +155,11 @@ class Collector:
             stats["adaptive_n/padded_rows"] = int(ds["padded_rows"])
             stats["adaptive_n/tracked_prompts"] = len(self.samples_per_prompt.rates)
         if factor > 1.0:
-            stats["monitor/selection_kept_frac"] = kept_total / cand_total
-            stats["monitor/selection_unique_frac"] = unique_total / cand_total
-            stats["monitor/selection_duplicates_kept_frac"] = dup_kept / kept_total
-        if shaped_total:
-            stats["reward/clipped_frac"] = clipped / shaped_total
+            stats["monitor/selection_kept_frac"] = sel["kept"] / sel["candidates"]
+            stats["monitor/selection_unique_frac"] = sel["unique"] / sel["candidates"]
+            stats["monitor/selection_duplicates_kept_frac"] = sel["duplicates_kept"] / sel["kept"]
+        if clip_count[1]:
+            stats["reward/clipped_frac"] = clip_count[0] / clip_count[1]
         if "ema_std" in self.normalizer_state:
             stats["advantage/ema_std"] = float(self.normalizer_state["ema_std"])
         if cfg.train.mass_balance_diagnostics:
@@ -184,6 +167,38 @@ class Collector:
             stats.update(reward_balance_metrics(group_reward_balance(
                 np.stack([g.rewards for g in every]), None, correct_threshold=thr)))
         return update_batch, stats
+
+    def _group(self, gr, prompt_ids, rewards: np.ndarray, n: int, p: int, index: int,
+               step: int, round_: int, sel: dict, clip_count: list) -> algo.Group:
+        """One prompt's kept group from its streamed candidates (rollout.GroupResult) and their
+        verifier rewards [m]: selection of n of m candidates (over-generation), the reward
+        shaping, and the prompt's pass rate for the samples-per-prompt policy."""
+        cfg, acfg = self.cfg, self.algo_cfg
+        r, thr = cfg.rollout, acfg.correct_threshold
+        m = gr.lengths.size
+        keep = np.arange(n)
+        if m > n:
+            rng = np.random.default_rng([cfg.train.seed, step, round_, int(p)])
+            keep, info = policies.select_rollouts(gr.tokens, gr.lengths, rewards, n,
+                                                  r.select_rule, rng, thr)
+            sel["unique"] += info["unique"]
+            sel["duplicates_kept"] += info["duplicates_kept"]
+        sel["candidates"] += m
+        sel["kept"] += n
+        tok, lp, msk, lens, rew = (x[keep] for x in (gr.tokens, gr.logprobs, gr.mask, gr.lengths,
+                                                     rewards))
+        shaped = algo.apply_length_penalty(rew[None], lens[None], step=step,
+                                           max_length=r.max_new_tokens, cfg=acfg)[0]
+        clipped = policies.clip_rewards(shaped, float(cfg.algo.reward_clip_low),
+                                        float(cfg.algo.reward_clip_high))
+        if clipped is not shaped:
+            clip_count[0] += int(np.sum(clipped != np.asarray(shaped, np.float32)))
+            clip_count[1] += clipped.size
+        # every candidate counts for the prompt's difficulty estimate
+        self.samples_per_prompt.observe(index, float(np.mean(rewards >= thr)))
+        return algo.Group(prompt_ids=list(prompt_ids), tokens=tok, logprobs=lp, mask=msk,
+                          lengths=lens, rewards=rew, shaped=np.asarray(clipped, np.float32),
+                          index=index)
 
     def _batch(self, kept: Sequence[algo.Group], advantages: list[np.ndarray]) -> dict:
         """This process's rows of the update batch: packed (docs/algo.md "Sequence packing") unless

@@ -190,10 +190,13 @@ class Trainer:
     # -- the three device-facing calls and scoring ----------------------------------------------
     def generate(self, params, prompt_ids, *, n: int, temperature: float, seed: int,
                  top_p: float | None = None, top_k: int | None = None,
-                 max_new_tokens: int | None = None):
-        """Rollouts of the current policy (params as the runtime's rollout takes them)."""
+                 max_new_tokens: int | None = None, stream: bool = False):
+        """Rollouts of the current policy (params as the runtime's rollout takes them): a
+        rollout.RolloutResult, or with ``stream=True`` a rollout.RolloutStream of the groups in
+        the order they finish."""
         r = self.cfg.rollout
-        return self.runtime.generate(
+        call = self.runtime.stream if stream else self.runtime.generate
+        return call(
             self.model, params, prompt_ids, rollouts_per_prompt=n,
             max_new_tokens=max_new_tokens or r.max_new_tokens, temperature=temperature,
             top_p=r.top_p if top_p is None else top_p, top_k=r.top_k if top_k is None else top_k,

@@ -132,6 +132,12 @@ class Runtime:
         return self.rollout_engine(model.config).generate(
             params, prompts, memory_budget_bytes=self.memory_budget_bytes, **kwargs)
 
+    def stream(self, model, params, prompts, **kwargs):
+        """The same rollouts as a rollout.RolloutStream: each prompt's group as soon as its
+        samples are done, while a background thread keeps decoding."""
+        return self.rollout_engine(model.config).stream(
+            params, prompts, memory_budget_bytes=self.memory_budget_bytes, **kwargs)
+
     def rollout_engine(self, model_cfg) -> rollout.Engine:
         """The rollout's compiled programs, held for the run (one Engine per model config; on
         the rollout mesh under shard_map, so the Pallas kernels run per device)."""

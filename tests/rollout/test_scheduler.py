@@ -134,6 +134,13 @@ def test_stream_consumer_runs_while_decoding_goes_on(model, engines):
     assert stream._queue.qsize() >= len(PROMPTS) - 1
     rest = list(stream)
     assert len(rest) == len(PROMPTS) - 1 and first.prompt_index not in {g.prompt_index for g in rest}
+    # a drained stream ends at once, again and on close (the loop leaves a `with` block after
+    # iterating it to the end: that once waited forever for a second end)
+    closer = threading.Thread(target=lambda: (stream.close(), list(stream), stream.result()))
+    closer.start()
+    closer.join(timeout=30)
+    assert not closer.is_alive(), "close() after the end blocked"
+    assert stream.finished_at is not None and stream.finished_at >= stream.started_at
 
 
 def test_stream_close_stops_early_and_result_assembles(model, engines):

@@ -219,3 +219,45 @@ def test_options_run_end_to_end_and_resume_exactly(tmp_path):
                             jax.tree_util.tree_leaves(resumed_result.state.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
                                       err_msg=jax.tree_util.keystr(path))
+
+
+def test_groups_are_scored_while_decoding_goes_on(tmp_path):
+    """Each group is scored as soon as the rollout streams it out: with a slow verifier the first
+    scoring call starts before decoding has ended, the time the rollout sat idle for scoring is
+    less than the scoring time, the wait metrics add up, and the batch is the one a fast verifier
+    gives (streaming changes when groups are scored, not what they are)."""
+    import time
+
+    cfg = tiny.get_config()
+    cfg.algo.kl_coef = 0.0
+    cfg.algo.generation_batch_multiplier = 8.0     # 16 prompts per round, 6 slots: groups
+    cfg.rollout.memory_budget_gb = 0.0005          # finish one after another
+    trainer = Trainer(cfg, str(tmp_path / "s"))
+    calls, streams = [], []
+    real_generate = trainer.generate
+
+    def generate(*a, **kw):
+        streams.append(real_generate(*a, **kw))
+        return streams[-1]
+
+    def slow_score(records, tokens, lengths):
+        calls.append((time.perf_counter(), len(records)))
+        time.sleep(0.1)
+        return fake_score(records, tokens, lengths)
+    try:
+        trainer.score = fake_score
+        fast, _ = trainer.collect(trainer.model.params, iter(trainer.loader), 0)  # compiles
+        trainer.score, trainer.generate = slow_score, generate
+        batch, stats = trainer.collect(trainer.model.params, iter(trainer.loader), 0)
+    finally:
+        trainer.close()
+    assert [n for _, n in calls] == [1] * 16             # one call per group, as it arrives
+    (st,) = streams
+    assert calls[0][0] < st.finished_at, "scoring waited for the whole rollout"
+    assert stats["time/scoring_s"] >= 0.1 * 16
+    assert stats["time/rollout_s"] == pytest.approx(st.finished_at - st.started_at)
+    assert stats["time/scoring_waited_for_rollout_s"] == pytest.approx(st.wait_seconds)
+    assert 0 <= stats["time/scoring_waited_for_rollout_s"] < stats["time/rollout_s"]
+    assert 0 <= stats["time/rollout_idle_for_scoring_s"] < stats["time/scoring_s"]
+    for k in fast:
+        np.testing.assert_array_equal(batch[k], fast[k], err_msg=k)
