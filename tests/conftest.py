@@ -1,13 +1,26 @@
 """Fixtures shared across test packages."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# One persistent JAX compilation cache for the session, set before anything imports jax: the
+# many runs of the same tiny configs (in this process and in the `main` subprocesses, which
+# inherit the environment) compile each program once. A cache hit returns the executable XLA
+# would build again, so no result depends on it. Removed at exit; an outer setting wins.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _CACHE = tempfile.mkdtemp(prefix="brorl_jax_test_cache_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    atexit.register(shutil.rmtree, _CACHE, True)
 
 
 @pytest.fixture(scope="session")

@@ -1,18 +1,22 @@
 """The paper's comparison, small: N=16 vs N=512 at the same number of generated samples.
 
   python -m brorl_jax.experiments.compare_n --out=runs/compare_n [--samples=65536]
-      [--config=configs/demo.py] [--n=16,512] [--config.key=value ...]
+      [--config=configs/demo.py] [--n=16,512] [--seeds=0,1,2] [--config.key=value ...]
 
-1. One supervised warm start (the demo's) is run once and saved as a Hugging Face directory, so
-   both arms start from the same parameters, as BroRL and its ProRL baseline both continue the
-   same ProRLv2 checkpoint [BroRL 4.2.1].
-2. Each arm runs BroRL with its N. Prompts per step are chosen so both arms put the same number
-   of samples into each update (prompts_per_step x N = constant, the 128 x 512 vs 512 x 16 shape
-   of the paper scaled down) and the learning rate follows the sqrt batch rule, which then gives
-   both arms the same rate. Steps are chosen so each arm generates about `--samples` samples
-   before filtering; evaluation runs at fixed fractions of that budget.
-3. Held-out pass@1 and the dynamic-sampling pass rate are plotted against generated samples for
-   both arms (compare_n.png) and tabulated (compare_n.json).
+1. Both arms start from the same parameters, as BroRL and its ProRL baseline both continue the
+   same ProRLv2 checkpoint [BroRL 4.2.1]: with a supervised warm start in the config
+   (sft.steps > 0, the demo's) it is run once and saved as a Hugging Face directory; with
+   sft.steps = 0 (a pretrained model, e.g. configs/smollm2_arith.py) the config's model.path.
+2. Each arm runs BroRL with its N, once per seed (train.seed: rollout sampling and the update's
+   randomness; the prompt order, data.seed, is the same for every run). Prompts per step are
+   chosen so both arms put the same number of samples into each update
+   (prompts_per_step x N = constant, the 128 x 512 vs 512 x 16 shape of the paper scaled down)
+   and the learning rate follows the sqrt batch rule, which then gives both arms the same rate.
+   Steps are chosen so each arm generates about `--samples` samples before filtering;
+   evaluation runs at fixed fractions of that budget.
+3. Held-out pass@1, the dynamic-sampling pass rate (groups with mixed rewards) and the training
+   samples' correct fraction per step, for every run (compare_n.json), plotted against generated
+   samples (compare_n.png) and summed up over seeds as mean, min and max (compare_n.md).
 """
 from __future__ import annotations
 
@@ -20,12 +24,15 @@ import json
 import math
 import os
 
+import numpy as np
+
 from brorl_jax import cli
 
 FLAGS = [cli.Flag("string", "out", "runs/compare_n", "Output directory."),
          cli.Flag("list", "n", ["16", "512"], "Rollouts per prompt of the arms."),
          cli.Flag("integer", "samples", 65536, "Generated samples per arm (before filtering)."),
-         cli.Flag("integer", "evals", 4, "Evaluations per arm after the start.")]
+         cli.Flag("integer", "evals", 4, "Evaluations per arm after the start."),
+         cli.Flag("list", "seeds", ["0"], "train.seed of each run of each arm.")]
 
 
 def arm_config(base, n: int, rows: int, samples: int, evals: int, model_path: str):
@@ -48,11 +55,13 @@ def arm_config(base, n: int, rows: int, samples: int, evals: int, model_path: st
     return cfg
 
 
-def run(base, out: str, ns: list[int], samples: int, evals: int) -> dict:
-    from brorl_jax.train.logger import read_metrics
+def start_model(base, out: str) -> str:
+    """The parameters both arms start from: the config's supervised warm start, run once and
+    saved under `out` (sft.steps > 0), else the config's model.path as it is."""
+    if base.sft.steps == 0:
+        return base.model.path
     from brorl_jax.train.loop import Trainer
 
-    os.makedirs(out, exist_ok=True)
     warm_dir = os.path.join(out, "warm_start_model")
     if not os.path.isdir(warm_dir):
         warm = base.copy_and_resolve_references()
@@ -65,50 +74,109 @@ def run(base, out: str, ns: list[int], samples: int, evals: int) -> dict:
             models.save_pretrained(trainer.model.with_params(result.state.params), warm_dir)
         finally:
             trainer.close()
+    return warm_dir
+
+
+def run(base, out: str, ns: list[int], samples: int, evals: int,
+        seeds: list[int] = (0,)) -> dict:
+    """{N: {seed: summarize_arm(...)}}, written out after every run (write())."""
+    from brorl_jax.train.logger import read_metrics
+    from brorl_jax.train.loop import Trainer
+
+    os.makedirs(out, exist_ok=True)
+    model_path = start_model(base, out)
     rows = base.algo.prompts_per_step * base.rollout.rollouts_per_prompt
-    results = {}
-    for n in ns:
-        cfg = arm_config(base, n, rows, samples, evals, warm_dir)
-        workdir = os.path.join(out, f"n{n}")
-        trainer = Trainer(cfg, workdir)
-        try:
-            trainer.run()
-        finally:
-            trainer.close()
-        records = read_metrics(os.path.join(workdir, "metrics.jsonl"))
-        results[n] = summarize_arm(records)
-    with open(os.path.join(out, "compare_n.json"), "w") as f:
-        json.dump({str(k): v for k, v in results.items()}, f, indent=1)
-    plot(results, os.path.join(out, "compare_n.png"))
+    results: dict = {n: {} for n in ns}
+    for seed in seeds:              # both arms of a seed before the next seed
+        for n in ns:
+            cfg = arm_config(base, n, rows, samples, evals, model_path)
+            cfg.train.seed = int(seed)
+            workdir = os.path.join(out, f"n{n}" if len(seeds) == 1 else f"n{n}_seed{seed}")
+            trainer = Trainer(cfg, workdir)
+            try:
+                trainer.run()
+            finally:
+                trainer.close()
+            records = read_metrics(os.path.join(workdir, "metrics.jsonl"))
+            results[n][int(seed)] = summarize_arm(records)
+            write(results, out)        # after every run: a partial experiment is still readable
     return results
 
 
+def write(results: dict, out: str) -> None:
+    """compare_n.json (every run), compare_n.md (the table over seeds), compare_n.png."""
+    with open(os.path.join(out, "compare_n.json"), "w") as f:
+        json.dump({str(n): {str(s): r for s, r in runs.items()} for n, runs in results.items()},
+                  f, indent=1)
+    with open(os.path.join(out, "compare_n.md"), "w") as f:
+        f.write(table(results) + "\n")
+    plot(results, os.path.join(out, "compare_n.png"))
+
+
+def _spread(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{np.mean(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
+
+
+def table(results: dict) -> str:
+    """Markdown: per arm, over its seeds, mean [min, max] of held-out pass@1 at the start and
+    the end, of the mean dynamic-sampling pass rate and of the training samples' correct
+    fraction, and the generated samples."""
+    lines = ["| arm | seeds | held-out pass@1 start | held-out pass@1 end | mean dynamic-sampling "
+             "pass rate | training correct fraction, first -> last step | generated samples |",
+             "|---|---|---|---|---|---|---|"]
+    for n, runs in results.items():
+        rs = list(runs.values())
+        if not rs:
+            continue
+        start = [r["eval"][0][1] for r in rs if r["eval"]]
+        end = [r["eval"][-1][1] for r in rs if r["eval"]]
+        rate = [r["mean_pass_rate"] for r in rs]
+        first = [r["correct_frac"][0][1] for r in rs if r["correct_frac"]]
+        last = [r["correct_frac"][-1][1] for r in rs if r["correct_frac"]]
+        gen = [r["eval"][-1][0] for r in rs if r["eval"]]
+        lines.append(f"| N = {n} | {len(rs)} | {_spread(start)} | {_spread(end)} | "
+                     f"{_spread(rate)} | {_spread(first)} -> {_spread(last)} | "
+                     f"{int(np.mean(gen)) if gen else 0:,} |")
+    return "\n".join(lines)
+
+
 def summarize_arm(records: list[dict]) -> dict:
-    """Eval points (generated samples, pass@1) and per-step pass rates of one arm's metrics."""
-    evals, rates = [], []
+    """Eval points (generated samples, pass@1), per-step dynamic-sampling pass rates and
+    per-step correct fractions of the generated samples, from one run's metrics."""
+    evals, rates, correct = [], [], []
     for r in records:
         samples = r.get("counters/generated_samples", 0)
         if r.get("eval/pass@1") is not None:
             evals.append((samples, r["eval/pass@1"]))
         if r.get("dynamic_sampling/pass_rate") is not None:
             rates.append((samples, r["dynamic_sampling/pass_rate"]))
+        if r.get("reward/correct_frac") is not None:
+            correct.append((samples, r["reward/correct_frac"]))
     mean_rate = sum(v for _, v in rates) / len(rates) if rates else float("nan")
-    return {"eval": evals, "pass_rate": rates, "mean_pass_rate": mean_rate}
+    return {"eval": evals, "pass_rate": rates, "mean_pass_rate": mean_rate,
+            "correct_frac": correct}
 
 
 def plot(results: dict, path: str) -> None:
+    """Held-out pass@1 and the dynamic-sampling pass rate against generated samples; one line
+    per run, one colour per arm."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(10, 3.8))
     ax1, ax2 = fig.subplots(1, 2)
-    for n, r in results.items():
-        if r["eval"]:
-            xs, ys = zip(*r["eval"])
-            ax1.plot(xs, ys, marker="o", label=f"N={n}")
-        if r["pass_rate"]:
-            xs, ys = zip(*r["pass_rate"])
-            ax2.plot(xs, ys, marker=".", label=f"N={n} (mean {r['mean_pass_rate']:.2f})")
-    ax1.set_title("held-out pass@1")
+    for k, (n, runs) in enumerate(results.items()):
+        colour = f"C{k}"
+        for j, (seed, r) in enumerate(runs.items()):
+            label = f"N={n}" if j == 0 else None
+            if r["eval"]:
+                xs, ys = zip(*r["eval"])
+                ax1.plot(xs, ys, marker="o", color=colour, alpha=0.8, label=label)
+            if r["pass_rate"]:
+                xs, ys = zip(*r["pass_rate"])
+                ax2.plot(xs, ys, marker=".", color=colour, alpha=0.8, label=label)
+    ax1.set_title("held-out pass@1 (one line per seed)")
     ax2.set_title("dynamic-sampling pass rate")
     for ax in (ax1, ax2):
         ax.set_xlabel("generated samples")
@@ -129,17 +197,19 @@ def main(values: dict) -> int:
         raise ConfigError(f"--n: every N must be >= 2 (group baselines), got {ns}.")
     if values["samples"] < 1 or values["evals"] < 1:
         raise ConfigError("--samples and --evals must be >= 1.")
+    try:
+        seeds = [int(x) for x in values["seeds"]]
+    except ValueError:
+        raise ConfigError(f"--seeds must be comma-separated integers, got "
+                          f"{','.join(values['seeds'])!r}.")
     base = validate(values["config"])
     rows = base.algo.prompts_per_step * base.rollout.rollouts_per_prompt
     for n in ns:
         validate(arm_config(base, n, rows, values["samples"], values["evals"], ""))
     from brorl_jax.train.workdir import prepare
     prepare(values["out"])
-    results = run(base, values["out"], ns, values["samples"], values["evals"])
-    for n, r in results.items():
-        first, last = r["eval"][0][1], r["eval"][-1][1]
-        print(f"N={n}: pass@1 {first:.3f} -> {last:.3f}, mean dynamic-sampling pass rate "
-              f"{r['mean_pass_rate']:.2f}")
+    results = run(base, values["out"], ns, values["samples"], values["evals"], seeds)
+    print(table(results))
     return 0
 
 

@@ -53,7 +53,7 @@ CHANGE_POLICY: dict[str, tuple[bool, str]] = {
     "model.remat": (ALLOWED, "recomputation in the backward pass: same gradients"),
     "model.attention_impl": (ALLOWED, "an implementation of the same attention"),
     "rollout.impl": (ALLOWED, "an implementation of the same sampler"),
-    "rollout.memory_budget_gb": (ALLOWED, "chunking of the same samples"),
+    "rollout.memory_budget_gb": (ALLOWED, "decode slots and KV pages for the same samples"),
     "algo.micro_batch_size": (ALLOWED, "gradient accumulation granularity: same update"),
     "algo.micro_batch_tokens": (ALLOWED, "gradient accumulation granularity: same update"),
     "algo.pack_sequences": (ALLOWED, "row layout of the same update"),

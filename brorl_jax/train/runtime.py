@@ -5,6 +5,8 @@ The loop (train/loop.py) talks to one interface, `Runtime`, and never asks which
   place_state(state)            the train state laid out for the update
   rollout_params(params)        parameters in the form the rollout takes
   generate(model, params, prompts, **rollout_kwargs) -> rollout.RolloutResult
+  stream(model, params, prompts, **rollout_kwargs) -> rollout.RolloutStream (groups as they finish)
+  rollout_engine(model_cfg)     the rollout.Engine held for the run (its compiled programs)
   update(algo_cfg, state, batch, rng) -> (state, metrics): reference log-probs (KL on) and the
                                 PPO update on this process's rows (host numpy)
   relayout(state)               device arrays back in the update's layout (reference reset)

@@ -25,3 +25,21 @@ def test_summarize_arm_reads_eval_points_and_pass_rates():
     out = summarize_arm(records)
     assert out["eval"] == [(0, 0.2), (200, 0.3)]
     assert out["mean_pass_rate"] == (0.5 + 0.7) / 2
+
+
+def test_table_spans_seeds_and_start_model_skips_a_zero_step_warm_start(tmp_path):
+    from brorl_jax.experiments.compare_n import start_model, table, write
+
+    run = lambda a, b, r: {"eval": [(0, a), (640, b)], "pass_rate": [(64, r)],
+                           "mean_pass_rate": r, "correct_frac": [(64, a), (640, b)]}
+    results = {16: {0: run(0.1, 0.3, 0.4), 1: run(0.1, 0.5, 0.6)}, 64: {0: run(0.1, 0.2, 0.9)}}
+    md = table(results)
+    assert "| N = 16 | 2 | 0.100 [0.100, 0.100] | 0.400 [0.300, 0.500] | 0.500 [0.400, 0.600]" in md
+    assert "| N = 64 | 1 | 0.100 | 0.200 | 0.900 | 0.100 -> 0.200 | 640 |" in md
+    write(results, str(tmp_path))
+    assert (tmp_path / "compare_n.png").stat().st_size > 0
+    assert (tmp_path / "compare_n.md").read_text().strip() == md
+    base = demo.get_config()
+    base.sft.steps, base.model.path = 0, "builtin:smollm2-135m-instruct"
+    assert start_model(base, str(tmp_path)) == "builtin:smollm2-135m-instruct"
+    assert not (tmp_path / "warm_start").exists()
