@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(PY) -m brorl_jax.main --config=configs/demo.py --workdir=runs/demo
 
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) runs

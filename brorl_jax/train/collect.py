@@ -99,6 +99,8 @@ class Collector:
         factor = float(r.overgenerate_factor)
         thr = acfg.correct_threshold
         t_roll = t_score = waited = idle = 0.0
+        engine_stats = {"useful_tokens": 0, "decode_steps": 0, "refills": 0, "compactions": 0,
+                        "live_slot_steps": 0.0, "slot_steps": 0}
         gen_tokens = gen_samples = 0
         every: list[algo.Group] = []            # all groups after selection, for monitoring
         truncated, n_chosen = [], []
@@ -130,6 +132,7 @@ class Collector:
                                                 sel, clip_count)
                     done = time.perf_counter()
                 t_roll += st.finished_at - st.started_at
+                accumulate_rollout_stats(engine_stats, st.stats)
                 waited += st.wait_seconds
                 idle += max(0.0, done - st.finished_at)
             every += groups
@@ -144,6 +147,7 @@ class Collector:
                       "time/scoring_waited_for_rollout_s": waited,
                       "time/rollout_idle_for_scoring_s": idle,
                       "perf/generated_samples": gen_samples, "perf/generated_tokens": gen_tokens})
+        stats.update(rollout_metrics(engine_stats))
         if self.schedule:
             stats["rollout/temperature"] = temperature
         if isinstance(self.samples_per_prompt, policies.AdaptiveN):
@@ -226,6 +230,25 @@ class Collector:
         adv, self.normalizer_state = batch_advantages(
             self.algo_cfg, [s for s, _ in local], [n for _, n in local], self.normalizer_state)
         return adv[first:first + len(kept)]
+
+
+def accumulate_rollout_stats(total: dict, call: dict) -> None:
+    """Adds one rollout call's statistics (rollout.RolloutStream.stats) to the step's totals."""
+    for k in ("useful_tokens", "decode_steps", "refills", "compactions"):
+        total[k] += int(call.get(k, 0))
+    steps = int(call.get("decode_steps", 0))
+    total["live_slot_steps"] += float(call.get("mean_live_slots", 0.0)) * steps
+    total["slot_steps"] += int(call.get("num_slots", 0)) * steps
+
+
+def rollout_metrics(total: dict) -> dict:
+    """The step's rollout statistics: useful tokens, decode steps, refills, compactions and the
+    occupancy (live slots over slots, averaged over every decode step of the step's calls)."""
+    out = {f"rollout/{k}": total[k]
+           for k in ("useful_tokens", "decode_steps", "refills", "compactions")}
+    if total["slot_steps"]:
+        out["rollout/occupancy"] = total["live_slot_steps"] / total["slot_steps"]
+    return out
 
 
 def batch_advantages(acfg: algo.AlgoConfig, shaped: Sequence, lengths: Sequence,

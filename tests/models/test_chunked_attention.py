@@ -8,6 +8,9 @@ import numpy as np
 from brorl_jax.models import ModelConfig, forward, init_params
 from brorl_jax.models.chunked_attention import chunked_causal_attention, forward_hidden
 from brorl_jax.models.transformer import attention
+import pytest
+
+pytestmark = pytest.mark.slow     # many model compiles: out of `-m "not slow"`
 
 
 def _cfg() -> ModelConfig:

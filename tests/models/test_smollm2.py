@@ -27,6 +27,8 @@ from brorl_jax.models import gguf as gguf_module
 from brorl_jax.models import smollm2 as smollm2_module
 from brorl_jax.rollout import generate
 
+pytestmark = pytest.mark.slow     # end-to-end or many compiles: out of `-m "not slow"`
+
 REL_TOL = 1e-5          # logits: max |ours - transformers| <= REL_TOL * max |logit|
 LOGP_TOL = 1e-3         # log-probs, absolute
 EOS = 2                 # <|im_end|>

@@ -16,6 +16,9 @@ import jax
 import numpy as np
 
 from parallel_testutil import HERE, REPO, device_env, free_port
+import pytest
+
+pytestmark = pytest.mark.slow     # end-to-end or many compiles: out of `-m "not slow"`
 
 STEPS = 3
 

@@ -14,6 +14,8 @@ import pytest
 
 from parallel_testutil import run_script
 
+pytestmark = pytest.mark.slow     # end-to-end or many compiles: out of `-m "not slow"`
+
 LAYOUTS = ["data=8", "fsdp=4,tensor=2", "data=2,fsdp=2,tensor=2"]
 
 

@@ -11,6 +11,8 @@ from rollout_testutil import EOS, PROMPTS, tiny_model
 
 from brorl_jax.rollout import Engine, generate, generate_naive
 
+pytestmark = pytest.mark.slow     # many model compiles: out of `-m "not slow"`
+
 N, S = 4, 10
 
 

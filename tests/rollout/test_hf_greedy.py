@@ -10,6 +10,8 @@ import transformers  # noqa: E402
 from brorl_jax.models import from_pretrained  # noqa: E402
 from brorl_jax.rollout import generate  # noqa: E402
 
+pytestmark = pytest.mark.slow     # end-to-end or many compiles: out of `-m "not slow"`
+
 EOS = 2
 
 

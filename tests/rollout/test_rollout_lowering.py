@@ -14,6 +14,8 @@ from brorl_jax.models import ModelConfig, init_params
 from brorl_jax.rollout import Engine
 from pallas_kernels import targets as tg
 
+pytestmark = pytest.mark.slow     # end-to-end or many compiles: out of `-m "not slow"`
+
 _CUSTOM_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 # a pool of 4 prompts of 1024 positions, BroRL's N and 16k context, 64 slots per device
 _CALL = dict(prompt_len=1024, rollouts_per_prompt=512, max_new_tokens=16384, num_prompts=4,

@@ -12,6 +12,8 @@ from rollout_testutil import EOS, PROMPTS, prompt_rng, tiny_model
 from brorl_jax.rollout import Engine, generate_naive, plan_slots, rollout_bytes
 from brorl_jax.rollout.plan import MIN_SLOTS, slot_buckets, stop_table
 
+pytestmark = pytest.mark.slow     # end-to-end or many compiles: out of `-m "not slow"`
+
 N, S = 6, 12
 STOPS = [EOS] + list(range(4, 128, 4))        # 32 stop ids: mixed lengths, some truncated
 P_BUCKET = 32                                 # bucket of the longest prompt in PROMPTS (21)

@@ -17,6 +17,8 @@ from brorl_jax.train.collect import round_seed
 from brorl_jax.train.loop import Trainer
 from configs import tiny
 
+pytestmark = pytest.mark.slow     # end-to-end or many compiles: out of `-m "not slow"`
+
 
 def fake_score(records, tokens, lengths):
     """Deterministic rewards [G, N]: prompts with an even answer are easy (3/4 of the samples
@@ -222,10 +224,11 @@ def test_options_run_end_to_end_and_resume_exactly(tmp_path):
 
 
 def test_groups_are_scored_while_decoding_goes_on(tmp_path):
-    """Each group is scored as soon as the rollout streams it out: with a slow verifier the first
-    scoring call starts before decoding has ended, the time the rollout sat idle for scoring is
-    less than the scoring time, the wait metrics add up, and the batch is the one a fast verifier
-    gives (streaming changes when groups are scored, not what they are)."""
+    """Each group is scored as soon as the rollout streams it out: with a slow verifier (0.1 s a
+    group) and a rollout made as slow (0.1 s of decoding before each group) the collect's wall
+    time is clearly below rollout + scoring, the first scoring call starts before decoding has
+    ended, the wait metrics and the rollout's stats are logged, and the batch is the one a fast
+    verifier and rollout give (streaming changes when groups are scored, not what they are)."""
     import time
 
     cfg = tiny.get_config()
@@ -246,18 +249,36 @@ def test_groups_are_scored_while_decoding_goes_on(tmp_path):
         return fake_score(records, tokens, lengths)
     try:
         trainer.score = fake_score
-        fast, _ = trainer.collect(trainer.model.params, iter(trainer.loader), 0)  # compiles
+        fast, fast_stats = trainer.collect(trainer.model.params, iter(trainer.loader), 0)
+        engine = trainer.runtime.rollout_engine(trainer.model.config)
+        real_run = engine._run
+
+        def slow_run(*a, **kw):         # the device loop, 0.1 s slower before each group
+            for item in real_run(*a, **kw):
+                if not isinstance(item, dict):
+                    time.sleep(0.1)
+                yield item
+        engine._run = slow_run
         trainer.score, trainer.generate = slow_score, generate
+        t0 = time.perf_counter()
         batch, stats = trainer.collect(trainer.model.params, iter(trainer.loader), 0)
+        wall = time.perf_counter() - t0
     finally:
         trainer.close()
     assert [n for _, n in calls] == [1] * 16             # one call per group, as it arrives
     (st,) = streams
     assert calls[0][0] < st.finished_at, "scoring waited for the whole rollout"
-    assert stats["time/scoring_s"] >= 0.1 * 16
+    assert stats["time/rollout_s"] >= 1.6 and stats["time/scoring_s"] >= 1.6
+    assert wall < 0.8 * (stats["time/rollout_s"] + stats["time/scoring_s"]), (wall, stats)
     assert stats["time/rollout_s"] == pytest.approx(st.finished_at - st.started_at)
     assert stats["time/scoring_waited_for_rollout_s"] == pytest.approx(st.wait_seconds)
     assert 0 <= stats["time/scoring_waited_for_rollout_s"] < stats["time/rollout_s"]
     assert 0 <= stats["time/rollout_idle_for_scoring_s"] < stats["time/scoring_s"]
+    # the rollout's own stats, summed over the step's calls
+    assert stats["rollout/useful_tokens"] == stats["perf/generated_tokens"] == st.stats["useful_tokens"]
+    assert stats["rollout/decode_steps"] == st.stats["decode_steps"] > 0
+    assert stats["rollout/refills"] == st.stats["refills"] > 0
+    assert stats["rollout/compactions"] == st.stats["compactions"]
+    assert 0 < stats["rollout/occupancy"] <= 1
     for k in fast:
         np.testing.assert_array_equal(batch[k], fast[k], err_msg=k)

@@ -22,6 +22,8 @@ import pytest
 
 from brorl_jax.train.logger import read_metrics
 
+pytestmark = pytest.mark.slow     # end-to-end or many compiles: out of `-m "not slow"`
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--config=configs/tiny.py", "--config.sft.steps=0"]
 STEPS = 2

@@ -15,6 +15,8 @@ from brorl_jax.train.logger import read_metrics
 from brorl_jax.train.loop import restore_params
 from configs import tiny
 
+pytestmark = pytest.mark.slow     # end-to-end or many compiles: out of `-m "not slow"`
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 4
 

@@ -24,6 +24,8 @@ WORKER = os.path.join(HERE, "_mesh_worker.py")
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "parallel"))
 from parallel_testutil import device_env, free_port  # noqa: E402
 
+pytestmark = pytest.mark.slow     # end-to-end or many compiles: out of `-m "not slow"`
+
 
 def _env(num_devices: int, **extra) -> dict:
     env = device_env(num_devices)
