@@ -5,7 +5,8 @@ See docs/INTERFACES.md ("models") for the contract; the pure functions live in `
 
 from .config import ModelConfig
 from .demo_model import ensure_demo_model
-from .checkpoints import builtin_model_names, from_pretrained, resolve_model_path
+from .checkpoints import (builtin_model_names, from_pretrained, model_path_problem,
+                          resolve_model_path)
 from .gguf import convert_gguf
 from .hf import Model, load_directory, save_pretrained
 from .transformer import (
@@ -44,6 +45,7 @@ __all__ = [
     "save_pretrained",
     "ensure_demo_model",
     "convert_gguf",
+    "model_path_problem",
     "resolve_model_path",
     "builtin_model_names",
     "SMOLLM2_NAME",

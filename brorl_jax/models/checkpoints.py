@@ -33,6 +33,18 @@ def builtin_model_names() -> tuple[str, ...]:
     return tuple(_builtin_models())
 
 
+def model_path_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot name a model (None when it can), checked without loading or
+    materialising anything: a ``builtin:NAME`` must be a known name, any other path must exist."""
+    text = os.fspath(path)
+    if text.startswith(BUILTIN_PREFIX):
+        if text[len(BUILTIN_PREFIX):] in _builtin_models():
+            return None
+        return ("unknown built-in model; built-in models: "
+                + ", ".join(BUILTIN_PREFIX + n for n in _builtin_models()))
+    return None if os.path.exists(os.path.expanduser(text)) else "no such directory or file"
+
+
 def resolve_model_path(path: str | os.PathLike) -> Path:
     """``builtin:NAME`` -> the directory of that built-in model (materialised once into
     ``default_cache_dir()``); any other path is returned as a Path, unchanged."""

@@ -58,12 +58,19 @@ def _log(msg: str) -> None:
         print(msg, flush=True)
 
 
+def check_model_path(path: str) -> None:
+    """ModelError unless model.path is empty (the demo model), a known builtin:NAME or an
+    existing path; nothing is loaded or materialised."""
+    problem = models.model_path_problem(path) if path else None
+    if problem:
+        raise ModelError(f"config key 'model.path' = {path!r}: {problem}.")
+
+
 def load_model(cfg) -> models.Model:
     """The config's model (the embedded demo model when model.path is empty), with the config's
     attention implementation. A path that does not hold a model raises ModelError."""
     path = cfg.model.path or models.ensure_demo_model()
-    if cfg.model.path and not os.path.exists(path):
-        raise ModelError(f"config key 'model.path' = {path!r}: no such directory or file.")
+    check_model_path(cfg.model.path)
     try:
         model = models.from_pretrained(path, dtype=cfg.model.dtype,
                                        param_dtype=cfg.model.param_dtype)
@@ -92,9 +99,7 @@ class Trainer:
         self.cfg = cfg
         self.workdir = workdir
         workdir_lib.prepare(workdir)
-        if cfg.model.path and not os.path.exists(cfg.model.path):
-            raise ModelError(f"config key 'model.path' = {cfg.model.path!r}: no such directory "
-                             "or file.")
+        check_model_path(cfg.model.path)
         self.resuming = workdir_lib.has_checkpoints(workdir)
         allow = run_config.check_allow_list(allow_config_change)
         self.config_changes = run_config.check_resume(cfg, workdir, allow) if self.resuming else []

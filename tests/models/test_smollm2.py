@@ -262,3 +262,17 @@ def test_corrupt_gguf_file_is_a_clear_error(tmp_path):
     file.write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="broken.gguf"):
         from_pretrained(file)
+
+
+def test_the_loop_accepts_builtin_model_paths_and_names_the_known_ones():
+    """main's model.path check (before anything loads) takes builtin:NAME; an unknown name or a
+    missing directory is a ModelError naming the key (the check once refused every builtin)."""
+    from brorl_jax.errors import ModelError
+    from brorl_jax.train.loop import check_model_path
+
+    check_model_path("builtin:smollm2-135m-instruct")
+    check_model_path("")                       # the embedded demo model
+    with pytest.raises(ModelError, match=r"model.path.*builtin:smollm2-135m-instruct"):
+        check_model_path("builtin:smollm3")
+    with pytest.raises(ModelError, match="model.path.*no such directory"):
+        check_model_path("/nonexistent/model")
