@@ -375,6 +375,22 @@ def _pv(p, v):
     return jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
 
+def _attend_blocks(q, length, block, load):
+    """Online softmax of q [R, Dh] over the first ``length`` positions, ``block`` at a time:
+    ``load(j, start)`` -> (k, v) [block, Dh] of block j. Returns (out [R, Dh] f32, lse [R])."""
+    rows, dh = q.shape
+    state = (jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32),
+             jnp.zeros((rows, dh), jnp.float32))
+
+    def body(j, st):
+        start = pl.multiple_of(j * block, block)
+        k, v = load(j, start)
+        pos = start + jax.lax.broadcasted_iota(jnp.int32, (rows, block), 1)
+        return _online_step(st, _qk(q, k), pos < length, lambda p: _pv(p, v))
+
+    return _finish(jax.lax.fori_loop(0, (length + block - 1) // block, body, state))
+
+
 def _prefix_kernel_triton(layer_ref, tp_ref, nt_ref, plen_ref, q_ref, pk_ref, pv_ref, o_ref,
                           lse_ref, *, block_p):
     """Grid (tile, KV head). q_ref [R, Dh] (the tile's rows for this KV head); pk_ref/pv_ref
@@ -384,21 +400,10 @@ def _prefix_kernel_triton(layer_ref, tp_ref, nt_ref, plen_ref, q_ref, pk_ref, pv
     @pl.when(i < nt_ref[0])
     def _():
         layer, kp = layer_ref[0], tp_ref[i]
-        q = q_ref[...]
-        rows, dh = q.shape
-        plen = plen_ref[kp]
-        state = (jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32),
-                 jnp.zeros((rows, dh), jnp.float32))
-
-        def body(j, st):
-            start = pl.multiple_of(j * block_p, block_p)
-            k = pk_ref[layer, kp, pl.ds(start, block_p), :]
-            v = pv_ref[layer, kp, pl.ds(start, block_p), :]
-            pos = start + jax.lax.broadcasted_iota(jnp.int32, (rows, block_p), 1)
-            return _online_step(st, _qk(q, k), pos < plen,
-                                lambda p: _pv(p, v))
-
-        o, lse = _finish(jax.lax.fori_loop(0, (plen + block_p - 1) // block_p, body, state))
+        o, lse = _attend_blocks(
+            q_ref[...], plen_ref[kp], block_p,
+            lambda j, start: (pk_ref[layer, kp, pl.ds(start, block_p), :],
+                              pv_ref[layer, kp, pl.ds(start, block_p), :]))
         o_ref[...] = o.astype(o_ref.dtype)
         lse_ref[...] = lse[:, None]
 
@@ -411,21 +416,9 @@ def _prefix_kernel_mosaic(layer_ref, tp_ref, nt_ref, plen_ref, q_ref, pk_ref, pv
 
     @pl.when(i < nt_ref[0])
     def _():
-        q = q_ref[...]
-        rows, dh = q.shape
-        plen = plen_ref[tp_ref[i]]
-        state = (jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32),
-                 jnp.zeros((rows, dh), jnp.float32))
-
-        def body(j, st):
-            start = pl.multiple_of(j * block_p, block_p)
-            k = pk_ref[pl.ds(start, block_p), :]
-            v = pv_ref[pl.ds(start, block_p), :]
-            pos = start + jax.lax.broadcasted_iota(jnp.int32, (rows, block_p), 1)
-            return _online_step(st, _qk(q, k), pos < plen,
-                                lambda p: _pv(p, v))
-
-        o, lse = _finish(jax.lax.fori_loop(0, (plen + block_p - 1) // block_p, body, state))
+        o, lse = _attend_blocks(
+            q_ref[...], plen_ref[tp_ref[i]], block_p,
+            lambda j, start: (pk_ref[pl.ds(start, block_p), :], pv_ref[pl.ds(start, block_p), :]))
         o_ref[...] = o.astype(o_ref.dtype)
         lse_ref[...] = lse[:, None]
 
@@ -436,22 +429,13 @@ def _own_kernel_triton(layer_ref, table_ref, slen_ref, q_ref, pk_ref, pv_ref, o_
     pages (table_ref [B, MP])."""
     b = pl.program_id(0)
     layer = layer_ref[0]
-    q = q_ref[...]
-    rows, dh = q.shape
     page = pk_ref.shape[2]
-    slen = slen_ref[b]
-    state = (jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32),
-             jnp.zeros((rows, dh), jnp.float32))
 
-    def body(j, st):
+    def load(j, start):
         idx = table_ref[b, j]
-        k = pk_ref[layer, idx, :, :]
-        v = pv_ref[layer, idx, :, :]
-        pos = j * page + jax.lax.broadcasted_iota(jnp.int32, (rows, page), 1)
-        return _online_step(st, _qk(q, k), pos < slen,
-                            lambda p: _pv(p, v))
+        return pk_ref[layer, idx, :, :], pv_ref[layer, idx, :, :]
 
-    o, lse = _finish(jax.lax.fori_loop(0, (slen + page - 1) // page, body, state))
+    o, lse = _attend_blocks(q_ref[...], slen_ref[b], page, load)
     o_ref[...] = o.astype(o_ref.dtype)
     lse_ref[...] = lse[:, None]
 
