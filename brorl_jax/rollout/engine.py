@@ -45,9 +45,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from brorl_jax.models import ModelConfig
 from brorl_jax.models.transformer import dtype_of
 from brorl_jax.rollout import programs
-from brorl_jax.rollout.plan import (KV_FRACTION, MIN_SLOTS, PREFILL_SCORE_BYTES, SCHEDULES,
-                                    SlotPlan, bucket_prompt_length, pages_for, pool_size_for,
-                                    plan_slots, resolve_eos_ids, slot_buckets, stop_table,
+from brorl_jax.rollout.plan import (KV_FRACTION, PREFILL_SCORE_BYTES, SCHEDULES, SlotPlan,
+                                    bucket_prompt_length, default_min_slots, pages_for,
+                                    pool_size_for, plan_slots, resolve_eos_ids, slot_buckets, stop_table,
                                     validate_inputs)
 from pallas_kernels.decode_attention import resolve_impl as _resolve_attention_impl
 from pallas_kernels.sampling import resolve_impl as _resolve_sampling_impl
@@ -245,24 +245,25 @@ class Engine:
       impl: kernels: "auto" (Pallas on GPU/TPU, jnp reference on CPU), "pallas" or "reference";
         or a mapping {"attention": ..., "sampling": ...} to choose per kernel.
       schedule: "continuous" (refill finished slots, compact the tail) or "lockstep".
-      min_slots: the smallest slot bucket the tail is compacted to.
+      min_slots: the smallest slot bucket the tail is compacted to (default
+        ``plan.default_min_slots()`` of the platform traced for: 8 on CPU, 32 on GPU/TPU).
       page_size: positions per KV page (default: 128 when tracing for TPU, else 16).
       kv_fraction: with a memory budget, the share of the slots' full length their pages cover
         (``plan.KV_FRACTION``; 1 = never wait for a page).
     """
 
     def __init__(self, model_cfg: ModelConfig, *, mesh: Any = None, impl: str = "auto",
-                 schedule: str = "continuous", min_slots: int = MIN_SLOTS,
+                 schedule: str = "continuous", min_slots: int | None = None,
                  page_size: int | None = None, kv_fraction: float = KV_FRACTION):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        if not isinstance(min_slots, int) or min_slots < 1:
+        if min_slots is not None and (not isinstance(min_slots, int) or min_slots < 1):
             raise ValueError(f"min_slots must be a positive int, got {min_slots!r}")
         self.cfg = model_cfg
         self.impl = impl
         self._kernel_impls()   # validate now
         self.schedule = schedule
-        self.min_slots = min_slots
+        self._min_slots = min_slots
         self.page_size = page_size
         if not 0 < kv_fraction <= 1:
             raise ValueError(f"kv_fraction must be in (0, 1], got {kv_fraction!r}")
@@ -276,6 +277,12 @@ class Engine:
         self.axes = () if mesh is None else tuple(mesh.axis_names)
         self.num_devices = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in self.axes]))
         self._programs: dict = {}
+
+    @property
+    def min_slots(self) -> int:
+        """The smallest slot bucket: as given, else the platform's (resolved when a program is
+        built, so it follows the compile target)."""
+        return default_min_slots() if self._min_slots is None else self._min_slots
 
     # ------------------------------------------------------------------ programs
     def _spec(self, *, prompt_len, max_new_tokens, plan: SlotPlan, rollouts_per_prompt,

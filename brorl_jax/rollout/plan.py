@@ -14,6 +14,7 @@ import numpy as np
 
 from brorl_jax.models import ModelConfig
 from brorl_jax.models.transformer import dtype_of
+from pallas_kernels import _backend
 from pallas_kernels.decode_attention import default_page_size
 
 # Attention-score bytes allowed per prefill call ([Ga, H, P, P] f32); more prompts are admitted in
@@ -24,10 +25,18 @@ PREFILL_SCORE_BYTES = 256 * 2**20
 # A sample that finds no free page waits (its RNG is keyed by step index, so nothing changes);
 # if every live sample waits, the youngest is restarted (same tokens again).
 KV_FRACTION = 0.25
-# Smallest slot bucket the tail is compacted to: below ~32 rows a decode step costs about the same
-# whatever the rows (reading the weights dominates, on CPU as on GPU), so smaller programs would
-# only add compiles.
-MIN_SLOTS = 32
+# Smallest slot bucket the tail is compacted to, per platform. On CPU a decode step's cost follows
+# its rows down to a few (`python bench/rollout.py --sections long-tail`, its model on the 2-core
+# dev CPU: 32 slots 6.3 ms a step, 16 4.2 ms, 8 2.8 ms), so the tail compacts down to 8 slots. On
+# GPU and TPU reading the weights dominates a decode step below a few dozen rows (not measured
+# here: Qwen2.5-1.5B reads ~3 GB of bf16 weights per step, 32 rows are ~0.1 TFLOP), so smaller
+# programs there would only add compiles.
+MIN_SLOTS = {"cpu": 8, "gpu": 32, "tpu": 32}
+# Slot buckets per halving of the slot count: 2^j x (1, 5/4, 3/2, 7/4). The live batch drains about
+# exponentially in the tail, so the occupancy between two compactions averages ~0.9 (0.85 with two
+# per octave: the long-tail benchmark's continuous / uniform rate went 0.64 -> 0.70 with both
+# changes); compiled decode programs grow as 4 log2(slots / min_slots).
+BUCKET_STEPS = (4, 5, 6, 7)
 # First tokens are drawn for at most this many samples per sampling call at admission.
 FIRST_TOKEN_ROWS = 256
 SCHEDULES = ("continuous", "lockstep")
@@ -133,14 +142,22 @@ class SlotPlan:
         return self.page_size * self.max_pages
 
 
-def slot_buckets(slots: int, min_slots: int = MIN_SLOTS) -> tuple[int, ...]:
-    """Slot counts of the compiled decode programs, descending: ``slots``, then the numbers
-    2^j and 3 * 2^(j-1) below it down to ``min_slots``. The live batch is compacted to the next
-    one when it fits, so the compute follows the live samples within a factor 1.5 (mean
-    occupancy of an exponentially draining batch ~0.85) with O(log slots) programs."""
+def default_min_slots(platform: str | None = None) -> int:
+    """The smallest slot bucket on ``platform`` (default: the compile target or JAX's backend)."""
+    return MIN_SLOTS.get(platform or _backend.backend(), max(MIN_SLOTS.values()))
+
+
+def slot_buckets(slots: int, min_slots: int | None = None) -> tuple[int, ...]:
+    """Slot counts of the compiled decode programs, descending: ``slots``, then the whole numbers
+    2^j x (1, 5/4, 3/2, 7/4) below it down to ``min_slots`` (default :func:`default_min_slots`).
+    The live batch is compacted to the next one when it fits, so the compute follows the live
+    samples within a factor 1.33 (mean occupancy of an exponentially draining batch ~0.9) with
+    O(log slots) programs."""
+    min_slots = default_min_slots() if min_slots is None else min_slots
     ladder, p = set(), 1
     while p < slots:
-        ladder.update(x for x in (p, 3 * p // 2) if min_slots <= x < slots and x == int(x))
+        ladder.update(p * k // 4 for k in BUCKET_STEPS
+                      if p * k % 4 == 0 and min_slots <= p * k // 4 < slots)
         p *= 2
     return (slots,) + tuple(sorted(ladder, reverse=True))
 
@@ -165,7 +182,7 @@ def rollout_bytes(cfg: ModelConfig, num_prompts: int, prompt_len: int, rollouts_
 
 def plan_slots(cfg: ModelConfig, num_prompts: int, prompt_len: int, rollouts_per_prompt: int,
                max_new_tokens: int, memory_budget_bytes: int | None, *, num_devices: int = 1,
-               min_slots: int = MIN_SLOTS, page_size: int | None = None,
+               min_slots: int | None = None, page_size: int | None = None,
                kv_fraction: float = KV_FRACTION) -> SlotPlan:
     """Decode slots, KV pages and prompt-pool entries per device from the memory budget.
 
@@ -208,7 +225,7 @@ def plan_slots(cfg: ModelConfig, num_prompts: int, prompt_len: int, rollouts_per
     pool = pool_size_for(min(slots, samples), share, num_prompts)
     return SlotPlan(slots=slots, pool=pool, share=share, page_size=page_size,
                     max_pages=max_pages, num_pages=int(pages),
-                    buckets=slot_buckets(slots, min(min_slots, slots)),
+                    buckets=slot_buckets(slots, min(min_slots or default_min_slots(), slots)),
                     bytes_per_device=need(slots, pages))
 
 

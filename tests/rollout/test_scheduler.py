@@ -10,7 +10,7 @@ import pytest
 from rollout_testutil import EOS, PROMPTS, prompt_rng, tiny_model
 
 from brorl_jax.rollout import Engine, generate_naive, plan_slots, rollout_bytes
-from brorl_jax.rollout.plan import MIN_SLOTS, slot_buckets, stop_table
+from brorl_jax.rollout.plan import slot_buckets, stop_table
 
 pytestmark = pytest.mark.slow     # end-to-end or many compiles: out of `-m "not slow"`
 
@@ -71,14 +71,15 @@ def test_continuous_equals_lockstep_equals_naive(model, engines, setting, budget
 
 def test_refills_and_compactions_compile_only_the_slot_buckets(model):
     """8 prompts x 16 samples through 64 slots: many refills, then the tail is compacted through
-    the buckets; the engine compiles one decode program per bucket at most, and nothing new on a
-    second call with other prompts of the same buckets."""
+    the buckets; the engine compiles one decode program per bucket at most, and a second call
+    with other prompts compiles nothing beyond the bucket set."""
     engine = Engine(model.config)
     n, s = 16, 10
     prompts = prompt_rng(3, [4, 7, 2, 8, 5, 3, 6, 1])
     budget = rollout_bytes(model.config, len(prompts), 8, n, s, 64)
     plan = plan_slots(model.config, len(prompts), 8, n, s, budget)
-    assert plan.slots == 64 and plan.buckets == slot_buckets(64, MIN_SLOTS) == (64, 48, 32)
+    assert plan.slots == 64 and plan.buckets == slot_buckets(64) == (64, 56, 48, 40, 32, 28, 24,
+                                                                    20, 16, 14, 12, 10, 8)
     kw = dict(rollouts_per_prompt=n, max_new_tokens=s, eos_ids=STOPS, temperature=1.0, seed=1,
               memory_budget_bytes=budget)
     r = engine.generate(model.params, prompts, **kw)
@@ -91,7 +92,11 @@ def test_refills_and_compactions_compile_only_the_slot_buckets(model):
     assert compiled["admit"] <= 2
     r2 = engine.generate(model.params, prompt_rng(4, [1, 8, 3, 3, 2, 5, 7, 4]),
                          **dict(kw, seed=2))
-    assert engine.num_compiled() == compiled
+    # another call may drain through other buckets, never beyond the set
+    again = engine.num_compiled()
+    assert again["decode"] <= len(plan.buckets) and again["compact"] <= len(plan.buckets) - 1
+    assert {k: v for k, v in again.items() if k not in ("decode", "compact")} == {
+        k: v for k, v in compiled.items() if k not in ("decode", "compact")}
     assert not np.array_equal(r.tokens, r2.tokens)
     naive = generate_naive(model, prompts, **{k: v for k, v in kw.items()
                                               if k != "memory_budget_bytes"})
