@@ -108,13 +108,14 @@ class GroupSampler:
             sampler.add_round(groups_of_this_round)
         sampler.groups, sampler.stats()
     """
+    # the settings: no defaults here (brorl_jax/config.py holds them; from_config reads them)
     row_budget: int
     max_group_rows: int
-    max_generation_rounds: int = 8
-    cap_policy: str = "error"
-    rule: str = "correct_count"
-    correct_threshold: float = 1.0
-    enabled: bool = True
+    max_generation_rounds: int
+    cap_policy: str
+    rule: str
+    correct_threshold: float
+    enabled: bool
     rounds: int = 0
     generated_groups: int = 0
     passed_groups: int = 0

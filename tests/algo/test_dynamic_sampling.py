@@ -9,6 +9,14 @@ from brorl_jax.algo import (GROUP_FILTERS, DynamicSamplingError, Group, GroupSam
 from brorl_jax.config import algo_config
 
 
+def _sampler(**kw) -> GroupSampler:
+    """A GroupSampler with the config's defaults for what the test does not set."""
+    cfg = algo_config()
+    base = dict(cap_policy=cfg.dynamic_sampling_cap_policy, rule=cfg.dynamic_sampling_rule,
+                correct_threshold=cfg.correct_threshold, enabled=cfg.dynamic_sampling)
+    return GroupSampler(**{**base, **kw})
+
+
 def _group(rewards, tag=0):
     r = np.asarray(rewards, np.float32)
     n = len(r)
@@ -45,7 +53,7 @@ def test_rules_differ_only_on_partial_credit():
 
 def test_sampler_fills_exact_budget_over_rounds_and_reports_pass_rate():
     rng = np.random.default_rng(0)
-    s = GroupSampler(row_budget=40, max_group_rows=4, max_generation_rounds=50)
+    s = _sampler(row_budget=40, max_group_rows=4, max_generation_rounds=50)
     tag = 0
     while s.need_more():
         groups = []
@@ -64,7 +72,7 @@ def test_sampler_fills_exact_budget_over_rounds_and_reports_pass_rate():
 
 
 def test_ragged_groups_fill_the_budget_whole():
-    s = GroupSampler(row_budget=10, max_group_rows=4, max_generation_rounds=3, cap_policy="pad")
+    s = _sampler(row_budget=10, max_group_rows=4, max_generation_rounds=3, cap_policy="pad")
     s.add_round([_group([1, 0, 0, 0], 0), _group([1, 0], 1), _group([1, 1], 2),
                  _group([0, 1, 0], 3), _group([1, 0, 1, 0], 4)])
     # kept: 0 (4 rows), 1 (2 rows), 3 (3 rows) = 9; 4 no longer fits; group 2 is all-correct
@@ -74,7 +82,7 @@ def test_ragged_groups_fill_the_budget_whole():
 
 
 def test_cap_hit_raises_clear_error():
-    s = GroupSampler(row_budget=16, max_group_rows=4, max_generation_rounds=2)
+    s = _sampler(row_budget=16, max_group_rows=4, max_generation_rounds=2)
     with pytest.raises(DynamicSamplingError, match=r"filled 0 of 16 rows .* after 2 rounds .*0 of "
                                                    r"8 groups kept.*raise algo.max_generation_rounds"):
         while s.need_more():
@@ -82,7 +90,7 @@ def test_cap_hit_raises_clear_error():
 
 
 def test_cap_pad_policy_stops_and_reports_padding():
-    s = GroupSampler(row_budget=12, max_group_rows=2, max_generation_rounds=1, cap_policy="pad")
+    s = _sampler(row_budget=12, max_group_rows=2, max_generation_rounds=1, cap_policy="pad")
     rewards = [[1, 0], [1, 1], [0, 1], [0, 0], [1, 1], [0, 0]]
     s.add_round([_group(r, i) for i, r in enumerate(rewards)])
     assert not s.need_more()
