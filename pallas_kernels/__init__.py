@@ -19,13 +19,16 @@ from pallas_kernels.fused_logprob_reference import (  # noqa: E402
 __all__ += ["fused_logprob", "fused_logprob_stats", "fused_logprob_vocab_shard", "fused_logprob_reference",
             "fused_logprob_stats_reference"]
 
-# rollout: sort-free token sampling and shared-prefix decode attention; references beside them.
+# rollout: sort-free token sampling, slot decode attention over shared prompts and paged own KV
+# (what the rollout engine runs) and its grouped shared-prefix form; references beside them.
 from pallas_kernels.decode_attention import (  # noqa: E402
     shared_prefix_decode_attention, shared_prefix_decode_attention_pallas,
-    shared_prefix_decode_attention_reference)
+    shared_prefix_decode_attention_reference, slot_decode_attention, slot_decode_attention_pallas,
+    slot_decode_attention_reference)
 from pallas_kernels.sampling import (  # noqa: E402
     sample_tokens, sample_tokens_pallas, sample_tokens_reference)
 
 __all__ += ["shared_prefix_decode_attention", "shared_prefix_decode_attention_pallas",
             "shared_prefix_decode_attention_reference", "sample_tokens", "sample_tokens_pallas",
-            "sample_tokens_reference"]
+            "sample_tokens_reference", "slot_decode_attention", "slot_decode_attention_pallas",
+            "slot_decode_attention_reference"]

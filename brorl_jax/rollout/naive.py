@@ -1,9 +1,10 @@
 """The naive large-N rollout: repeat each prompt N times (what Tunix's sampler and transformers'
 ``num_return_sequences`` do), prefill G*N rows and keep G*N full KV caches of P + S positions.
 
-It exists as the baseline for ``bench/rollout.py`` and as an independent check of the shared-prefix
-engine in the tests: same sampling, same per-sample RNG streams (sample ``g * N + n``), but a plain
-per-row KV cache and ``brorl_jax.models.attention`` instead of the shared-prefix kernel.
+It exists as the baseline for ``bench/rollout.py`` and as an independent check of the
+continuous-batching engine in the tests: same sampling, same per-sample RNG streams (sample
+``g * N + n``), but a plain per-row KV cache and ``brorl_jax.models.attention`` instead of the slot
+decode attention over shared prompts and paged own KV.
 """
 from __future__ import annotations
 
