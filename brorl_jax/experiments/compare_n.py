@@ -122,10 +122,14 @@ def _spread(values: list[float]) -> str:
 def table(results: dict) -> str:
     """Markdown: per arm, over its seeds, mean [min, max] of held-out pass@1 at the start and
     the end, of the mean dynamic-sampling pass rate and of the training samples' correct
-    fraction, and the generated samples."""
+    fraction, the generated samples, and held-out pass@k at the start and the end (k the
+    evaluation's samples per prompt, when every run has the same)."""
+    ks = {e[1] for runs in results.values() for r in runs.values() for e in r.get("eval_k", [])}
+    k_col = f"held-out pass@{max(ks)} start -> end" if len(ks) == 1 else None
     lines = ["| arm | seeds | held-out pass@1 start | held-out pass@1 end | mean dynamic-sampling "
-             "pass rate | training correct fraction, first -> last step | generated samples |",
-             "|---|---|---|---|---|---|---|"]
+             "pass rate | training correct fraction, first -> last step | generated samples |"
+             + (f" {k_col} |" if k_col else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if k_col else "")]
     for n, runs in results.items():
         rs = list(runs.values())
         if not rs:
@@ -138,30 +142,36 @@ def table(results: dict) -> str:
         gen = [r["eval"][-1][0] for r in rs if r["eval"]]
         lines.append(f"| N = {n} | {len(rs)} | {_spread(start)} | {_spread(end)} | "
                      f"{_spread(rate)} | {_spread(first)} -> {_spread(last)} | "
-                     f"{int(np.mean(gen)) if gen else 0:,} |")
+                     f"{int(np.mean(gen)) if gen else 0:,} |"
+                     + (f" {_spread([r['eval_k'][0][2] for r in rs])} -> "
+                        f"{_spread([r['eval_k'][-1][2] for r in rs])} |" if k_col else ""))
     return "\n".join(lines)
 
 
 def summarize_arm(records: list[dict]) -> dict:
-    """Eval points (generated samples, pass@1), per-step dynamic-sampling pass rates and
-    per-step correct fractions of the generated samples, from one run's metrics."""
-    evals, rates, correct = [], [], []
+    """Eval points (generated samples, pass@1) and (samples, k, pass@k) for the largest k
+    evaluated, per-step dynamic-sampling pass rates and per-step correct fractions of the
+    generated samples, from one run's metrics."""
+    evals, evals_k, rates, correct = [], [], [], []
     for r in records:
         samples = r.get("counters/generated_samples", 0)
         if r.get("eval/pass@1") is not None:
             evals.append((samples, r["eval/pass@1"]))
+            ks = [int(k.split("@")[1]) for k in r if k.startswith("eval/pass@")]
+            if max(ks) > 1:       # the largest k the evaluation has samples for
+                evals_k.append((samples, max(ks), r[f"eval/pass@{max(ks)}"]))
         if r.get("dynamic_sampling/pass_rate") is not None:
             rates.append((samples, r["dynamic_sampling/pass_rate"]))
         if r.get("reward/correct_frac") is not None:
             correct.append((samples, r["reward/correct_frac"]))
     mean_rate = sum(v for _, v in rates) / len(rates) if rates else float("nan")
-    return {"eval": evals, "pass_rate": rates, "mean_pass_rate": mean_rate,
+    return {"eval": evals, "eval_k": evals_k, "pass_rate": rates, "mean_pass_rate": mean_rate,
             "correct_frac": correct}
 
 
 def plot(results: dict, path: str) -> None:
-    """Held-out pass@1 and the dynamic-sampling pass rate against generated samples; one line
-    per run, one colour per arm."""
+    """Held-out pass@1 (and pass@k, dashed) and the dynamic-sampling pass rate against generated
+    samples; one line per run, one colour per arm."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(10, 3.8))
@@ -173,10 +183,14 @@ def plot(results: dict, path: str) -> None:
             if r["eval"]:
                 xs, ys = zip(*r["eval"])
                 ax1.plot(xs, ys, marker="o", color=colour, alpha=0.8, label=label)
+            if r.get("eval_k"):
+                xs, ks, ys = zip(*r["eval_k"])
+                ax1.plot(xs, ys, marker="s", linestyle="--", color=colour, alpha=0.5,
+                         label=f"N={n}, pass@{ks[0]}" if j == 0 else None)
             if r["pass_rate"]:
                 xs, ys = zip(*r["pass_rate"])
                 ax2.plot(xs, ys, marker=".", color=colour, alpha=0.8, label=label)
-    ax1.set_title("held-out pass@1 (one line per seed)")
+    ax1.set_title("held-out pass@1 (pass@k dashed), one line per seed")
     ax2.set_title("dynamic-sampling pass rate")
     for ax in (ax1, ax2):
         ax.set_xlabel("generated samples")
