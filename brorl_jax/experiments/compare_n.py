@@ -3,6 +3,10 @@
   python -m brorl_jax.experiments.compare_n --out=runs/compare_n [--samples=65536]
       [--config=configs/demo.py] [--n=16,512] [--seeds=0,1,2] [--config.key=value ...]
 
+The hard-prompt regime the paper's claim is about (a start at held-out pass@1 of a few percent):
+``--config=configs/smollm2_arith.py:digits=3`` (SmolLM2-135M-Instruct on 3-digit additions, 0.023
+held-out; the README's "Breadth on a real model" has the command and its results).
+
 1. Both arms start from the same parameters, as BroRL and its ProRL baseline both continue the
    same ProRLv2 checkpoint [BroRL 4.2.1]: with a supervised warm start in the config
    (sft.steps > 0, the demo's) it is run once and saved as a Hugging Face directory; with
