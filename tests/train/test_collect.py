@@ -125,15 +125,17 @@ def _compiles():
 
 
 def test_adaptive_n_does_not_recompile_once_buckets_are_warm(options_trainer):
-    """Steps whose rollout shapes (N bucket x power-of-two prompt count) were all seen before
-    compile nothing: not the rollout, not the update (fixed row budget), not the advantages."""
+    """Steps whose rollout shapes (N bucket x power-of-two prompt count x the slot buckets its
+    tail drained through) were all seen before compile nothing: not the rollout, not the update
+    (fixed row budget), not the advantages."""
     trainer = options_trainer
-    shapes_seen, calls = set(), []
+    shapes_seen, rollouts = set(), []
     real_generate = trainer.generate
 
     def generate(params, prompt_ids, *, n, **kw):
-        calls.append((bucket_num_prompts(len(prompt_ids)), n, kw["temperature"]))
-        return real_generate(params, prompt_ids, n=n, **kw)
+        out = real_generate(params, prompt_ids, n=n, **kw)
+        rollouts.append((bucket_num_prompts(len(prompt_ids)), n, kw["temperature"], out))
+        return out
 
     trainer.generate = generate
     counter, listener = _compiles()
@@ -142,9 +144,12 @@ def test_adaptive_n_does_not_recompile_once_buckets_are_warm(options_trainer):
     warm_steps, warm_mixed, n_values, batch_shapes = 0, 0, set(), set()
     try:
         for step in range(8):
-            calls.clear()
+            rollouts.clear()
             before = counter[0]
             batch, stats = trainer.collect(state.params, data_iter, step)
+            # each rollout's shapes, with every slot bucket it decoded at (stats after the end)
+            calls = [(g, n, t, slots) for g, n, t, out in rollouts
+                     for slots in {c[0] for c in out.stats["decode_calls"]}]
             state, m = trainer.runtime.update(trainer.collector.update_config(step), state, batch,
                                               jax.random.fold_in(jax.random.key(0), step))
             jax.block_until_ready(state.params)
