@@ -155,6 +155,17 @@ def _median_run(fn, repeats: int):
     return out, float(np.median(times)), times
 
 
+def _ms_per_step(decode_calls) -> dict[int, float]:
+    """{slots: ms per decode step} over a call's decode returns (slots, steps, seconds): what a
+    step costs at each slot bucket the tail went through."""
+    agg: dict[int, list] = {}
+    for slots, steps, sec in decode_calls:
+        a = agg.setdefault(int(slots), [0, 0.0])
+        a[0] += steps
+        a[1] += sec
+    return {s: 1e3 * sec / steps for s, (steps, sec) in sorted(agg.items(), reverse=True) if steps}
+
+
 def long_tail(args) -> list[dict]:
     """2 prompts x N samples, a stop set of vocab/32 ids (lengths roughly geometric), once with
     every sample in a slot and once with a budget of 4x more samples than slots. Timed runs of
@@ -225,7 +236,8 @@ def long_tail(args) -> list[dict]:
                    host_seconds=st["host_seconds"], total_seconds=st["total_seconds"],
                    init_seconds=st["init_seconds"], pages=st["pages_per_device"],
                    stalls=st["stalls"], restarts=st["restarts"],
-                   compiled=cont.num_compiled())
+                   compiled=cont.num_compiled(),
+                   ms_per_step_by_slots=_ms_per_step(st["decode_calls"]))
         rows.append(row)
         print(f"{case}: lengths mean {row['mean_len']:.1f} median {row['median_len']:.0f} "
               f"p90 {row['p90_len']:.0f} max {row['max_len']}; continuous {c_rate:.0f} tok/s, "
@@ -236,6 +248,8 @@ def long_tail(args) -> list[dict]:
               f"{st['pages_per_device']} pages of {st['page_size']}, {st['stalls']} page waits, "
               f"{st['restarts']} restarts; samples identical to lock step: "
               f"{'-' if same is None else f'{100 * same:.2f}%'}", flush=True)
+        print("  ms per decode step by slot bucket: " + ", ".join(
+            f"{s}: {ms:.1f}" for s, ms in row["ms_per_step_by_slots"].items()), flush=True)
     print()
     header = ("| case | slots | lengths mean / median / p90 / max | continuous tok/s | uniform "
               "tok/s (len) | lock-step tok/s | vs uniform | vs lock step | occupancy | refills "

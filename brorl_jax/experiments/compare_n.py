@@ -129,7 +129,8 @@ def table(results: dict) -> str:
     fraction, the generated samples, and held-out pass@k at the start and the end (k the
     evaluation's samples per prompt, when every run has the same)."""
     ks = {e[1] for runs in results.values() for r in runs.values() for e in r.get("eval_k", [])}
-    k_col = f"held-out pass@{max(ks)} start -> end" if len(ks) == 1 else None
+    has_k = all(r.get("eval_k") for runs in results.values() for r in runs.values())
+    k_col = f"held-out pass@{max(ks)} start -> end" if len(ks) == 1 and has_k else None
     lines = ["| arm | seeds | held-out pass@1 start | held-out pass@1 end | mean dynamic-sampling "
              "pass rate | training correct fraction, first -> last step | generated samples |"
              + (f" {k_col} |" if k_col else ""),
@@ -147,8 +148,9 @@ def table(results: dict) -> str:
         lines.append(f"| N = {n} | {len(rs)} | {_spread(start)} | {_spread(end)} | "
                      f"{_spread(rate)} | {_spread(first)} -> {_spread(last)} | "
                      f"{int(np.mean(gen)) if gen else 0:,} |"
-                     + (f" {_spread([r['eval_k'][0][2] for r in rs])} -> "
-                        f"{_spread([r['eval_k'][-1][2] for r in rs])} |" if k_col else ""))
+                     + (f" {_spread([r['eval_k'][0][2] for r in rs if r.get('eval_k')])} -> "
+                        f"{_spread([r['eval_k'][-1][2] for r in rs if r.get('eval_k')])} |"
+                        if k_col else ""))
     return "\n".join(lines)
 
 

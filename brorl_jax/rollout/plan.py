@@ -27,15 +27,16 @@ PREFILL_SCORE_BYTES = 256 * 2**20
 KV_FRACTION = 0.25
 # Smallest slot bucket the tail is compacted to, per platform. On CPU a decode step's cost follows
 # its rows down to a few (`python bench/rollout.py --sections long-tail`, its model on the 2-core
-# dev CPU: 32 slots 6.3 ms a step, 16 4.2 ms, 8 2.8 ms), so the tail compacts down to 8 slots. On
+# dev CPU: 32 slots 7.2 ms a step, 16 4.2 ms, 8 2.8 ms), so the tail compacts down to 8 slots. On
 # GPU and TPU reading the weights dominates a decode step below a few dozen rows (not measured
 # here: Qwen2.5-1.5B reads ~3 GB of bf16 weights per step, 32 rows are ~0.1 TFLOP), so smaller
 # programs there would only add compiles.
 MIN_SLOTS = {"cpu": 8, "gpu": 32, "tpu": 32}
 # Slot buckets per halving of the slot count: 2^j x (1, 5/4, 3/2, 7/4). The live batch drains about
-# exponentially in the tail, so the occupancy between two compactions averages ~0.9 (0.85 with two
-# per octave: the long-tail benchmark's continuous / uniform rate went 0.64 -> 0.70 with both
-# changes); compiled decode programs grow as 4 log2(slots / min_slots).
+# exponentially in the tail, so the occupancy between two compactions averages ~0.9 (the long-tail
+# benchmark: 0.91 / 0.97 against 0.79 / 0.87 with two per octave and a floor of 32; continuous /
+# uniform rate 0.71-0.76 against 0.53 / 0.61); compiled decode programs grow as
+# 4 log2(slots / min_slots).
 BUCKET_STEPS = (4, 5, 6, 7)
 # First tokens are drawn for at most this many samples per sampling call at admission.
 FIRST_TOKEN_ROWS = 256
@@ -223,9 +224,10 @@ def plan_slots(cfg: ModelConfig, num_prompts: int, prompt_len: int, rollouts_per
         spare = budget - need(slots, 0)
         pages = max(max_pages, min(slots * max_pages, spare // page_bytes(cfg, page_size)))
     pool = pool_size_for(min(slots, samples), share, num_prompts)
+    floor = default_min_slots() if min_slots is None else min_slots
     return SlotPlan(slots=slots, pool=pool, share=share, page_size=page_size,
                     max_pages=max_pages, num_pages=int(pages),
-                    buckets=slot_buckets(slots, min(min_slots or default_min_slots(), slots)),
+                    buckets=slot_buckets(slots, min(floor, slots)),
                     bytes_per_device=need(slots, pages))
 
 
