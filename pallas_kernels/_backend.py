@@ -47,14 +47,11 @@ except Exception:  # pragma: no cover - a jax without this private API: plain co
     _target_state = None
 _target: contextvars.ContextVar[str | None] = contextvars.ContextVar("pallas_target", default=None)
 
-GPU_LOWERING = "triton"            # the one GPU lowering every kernel here uses (see above)
 FAMILIES = ("triton", "mosaic")
 # The TPU generation lowered for when no TPU is attached (bench/compile_check.py compiles for it).
 DEFAULT_TPU_KIND = "TPU v5 lite"
 # VMEM per TensorCore of DEFAULT_TPU_KIND, used when the device kind is unknown at trace time.
 _DEFAULT_TPU_VMEM_BYTES = 128 * 1024 * 1024
-# H100/H200 shared memory per block (opt-in maximum), what Triton tiles are planned against.
-GPU_SMEM_BYTES = 232_448
 
 
 @contextlib.contextmanager

@@ -198,12 +198,6 @@ def plan_tiles(prefix_index: jax.Array, suffix_len: jax.Array, *, num_prefixes: 
                 num_tiles=num_tiles.astype(jnp.int32), tile_len=tile_len.astype(jnp.int32))
 
 
-def _layer_view(x, layer):
-    """x[layer] when x has a layer axis (layer given), else x; used for the small prompt-length
-    arrays only. The KV stores are indexed in place by the implementations."""
-    return x if layer is None else x[layer]
-
-
 # ----------------------------------------------------------------------------------------------
 # Reference (plain jnp)
 # ----------------------------------------------------------------------------------------------

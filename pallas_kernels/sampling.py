@@ -176,12 +176,6 @@ _CHUNK = 128   # Mosaic in-tile prefix sums: one [rows, 128] @ [128, 128] matmul
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _i32(v: int) -> int:
-    """Python int -> the int32 with the same low 32 bits."""
-    v &= 0xFFFFFFFF
-    return v - (1 << 32) if v >= (1 << 31) else v
-
-
 def _ordered_key(x: jax.Array) -> jax.Array:
     """Monotone map float32 -> int32: a < b  <=>  key(a) < key(b) (for non-NaN floats)."""
     bits = jax.lax.bitcast_convert_type(x, jnp.int32)

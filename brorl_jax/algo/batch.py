@@ -30,10 +30,9 @@ from typing import Sequence
 
 import numpy as np
 
-# Keys of the update batch: required in both layouts, and the packed layout's additions.
+# Keys of the update batch, required in both layouts.
 UPDATE_KEYS = ("input_tokens", "positions", "loss_mask", "targets", "old_logprobs", "ref_logprobs",
                "advantages")
-PACKED_KEYS = ("segment_ids", "sequence_index", "pack_units")
 
 
 def is_packed(batch) -> bool:

@@ -11,17 +11,14 @@ from .gguf import convert_gguf
 from .hf import Model, load_directory, save_pretrained
 from .transformer import (
     attention,
-    decode_step,
     embed,
     final_norm,
     forward,
-    init_cache,
     init_params,
     layer_finish,
     layer_qkv,
     lm_head_matrix,
     lm_logits,
-    prefill,
 )
 
 _LAZY = {"SMOLLM2_NAME", "ensure_smollm2", "smollm2_gguf_file"}
@@ -60,7 +57,4 @@ __all__ = [
     "lm_head_matrix",
     "lm_logits",
     "attention",
-    "init_cache",
-    "prefill",
-    "decode_step",
 ]

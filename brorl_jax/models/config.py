@@ -98,11 +98,6 @@ class ModelConfig:
 
     # ----------------------------------------------------------------------------------------
     @property
-    def num_kv_groups(self) -> int:
-        """Query heads per key/value head (GQA group size)."""
-        return self.num_attention_heads // self.num_key_value_heads
-
-    @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return None if self.rope_scaling is None else dict(self.rope_scaling)
 

@@ -4,18 +4,19 @@ Two tables, both plain data a config can name or replace:
 
 1. ``LOGICAL_AXES[name]``: logical dimension name -> mesh axes (a mesh axis name, a tuple of
    them, or None = replicated). Model code never mentions devices; it has dimensions with names
-   ("embed", "heads", "vocab", "samples", ...) and this table decides where they live.
+   ("embed", "heads", "vocab", "batch", ...) and this table decides where they live.
 
 2. ``PARAM_RULES[name]``: regular expressions over parameter paths -> the logical names of that
    parameter's dimensions (or a literal ``PartitionSpec`` over mesh axes). A path is the
    "/"-joined key path of a leaf in the param pytree, e.g. "layers/q_proj/kernel". The first
    rule whose pattern matches (re.search) wins; a parameter that matches no rule is an error,
-   so a new parameter cannot silently end up replicated.
+   so a new parameter cannot silently end up replicated. ``mesh.rules`` in the run config names
+   one of these rule sets (and the logical table of the same name).
 
-Activations, batches and the rollout's KV caches have fixed names (``ARRAY_AXES``), e.g. the
-rollout's per-sample suffix KV ``[L, G, N, S, Hkv, Dh]`` is ("layers", "prompts", "samples",
-"seq", "kv_heads", "head_dim"): with "samples" -> "data" the N samples of a prompt are spread over
-the data axis while the prompt's KV ("prefix_kv", no "samples" dimension) is shared by all of them.
+The update and log-prob batches have fixed names (``ARRAY_AXES``): ``tokens [B, T]`` and
+``rows [B]``, split over "batch". The rollout does not use these tables: it runs under
+``shard_map`` with the params replicated and each device decoding its share of every prompt's
+samples in its own slots (brorl_jax/rollout/engine.py).
 
 Optimizer state (Adam's mu and nu) mirrors the params, so it gets the params' shardings; scalars
 in the optimizer state (counts) are replicated.
@@ -43,35 +44,20 @@ LOGICAL_AXES: dict[str, dict[str, MeshAxes]] = {
     # the batch over every axis that is not splitting features.
     "default": {
         "batch": ("data", "fsdp"),     # update rows (sequences)
-        "prompts": "fsdp",             # rollout: the G prompts of a generation round
-        "samples": ("data", "fsdp"),   # rollout: the N samples of one prompt (fsdp if unused)
         "seq": None,
         "layers": None,                # the stacked-layer axis is scanned over, never split
         "embed": "fsdp",               # hidden size D (params); gathered per layer by XLA
         "heads": "tensor",             # H*Dh of q_proj/o_proj
-        "kv_heads": "tensor",          # Hkv*Dh of k_proj/v_proj and the KV caches
+        "kv_heads": "tensor",          # Hkv*Dh of k_proj/v_proj
         "head_dim": None,
         "mlp": "tensor",               # intermediate size I
         "vocab": "tensor",             # V of the embedding / lm_head
         "norm": None,                  # RMSNorm scales (tiny)
-        "act_embed": None,             # D of activations (hidden states) - not split
-    },
-    # Rollout: params gathered once (a 1.5B model is 3 GB in bf16), no per-token all-gathers in
-    # the decode loop. Prompts over fsdp, each prompt's samples over data (and over fsdp when
-    # the prompts cannot use it), so all devices decode; with both split, the decode loop's
-    # flattened [G * N] sample axis stays split too.
-    "rollout": {
-        "batch": ("data", "fsdp"),
-        "prompts": "fsdp",
-        "samples": ("data", "fsdp"),
-        "seq": None, "layers": None, "embed": None, "heads": "tensor", "kv_heads": "tensor",
-        "head_dim": None, "mlp": "tensor", "vocab": "tensor", "norm": None, "act_embed": None,
     },
     # Everything replicated except the batch (pure data parallelism).
     "replicated": {
-        "batch": ("data", "fsdp"), "prompts": None, "samples": ("data", "fsdp"), "seq": None,
-        "layers": None, "embed": None, "heads": None, "kv_heads": None, "head_dim": None,
-        "mlp": None, "vocab": None, "norm": None, "act_embed": None,
+        "batch": ("data", "fsdp"), "seq": None, "layers": None, "embed": None, "heads": None,
+        "kv_heads": None, "head_dim": None, "mlp": None, "vocab": None, "norm": None,
     },
 }
 
@@ -95,26 +81,13 @@ _TRANSFORMER_PARAMS: list[tuple[str, Any]] = [
 ]
 PARAM_RULES: dict[str, list[tuple[str, Any]]] = {
     "default": _TRANSFORMER_PARAMS,
-    "rollout": _TRANSFORMER_PARAMS,
     "replicated": [(r".*", P())],
 }
-# Back-compatible name: the param rules.
-RULES = PARAM_RULES
 
-# Named arrays of the steps (batches, activations, caches) -> logical names per dimension.
+# Named arrays of the update / log-prob steps (docs/INTERFACES.md "algo") -> logical names.
 ARRAY_AXES: dict[str, tuple[str, ...]] = {
-    # update / log-prob batch (docs/INTERFACES.md "algo"): [B, T] and [B]
-    "tokens": ("batch", "seq"),
-    "rows": ("batch",),
-    "hidden": ("batch", "seq", "act_embed"),
-    # rollout
-    "prompt_tokens": ("prompts", "seq"),
-    "prompt_rows": ("prompts",),
-    "prefix_kv": ("layers", "prompts", "seq", "kv_heads", "head_dim"),      # [L, G, P, Hkv, Dh]
-    "prompt_logits": ("prompts", "vocab"),                                 # [G, V]
-    "suffix_kv": ("layers", "prompts", "samples", "seq", "kv_heads", "head_dim"),  # [L,G,N,S,..]
-    "sample_tokens": ("prompts", "samples", "seq"),                        # [G, N, S]
-    "sample_rows": ("prompts", "samples"),                                 # [G, N]
+    "tokens": ("batch", "seq"),    # [B, T]
+    "rows": ("batch",),            # [B]
 }
 
 
@@ -236,10 +209,6 @@ def fit_spec(spec: P, shape: Sequence[int], mesh, *, check_divisible: bool = Fal
     return P(*out)
 
 
-# Back-compatible private name.
-_fits = fit_spec
-
-
 def param_shardings(params: Any, mesh, rules: str | Sequence = "default",
                     axes: str | dict | None = None, *, check_divisible: bool = False) -> Any:
     """NamedShardings for `params` (arrays or ShapeDtypeStructs) on `mesh`."""
@@ -250,52 +219,6 @@ def param_shardings(params: Any, mesh, rules: str | Sequence = "default",
                                         name=path_str(path)))
            for (path, leaf), s in zip(leaves, spec_leaves)]
     return jax.tree.unflatten(treedef, out)
-
-
-def shaped_spec(logical: Sequence[str | None], shape: Sequence[int], mesh,
-                axes: str | dict = "default") -> P:
-    """Like logical_to_spec, but each dimension takes, in order, the mesh axes of its logical
-    name that are still unused and keep it divisible; an axis a dimension cannot use stays
-    free for the later dimensions (e.g. 2 prompts on fsdp=4: the samples take fsdp instead)."""
-    table = logical_table(axes)
-    used: set = set()
-    out = []
-    for n, dim in zip(logical, shape):
-        want = table.get(n) if n is not None else None
-        if n is not None and n not in table:
-            raise ValueError(f"logical axis {n!r} is not in the logical-axis table; known: "
-                             f"{sorted(table)}.")
-        names = want if isinstance(want, tuple) else (want,) if want else ()
-        keep, size = [], 1
-        for a in names:
-            if a in used or dim % (size * mesh.shape[a]):
-                continue
-            keep.append(a)
-            size *= mesh.shape[a]
-        used.update(keep)
-        out.append(None if not keep else keep[0] if len(keep) == 1 else tuple(keep))
-    return P(*out)
-
-
-def array_sharding(name: str, shape: Sequence[int], mesh, axes: str | dict = "default", *,
-                   check_divisible: bool = False) -> NamedSharding:
-    """Sharding of a named step array (ARRAY_AXES), e.g. array_sharding("suffix_kv", shape, mesh).
-
-    With check_divisible=True every mesh axis the logical names ask for must be used."""
-    if name not in ARRAY_AXES:
-        raise ValueError(f"unknown array name {name!r}; known: {sorted(ARRAY_AXES)}.")
-    logical = ARRAY_AXES[name]
-    if len(logical) != len(shape):
-        raise ValueError(f"array {name!r} has logical axes {logical} but shape {tuple(shape)}.")
-    spec = shaped_spec(logical, shape, mesh, axes)
-    if check_divisible:
-        wanted = {a for part in logical_to_spec(logical, axes) if part
-                  for a in (part if isinstance(part, tuple) else (part,)) if mesh.shape[a] > 1}
-        got = {a for part in spec if part for a in (part if isinstance(part, tuple) else (part,))}
-        if wanted - got:
-            raise ValueError(f"{name} {tuple(shape)}: mesh axes {sorted(wanted - got)} cannot "
-                             f"split it ({spec}); change the mesh or the shapes.")
-    return NamedSharding(mesh, spec)
 
 
 def batch_shardings(batch: Any, mesh, axes: str | dict = "default") -> Any:

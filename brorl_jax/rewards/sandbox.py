@@ -44,11 +44,9 @@ _NS_NAMES = {0x40000000: "net", 0x20000000: "pid", 0x00020000: "mount", 0x080000
              0x04000000: "uts", 0x10000000: "user"}
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWPID = 0x20000000
-_CLONE_NEWNET = 0x40000000
 _CLONE_NEWUSER = 0x10000000
 _SANDBOX_UID_BASE = 61000  # dedicated uids (one per worker process) when running as root
 _SANDBOX_UID_SPAN = 4000
-_EXIT_SETUP_FAILED = 121
 
 
 @dataclasses.dataclass(frozen=True)

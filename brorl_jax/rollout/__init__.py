@@ -8,7 +8,6 @@ from brorl_jax.rollout.engine import (
     RolloutStream,
     assemble,
     generate,
-    generate_stream,
 )
 from brorl_jax.rollout.naive import generate_naive
 from brorl_jax.rollout.plan import (
@@ -31,7 +30,6 @@ __all__ = [
     "SlotPlan",
     "assemble",
     "generate",
-    "generate_stream",
     "generate_naive",
     "plan_slots",
     "rollout_bytes",

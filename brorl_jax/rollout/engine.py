@@ -63,10 +63,9 @@ class RolloutResult:
     finished bool[G, N]: a stop token was generated. truncated bool[G, N]: hit max_new_tokens
     without a stop token (exactly one of finished/truncated is True).
     mask bool[G, N, S]: ``t < lengths``.  prompt_lengths int32[G].
-    num_chunks: waves of slots the samples needed (samples / (slots x devices), rounded up).
     stats: per call, for logging and benchmarks (see ``Engine`` and docs/rollout.md): useful_tokens,
       decode_steps, num_slots, pool_size, mean_live_slots, occupancy, refills, compactions,
-      round_trips, prefill/decode/host/total seconds, decode_forward_rows, group_seconds, ...
+      round_trips, prefill/decode/host/total seconds, decode_forward_rows, decode_calls, ...
     """
 
     tokens: np.ndarray
@@ -76,7 +75,6 @@ class RolloutResult:
     truncated: np.ndarray
     mask: np.ndarray
     prompt_lengths: np.ndarray
-    num_chunks: int = 1
     stats: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -122,8 +120,7 @@ def _group(prompt_index, tok, logp, lengths, fin, prompt_length, step, seconds) 
                        seconds=float(seconds))
 
 
-def assemble(groups: Sequence[GroupResult], num_chunks: int = 1,
-             stats: dict | None = None) -> RolloutResult:
+def assemble(groups: Sequence[GroupResult], stats: dict | None = None) -> RolloutResult:
     """A :class:`RolloutResult` from every prompt's group (any order)."""
     groups = sorted(groups, key=lambda gr: gr.prompt_index)
     stack = lambda name: np.stack([getattr(gr, name) for gr in groups])
@@ -131,7 +128,7 @@ def assemble(groups: Sequence[GroupResult], num_chunks: int = 1,
                          lengths=stack("lengths"), finished=stack("finished"),
                          truncated=stack("truncated"), mask=stack("mask"),
                          prompt_lengths=np.asarray([gr.prompt_length for gr in groups], np.int32),
-                         num_chunks=num_chunks, stats=dict(stats or {}))
+                         stats=dict(stats or {}))
 
 
 class RolloutStream:
@@ -159,7 +156,6 @@ class RolloutStream:
         self.started_at = time.perf_counter()
         self.finished_at: float | None = None     # when the device loop returned for good
         self.stats: dict = {}
-        self.num_chunks = 1
         self._gen = run(lambda: self._closed)
         self._queue: queue.Queue | None = None
         if background:
@@ -200,7 +196,7 @@ class RolloutStream:
                 raise item
             raise StopIteration
         if isinstance(item, dict):        # the final statistics
-            self.stats, self.num_chunks = item["stats"], item["num_chunks"]
+            self.stats = item["stats"]
             self.stats["useful_tokens"] = int(sum(g.lengths.sum() for g in self._delivered))
             return self.__next__()
         self._delivered.append(item)
@@ -223,7 +219,7 @@ class RolloutStream:
     def result(self) -> RolloutResult:
         for _ in self:
             pass
-        return assemble(self._delivered, self.num_chunks, self.stats)
+        return assemble(self._delivered, self.stats)
 
 
 def _pow2_at_least(x: int) -> int:
@@ -463,7 +459,7 @@ class Engine:
         loop until it returns, hand out complete groups, compact the tail. Yields GroupResults,
         then a dict with the call's statistics."""
         t_start = time.perf_counter()
-        cfg, g_total, n, s = self.cfg, len(prompts), spec.rollouts_per_prompt, spec.max_new_tokens
+        cfg, g_total = self.cfg, len(prompts)
         k_pool, d = spec.pool, self.num_devices
         num_slots = plan.slots
         pool, slots, kv, stats = self._program("init", spec, num_slots)()[0]
@@ -554,7 +550,7 @@ class Engine:
         total = time.perf_counter() - t_start
         steps = int(final["steps"][0])
         live = int(final["live"].sum())
-        yield dict(num_chunks=max(1, -(-g_total * n // (plan.slots * d))), stats=dict(
+        yield dict(stats=dict(
             decode_steps=steps, num_slots=plan.slots * d, slots_per_device=plan.slots,
             pool_size=k_pool, devices=d, schedule=self.schedule,
             mean_live_slots=live / max(steps, 1),
@@ -645,14 +641,3 @@ def generate(
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, eos_ids=eos,
         memory_budget_bytes=memory_budget_bytes)
 
-
-def generate_stream(model: Any, prompts: Sequence[Sequence[int]], *, engine: Engine | None = None,
-                    params: dict | None = None, eos_ids: Sequence[int] | None = None,
-                    impl: str = "auto", mesh: Any = None, background: bool = True,
-                    **kwargs) -> RolloutStream:
-    """Like :func:`generate`, but an iterator of :class:`GroupResult` (one per prompt, in
-    completion order) while decoding goes on. Pass ``engine=`` to reuse compiled programs."""
-    engine = engine or _default_engine(model.config, mesh, _hashable(impl))
-    return engine.stream(model.params if params is None else params, prompts,
-                         eos_ids=resolve_eos_ids(model, eos_ids), background=background,
-                         **kwargs)

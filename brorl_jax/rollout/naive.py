@@ -49,7 +49,7 @@ def prefill_in_batches(
 
 def finalize(
     tokens: np.ndarray, logprobs: np.ndarray, lengths: np.ndarray, finished: np.ndarray,
-    prompt_lengths: np.ndarray, num_chunks: int,
+    prompt_lengths: np.ndarray,
 ) -> RolloutResult:
     """Mask everything past each sample's length (pad id 0, log-prob 0) and build the result."""
     s = tokens.shape[-1]
@@ -62,7 +62,6 @@ def finalize(
         truncated=~finished.astype(bool),
         mask=mask,
         prompt_lengths=prompt_lengths.astype(np.int32),
-        num_chunks=num_chunks,
     )
 
 
@@ -175,8 +174,8 @@ def generate_naive(
     shape = (g_real, n)
     result = finalize(out["tokens"][:r].reshape(*shape, s), out["logprobs"][:r].reshape(*shape, s),
                       out["lengths"][:r].reshape(shape), out["finished"][:r].reshape(shape),
-                      np.asarray([len(x) for x in prompts], np.int32), 1)
+                      np.asarray([len(x) for x in prompts], np.int32))
     result.stats.update(prefill_seconds=t1 - t0, decode_seconds=t2 - t1,
                         decode_forward_rows=(int(out["steps"]) - 1) * b,
-                        padded_num_prompts=b, padded_prompt_len=p, samples_per_chunk=1)
+                        padded_num_prompts=b, padded_prompt_len=p)
     return result

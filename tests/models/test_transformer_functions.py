@@ -1,4 +1,5 @@
-"""Pure transformer functions: layer-level API, KV-cache decoding, positions, grad and remat."""
+"""Pure transformer functions: layer-level API, KV-cache decoding (the naive rollout) against
+forward, positions, grad and remat."""
 
 from __future__ import annotations
 
@@ -10,19 +11,18 @@ import numpy as np
 import pytest
 
 from brorl_jax.models import (
+    Model,
     ModelConfig,
     attention,
-    decode_step,
     embed,
     final_norm,
     forward,
-    init_cache,
     init_params,
     layer_finish,
     layer_qkv,
     lm_head_matrix,
-    prefill,
 )
+from brorl_jax.rollout import generate_naive
 from models_testutil import padded_batch
 
 VOCAB = 97
@@ -64,8 +64,6 @@ def params_for(model_type: str) -> dict:
 
 
 forward_jit = jax.jit(forward, static_argnums=1, static_argnames=("return_hidden", "remat"))
-prefill_jit = jax.jit(prefill, static_argnums=1, static_argnames=("max_len",))
-decode_jit = jax.jit(decode_step, static_argnums=1)
 
 
 def test_init_params_layout_matches_interfaces():
@@ -133,52 +131,26 @@ def test_positions_derived_from_mask_for_left_and_right_padding():
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
 def test_kv_cache_decoding_matches_forward_position_by_position(model_type):
+    """The tests' one decoder reference (rollout.generate_naive: a plain per-row KV cache, the
+    engine is checked against it in tests/rollout) reproduces forward() at every generated
+    position, for both families (qwen3: q/k norms, tied embeddings)."""
     cfg, params = CONFIGS[model_type], params_for(model_type)
-    prompt = 7
-    tokens, mask, _ = padded_batch(np.random.default_rng(2), BATCH, prompt, left=True)
-    rng = np.random.default_rng(3)
-    new = rng.integers(3, VOCAB, size=(BATCH, LENGTH - prompt)).astype(np.int32)
-    tokens = np.concatenate([tokens, new], axis=1)
-    mask = np.concatenate([mask, np.ones_like(new, bool)], axis=1)
-    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32) * mask
-    ref = np.asarray(forward_jit(params, cfg, tokens, positions=positions, attention_mask=mask))
-
-    logits, cache = prefill_jit(
-        params, cfg, tokens[:, :prompt], positions[:, :prompt], mask[:, :prompt], max_len=LENGTH
-    )
-    assert cache["k"].shape == (2, BATCH, LENGTH, 2, 16) and int(cache["index"]) == prompt
-    pm = mask[:, :prompt]
-    np.testing.assert_allclose(np.asarray(logits)[pm], ref[:, :prompt][pm], atol=1e-5)
-    for t in range(prompt, LENGTH):
-        step_logits, cache = decode_jit(params, cfg, tokens[:, t], positions[:, t], cache)
-        assert step_logits.shape == (BATCH, VOCAB)
-        np.testing.assert_allclose(np.asarray(step_logits), ref[:, t], atol=1e-5)
-    assert int(cache["index"]) == LENGTH and np.asarray(cache["mask"]).tolist() == mask.tolist()
-
-    if model_type == "qwen2":
-        # Chunked prefill (a second prefill appended to a cache) equals one prefill.
-        half = LENGTH // 2
-        _, cache = prefill_jit(
-            params, cfg, tokens[:, :half], positions[:, :half], mask[:, :half], max_len=LENGTH
-        )
-        chunk, _ = jax.jit(prefill, static_argnums=1)(
-            params, cfg, tokens[:, half:], positions[:, half:], mask[:, half:], cache=cache
-        )
-        tail = mask[:, half:]
-        np.testing.assert_allclose(np.asarray(chunk)[tail], ref[:, half:][tail], atol=1e-5)
-
-
-def test_full_kv_cache_is_an_error_outside_jit():
-    cfg, params = CONFIGS["qwen2"], params_for("qwen2")
-    cache = init_cache(cfg, batch=1, max_len=4)
-    with pytest.raises(ValueError, match="KV cache full.*max_len=4"):
-        prefill(params, cfg, jnp.ones((1, 5), jnp.int32), cache=cache)
-    # Under jit it cannot raise; the overflowing step's logits are NaN instead of silently wrong.
-    logits, cache = prefill_jit(params, cfg, jnp.ones((1, 4), jnp.int32), max_len=4)
-    assert np.isfinite(np.asarray(logits)).all()
-    token, position = jnp.ones((1,), jnp.int32), jnp.full((1,), 4, jnp.int32)
-    step, _ = decode_jit(params, cfg, token, position, cache)
-    assert np.isnan(np.asarray(step)).all()
+    model = Model(cfg, params, None, cfg.eos_token_ids)
+    rng = np.random.default_rng(2)
+    prompts = [[int(t) for t in rng.integers(3, VOCAB, n)] for n in (7, 3, 5)]
+    n, s = 2, LENGTH - 7
+    r = generate_naive(model, prompts, rollouts_per_prompt=n, max_new_tokens=s, temperature=1.0,
+                       seed=5)
+    assert (r.lengths > 1).any()
+    seqs = np.zeros((len(prompts) * n, LENGTH), np.int32)   # right padding: causal, no effect
+    for i, (g, k) in enumerate(np.ndindex(len(prompts), n)):
+        seq = prompts[g] + list(r.tokens[g, k, : r.lengths[g, k]])
+        seqs[i, : len(seq)] = seq
+    logp = np.asarray(jax.nn.log_softmax(forward_jit(params, cfg, seqs), axis=-1))
+    for i, (g, k) in enumerate(np.ndindex(len(prompts), n)):
+        p, length = len(prompts[g]), r.lengths[g, k]
+        want = logp[i, p - 1 : p - 1 + length][np.arange(length), r.tokens[g, k, :length]]
+        np.testing.assert_allclose(r.logprobs[g, k, :length], want, atol=1e-5)
 
 
 def test_forward_under_grad_and_remat_gives_same_values_and_gradients():

@@ -10,6 +10,7 @@ from brorl_jax.models import ModelConfig, init_params
 from brorl_jax.parallel import rules as R
 from brorl_jax.parallel.distributed import detect_environment
 from brorl_jax.parallel.mesh import mesh_shape
+from configs import brorl_64gpu
 
 
 def _cfg(**kw) -> ModelConfig:
@@ -55,30 +56,37 @@ def test_logical_names_map_to_mesh_axes():
     assert specs["layers"]["q_proj"]["kernel"] == P(None, "fsdp", "tensor")
     assert specs["layers"]["down_proj"]["kernel"] == P(None, "tensor", "fsdp")
     assert specs["lm_head"]["kernel"] == P("fsdp", "tensor")
-    assert R.param_specs(params, "rollout")["layers"]["q_proj"]["kernel"] == P(None, None, "tensor")
-    # the N samples of a prompt over data; the prompt KV has no samples axis, so it is shared
-    assert R.logical_to_spec(R.ARRAY_AXES["suffix_kv"]) == P(None, "fsdp", "data", None,
-                                                             "tensor", None)
-    assert "data" not in str(R.logical_to_spec(R.ARRAY_AXES["prefix_kv"]))
+    replicated = R.param_specs(params, "replicated")
+    assert all(s == P() for s in jax.tree.leaves(replicated, is_leaf=lambda x: isinstance(x, P)))
+    # the update batch: rows over data and fsdp, the sequence whole
     assert R.logical_to_spec(R.ARRAY_AXES["tokens"]) == P(("data", "fsdp"), None)
+    assert R.logical_to_spec(R.ARRAY_AXES["rows"]) == P(("data", "fsdp"))
 
 
-def test_shape_aware_spec_gives_unusable_axes_to_later_dimensions():
-    mesh = AbstractMesh((2, 4, 1), ("data", "fsdp", "tensor"))
-    # 2 prompts cannot use fsdp=4, so each prompt's 8 samples take data x fsdp
-    spec = R.array_sharding("sample_rows", (2, 8), mesh, "rollout").spec
-    assert spec == P(None, ("data", "fsdp"))
-    # 8 prompts over fsdp, their samples over data; the prompt KV is not split over data
-    assert R.array_sharding("sample_rows", (8, 16), mesh, "rollout").spec == P("fsdp", "data")
-    assert "data" not in str(R.array_sharding("prefix_kv", (2, 8, 16, 2, 4), mesh,
-                                              "rollout").spec)
-    with pytest.raises(ValueError, match="cannot split"):
-        R.array_sharding("sample_rows", (3, 3), mesh, "rollout", check_divisible=True)
+def test_paper_scale_plan_shards_every_parameter_and_the_update_batch():
+    """configs/brorl_64gpu.py's model (Qwen2-1.5B shapes) on its 8 x 8 x 1 mesh: FSDP splits every
+    matrix 8 ways with every axis dividing (check_divisible), the update batch's rows go over
+    all 64 devices."""
+    mesh = AbstractMesh(tuple(brorl_64gpu.MESH.values()), tuple(brorl_64gpu.MESH))
+    params = jax.eval_shape(lambda: init_params(brorl_64gpu.qwen2_1p5b(), jax.random.PRNGKey(0)))
+    sh = R.param_shardings(params, mesh, check_divisible=True)
+    assert sh["embed"]["embedding"].spec == P("tensor", "fsdp")        # [151936, 1536], tied
+    assert sh["layers"]["k_proj"]["kernel"].spec == P(None, "fsdp", "tensor")  # [28, 1536, 256]
+    assert sh["layers"]["down_proj"]["kernel"].spec == P(None, "tensor", "fsdp")
+    assert "lm_head" not in sh
+    batch = {"input_tokens": jax.ShapeDtypeStruct((64, 16384), "int32"),
+             "advantages": jax.ShapeDtypeStruct((64,), "float32")}
+    bs = R.batch_shardings(batch, mesh)
+    assert bs["input_tokens"].spec == P(("data", "fsdp"), None)
+    assert bs["advantages"].spec == P(("data", "fsdp"))
+    # a batch the 64 devices cannot split evenly is replicated, not mis-split
+    odd = R.batch_shardings({"rows": jax.ShapeDtypeStruct((96,), "float32")}, mesh)
+    assert odd["rows"].spec == P(None)
 
 
 def test_mesh_axis_used_once_per_array():
-    # "batch" takes data and fsdp; "prompts" (fsdp) on the same array must not reuse fsdp
-    assert R.logical_to_spec(("batch", "prompts")) == P(("data", "fsdp"), None)
+    # "batch" takes data and fsdp; "embed" (fsdp) on the same array must not reuse fsdp
+    assert R.logical_to_spec(("batch", "seq", "embed")) == P(("data", "fsdp"), None, None)
 
 
 def test_axes_that_do_not_divide_are_dropped_or_rejected():

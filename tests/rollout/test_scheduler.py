@@ -173,7 +173,6 @@ def test_stats_per_call(model, engines):
     assert st["round_trips"] >= len(PROMPTS) // st["pool_size"]
     for key in ("prefill_seconds", "decode_seconds", "host_seconds", "total_seconds"):
         assert st[key] >= 0
-    assert r.num_chunks == -(-len(PROMPTS) * N // len(PROMPTS))
 
 
 def test_stop_table_takes_hundreds_of_ids(model):
