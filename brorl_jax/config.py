@@ -172,7 +172,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh.data = -1                      # -1 = the rest of the devices
     c.mesh.fsdp = 1
     c.mesh.tensor = 1
-    c.mesh.rules = "default"              # name of a rule set in brorl_jax.parallel.rules
+    c.mesh.rules = "default"              # a rule set of brorl_jax.parallel.rules.PARAM_RULES
     return c
 
 
@@ -183,6 +183,7 @@ def choices() -> dict[str, tuple[str, ...]]:
     from brorl_jax.models.config import ATTENTION_IMPLS
     from brorl_jax.algo import policies
     from pallas_kernels.fused_logprob import IMPLS as LOGPROB_IMPLS
+    from brorl_jax.parallel.rules import PARAM_RULES
     from pallas_kernels.sampling import IMPLS as ROLLOUT_IMPLS
     return {
         "model.dtype": ("float32", "bfloat16"),
@@ -200,6 +201,7 @@ def choices() -> dict[str, tuple[str, ...]]:
         "algo.advantage_normalizer": tuple(policies.ADVANTAGE_NORMALIZERS),
         "optim.name": algo.OPTIMIZERS,
         "optim.schedule": algo.SCHEDULES,
+        "mesh.rules": tuple(PARAM_RULES),
     }
 
 

@@ -12,9 +12,11 @@ Mesh (justified in docs/scale.md): data=8 x fsdp=8 x tensor=1.
     heads cannot be split more than 2 ways; per-layer activation all-reduces would cost more
     than the 1.5B-parameter all-gathers FSDP needs).
   * The update processes one 16k-token sequence per device per micro-batch: micro_batch_size =
-    64 (global) = 1 row x 64 devices. The rollout spreads each prompt's N samples over all 64
-    devices (rules "rollout": prompts over fsdp, samples over data); a prompt's KV is stored
-    once per data replica and shared by its samples.
+    64 (global) = 1 row x 64 devices.
+  * The rollout (continuous batching, docs/rollout.md) runs on all 64 devices under shard_map
+    with the parameters replicated: each device decodes its 16 of every prompt's 1024 samples
+    in its own decode slots, refilled as samples stop; each prompt is prefilled once per device
+    into that device's prompt pool and its KV shared by all the device's slots.
 
 python -m brorl_jax.main --config=configs/brorl_64gpu.py --config.model.path=... (see
 launch/slurm_gpu.sbatch). bench/plan_memory.py compiles the steps of this plan for a 64-device
@@ -26,7 +28,7 @@ from configs.common import parse_arg
 
 MESH = {"data": 8, "fsdp": 8, "tensor": 1}
 NUM_DEVICES = 64
-# Rollout decode working memory per device (suffix KV of the samples in flight, docs/scale.md);
+# Rollout working memory per device (decode slots, their KV pages, the prompt pool; docs/scale.md);
 # the engine's budget counts all devices together.
 ROLLOUT_GIB_PER_DEVICE = 28.0
 
@@ -53,8 +55,11 @@ def get_config(arg: str | None = None):
     c.model.remat = True
     c.data.max_prompt_len = 1024
     c.rollout.max_new_tokens = 16384 - 1024
-    # Bounds the rollout's decode working memory: the N samples of the 128 (96 bucketed) prompts
-    # of a generation round are decoded 32 at a time per prompt -> 64 samples per device.
+    # Sizes the rollout's decode slots: for a generation round of 96 prompts (64 x 1.5) x 1024
+    # samples, rollout.plan_slots (page size 16 on GPU) gives 261 slots per device (16,704 in
+    # flight of the round's 98,304 samples), KV pages for a quarter of their full length
+    # (plan.KV_FRACTION) and a pool of 19 prompts per device; finished slots take the next
+    # pending sample, and the tail is compacted to smaller slot buckets.
     c.rollout.memory_budget_gb = ROLLOUT_GIB_PER_DEVICE * NUM_DEVICES
     c.algo.ppo_mini_batches = 4
     c.algo.micro_batch_size = NUM_DEVICES   # one 16k-token sequence per device per micro-batch
