@@ -6,6 +6,7 @@ from brorl_jax.rollout.engine import (
     GroupResult,
     RolloutResult,
     RolloutStream,
+    Scheduler,
     assemble,
     generate,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "GroupResult",
     "RolloutResult",
     "RolloutStream",
+    "Scheduler",
     "SlotPlan",
     "assemble",
     "generate",

@@ -10,6 +10,9 @@ loop returns to the host only when a prompt's group of N samples is complete (it
 its entry re-used for the next prompt), or when nothing is left to admit and the live samples fit
 the next smaller slot bucket (the tail is compacted, so its compute follows the live samples), so
 host round trips number about (prompts + log2(slots)) per call, never one per token.
+The device programs (admission, the decode loop, compaction, fetch) are in ``programs.py``; the
+host side of one call is a :class:`Scheduler`, whose methods are those steps, and a
+:class:`RolloutStream` hands its groups to the consumer (from a thread) as they complete.
 
 ``schedule="lockstep"`` keeps the earlier behaviour (a wave of samples decodes until its longest
 one stops, then the next wave starts) for comparison and as a test reference.
@@ -137,18 +140,22 @@ class RolloutStream:
     With ``background=True`` (default of :meth:`Engine.stream`) a thread drives the device loop
     and queues each group as it completes, so the consumer's work per group (decoding text,
     sending it to verifier processes) overlaps decoding instead of pausing it. ``stats`` holds the
-    call's statistics once the stream is exhausted; ``result()`` consumes what is left and
-    assembles the full :class:`RolloutResult`. ``close()`` (or leaving a ``with`` block) stops
-    the device loop at its next return to the host. ``wait_seconds``: how long the consumer has
-    waited for groups (in ``__next__``); the device never waits for the consumer (the queue is
-    unbounded: at most all of the call's groups, which generate() would hold anyway).
-    ``started_at``/``finished_at``: ``time.perf_counter()`` at the call and when the device loop
-    ended (None until then), so a consumer can tell how long it kept going after decoding ended.
+    call's statistics (:meth:`Scheduler.stats`) once the device loop has ended (the stream is
+    exhausted or closed); ``result()`` consumes what is left and assembles the full
+    :class:`RolloutResult`. ``close()`` (or leaving a ``with`` block) stops the device loop at its
+    next return to the host. ``wait_seconds``: how long the consumer has waited for groups (in
+    ``__next__``); the device never waits for the consumer (the queue is unbounded: at most all of
+    the call's groups, which generate() would hold anyway). ``started_at``/``finished_at``:
+    ``time.perf_counter()`` at the call and when the device loop ended (None until then), so a
+    consumer can tell how long it kept going after decoding ended.
+
+    ``run(should_stop)`` is the device loop as an iterator of groups (``scheduler.run`` unless an
+    engine wraps it); the statistics come from ``scheduler`` itself, never through the iterator.
     """
 
-    _END = object()
-
-    def __init__(self, run: Callable[[Callable[[], bool]], Iterator], *, background: bool):
+    def __init__(self, scheduler: "Scheduler", run: Callable[[Callable[[], bool]], Iterator],
+                 *, background: bool):
+        self._scheduler = scheduler
         self._closed = False
         self._ended = False
         self._delivered: list[GroupResult] = []
@@ -163,13 +170,18 @@ class RolloutStream:
             self._thread = threading.Thread(target=self._drive, name="rollout-stream", daemon=True)
             self._thread.start()
 
+    def _loop_ended(self) -> None:
+        self.stats = self._scheduler.stats()
+        self.finished_at = time.perf_counter()
+
     def _drive(self) -> None:
         try:
-            for item in self._gen:
-                self._queue.put(("group", item))
+            for group in self._gen:
+                self._queue.put(("group", group))
+            self._loop_ended()
         except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+            self.finished_at = time.perf_counter()
             self._queue.put(("error", e))
-        self.finished_at = time.perf_counter()
         self._queue.put(("end", None))
 
     def _next_item(self):
@@ -177,7 +189,7 @@ class RolloutStream:
             try:
                 return "group", next(self._gen)
             except StopIteration:
-                self.finished_at = time.perf_counter()
+                self._loop_ended()
                 return "end", None
         return self._queue.get()
 
@@ -195,10 +207,6 @@ class RolloutStream:
             if kind == "error":
                 raise item
             raise StopIteration
-        if isinstance(item, dict):        # the final statistics
-            self.stats = item["stats"]
-            self.stats["useful_tokens"] = int(sum(g.lengths.sum() for g in self._delivered))
-            return self.__next__()
         self._delivered.append(item)
         return item
 
@@ -207,8 +215,10 @@ class RolloutStream:
         if self._queue is not None:
             for _ in self:   # let the driver thread reach its next host return and finish
                 pass
-        else:
+        elif not self._ended:
             self._gen.close()
+            self._ended = True
+            self._loop_ended()
 
     def __enter__(self) -> "RolloutStream":
         return self
@@ -224,6 +234,202 @@ class RolloutStream:
 
 def _pow2_at_least(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
+
+
+class Scheduler:
+    """The host side of one rollout call: continuous batching over the engine's device programs.
+
+    :meth:`Engine.stream` builds one per call. It holds the device state (prompt pool, slots, KV
+    pages, device counters: ``programs.init_*``), which prompt each pool entry holds, and the
+    call's host counters. :meth:`run` is the loop; each of its steps is a method:
+
+      start()      allocate the device state
+      admit()      prefill the next prompts into free pool entries (two admission sizes at most)
+      decode()     launch the decode loop, which runs on the device until a prompt's group is
+                   complete or the tail fits a smaller slot bucket (not waited for)
+      wait()       that call's summary on the host (steps, live/pending samples, complete entries)
+      collect()    fetch the complete groups, free their pool entries, admit the next prompts
+      compact()    once nothing is left to admit: move the live samples into the smallest slot
+                   bucket that holds them, so the tail's compute follows the live samples
+      hand_out()   the fetched groups as GroupResults (run() does it while the next decode runs)
+      stats()      the call's statistics (docs/rollout.md; final once run() has ended)
+    """
+
+    def __init__(self, engine: "Engine", params: Any, prompts: Sequence[Sequence[int]],
+                 spec: programs.Spec, plan: SlotPlan, stop: Any, seed_key: np.ndarray):
+        self.engine, self.params, self.prompts = engine, params, prompts
+        self.spec, self.plan, self.stop, self.seed_key = spec, plan, stop, seed_key
+        self.num_prompts = len(prompts)
+        self.num_slots = plan.slots            # the current slot bucket (per device)
+        self.entry_prompt = [-1] * spec.pool   # the prompt each pool entry holds (-1: free)
+        self.next_prompt = 0                   # prompts admitted so far
+        self.ready: list = []                  # fetched, not handed out: (prompt, arrays, step)
+        self.delivered = 0                     # groups handed out
+        self.useful_tokens = 0                 # their generated tokens
+        self.steps = 0                         # decode steps run so far (device counter)
+        self.decode_calls: list = []           # (slots, steps, seconds) of each decode call
+        self.counters = dict(slot_steps=0, compactions=0, round_trips=0, admissions=0)
+        self.seconds = dict(init=0.0, prefill=0.0, decode=0.0)
+        self.pool = self.slots = self.kv = self.device_stats = None
+        self.started_at: float | None = None
+        self.ended_at: float | None = None
+        # Prompts per admission call: the pool (rounded to a power of two), bounded by the
+        # prefill's [Ga, H, P, P] attention-score bytes.
+        per_prompt = 4 * engine.cfg.num_attention_heads * spec.prompt_len ** 2
+        rows = max(1, min(_pow2_at_least(spec.pool), PREFILL_SCORE_BYTES // max(per_prompt, 1)))
+        self.admit_rows = 1 << (rows.bit_length() - 1)
+
+    @property
+    def all_fetched(self) -> bool:
+        """Every prompt's group is complete and fetched (handed out or ready to be)."""
+        return self.delivered + len(self.ready) >= self.num_prompts
+
+    def _program(self, name: str, *extra):
+        return self.engine._program(name, self.spec, *extra)
+
+    def start(self) -> None:
+        self.started_at = time.perf_counter()
+        state = self._program("init", self.num_slots)()[0]
+        self.pool, self.slots, self.kv, self.device_stats = state
+        jax.block_until_ready(self.kv["pages_k"])
+        self.seconds["init"] = time.perf_counter() - self.started_at
+
+    def admit(self) -> None:
+        spec, k_pool = self.spec, self.spec.pool
+        free = [e for e in range(k_pool) if self.entry_prompt[e] < 0]
+        while free and self.next_prompt < self.num_prompts:
+            take = min(len(free), self.num_prompts - self.next_prompt, self.admit_rows)
+            ga = 1 if take == 1 else self.admit_rows     # two admission programs at most
+            toks = np.zeros((ga, spec.prompt_len), np.int32)
+            lens = np.ones((ga,), np.int32)
+            gids = np.full((ga,), -1, np.int32)
+            ents = np.full((ga,), k_pool, np.int32)
+            for r in range(take):
+                g = self.next_prompt + r
+                pr = self.prompts[g]
+                toks[r, : len(pr)] = pr
+                lens[r], gids[r], ents[r] = len(pr), g, free[r]
+                self.entry_prompt[free[r]] = g
+            t0 = time.perf_counter()
+            self.pool = self._program("admit", ga)(self.params, toks, lens, ents, gids, self.stop,
+                                                   self.seed_key, self.pool)[0]
+            jax.block_until_ready(self.pool["gid"])
+            self.seconds["prefill"] += time.perf_counter() - t0
+            self.counters["admissions"] += 1
+            self.next_prompt += take
+            free = free[take:]
+
+    def decode(self) -> Any:
+        """Launch one decode call (asynchronously); -> its summary, still on the device."""
+        (self.pool, self.slots, self.kv, self.device_stats), summary = self._program("decode")(
+            self.params, self.stop, self.seed_key, np.bool_(self.next_prompt >= self.num_prompts),
+            self.pool, self.slots, self.kv, self.device_stats)
+        return summary
+
+    def wait(self, summary: Any, launched_at: float) -> tuple[dict, bool]:
+        """(the decode call's summary on the host, whether it ran any steps)."""
+        sm = jax.device_get(summary)
+        seconds = time.perf_counter() - launched_at
+        self.seconds["decode"] += seconds
+        steps = int(sm["steps"])
+        ran = steps - self.steps
+        self.decode_calls.append((self.num_slots, ran, seconds))
+        self.counters["round_trips"] += 1
+        self.counters["slot_steps"] += ran * self.num_slots * self.engine.num_devices
+        self.steps = steps
+        return sm, ran > 0
+
+    def collect(self, sm: dict) -> bool:
+        """Fetch the groups the decode call completed, free their entries, admit more prompts;
+        -> whether any group completed."""
+        done = [e for e in range(self.spec.pool) if sm["complete"][e]]
+        for e in done:
+            self.ready.append((self.entry_prompt[e],
+                               self._program("fetch")(np.int32(e), self.pool)[0], self.steps))
+        if done:
+            free = np.zeros((self.spec.pool,), bool)
+            free[done] = True
+            self.pool = self._program("release")(free, self.pool)[0]
+            for e in done:
+                self.entry_prompt[e] = -1
+            self.admit()
+        return bool(done)
+
+    def compact(self, sm: dict) -> bool:
+        """Once every prompt is admitted and no sample is pending, move the live samples into the
+        smallest slot bucket that holds them; -> whether the slots were compacted."""
+        if (self.spec.lockstep or self.next_prompt < self.num_prompts or int(sm["pending"])
+                or self.all_fetched):
+            return False
+        compacted = False
+        for smaller in slot_buckets(self.num_slots, min(self.spec.min_slots, self.num_slots))[1:]:
+            if int(sm["live"]) > smaller:
+                break
+            self.slots = self._program("compact", smaller)(self.slots)[0]
+            self.num_slots = smaller
+            self.counters["compactions"] += 1
+            compacted = True
+        return compacted
+
+    def hand_out(self) -> Iterator[GroupResult]:
+        """The fetched groups, each trimmed to its N samples, in completion order."""
+        ready, self.ready = self.ready, []
+        rows = self.engine.num_devices * self.spec.share
+        for gid, arrays, step in ready:
+            tok, logp, lens, fin = (np.asarray(a).reshape((rows,) + a.shape[2:])
+                                    [: self.spec.rollouts_per_prompt]
+                                    for a in jax.device_get(arrays))
+            group = _group(gid, tok, logp, lens, fin, len(self.prompts[gid]), step,
+                           time.perf_counter() - self.started_at)
+            self.delivered += 1
+            self.useful_tokens += int(group.lengths.sum())
+            yield group
+
+    def run(self, should_stop: Callable[[], bool]) -> Iterator[GroupResult]:
+        """Admit, decode, collect and compact until every group is handed out (or should_stop()
+        is true at a return to the host); yields each prompt's group as it is complete."""
+        self.start()
+        self.admit()
+        try:
+            while not self.all_fetched and not should_stop():
+                t0 = time.perf_counter()
+                summary = self.decode()
+                yield from self.hand_out()   # the previous return's groups, while this call runs
+                sm, ran = self.wait(summary, t0)
+                progressed = self.collect(sm) or ran
+                progressed = self.compact(sm) or progressed
+                if not progressed:
+                    raise RuntimeError(f"rollout scheduler made no progress (a bug): summary={sm}, "
+                                       f"slots={self.num_slots}, entries={self.entry_prompt}")
+            yield from self.hand_out()
+        finally:
+            self.ended_at = time.perf_counter()
+
+    def stats(self) -> dict:
+        """The call's statistics (docs/rollout.md), for logging and benchmarks; {} before start."""
+        if self.device_stats is None:
+            return {}
+        final = jax.device_get(self.device_stats)
+        total = (self.ended_at or time.perf_counter()) - self.started_at
+        plan, d, c, sec = self.plan, self.engine.num_devices, self.counters, self.seconds
+        steps = int(final["steps"][0])
+        live = int(final["live"].sum())
+        return dict(
+            useful_tokens=self.useful_tokens,
+            decode_steps=steps, num_slots=plan.slots * d, slots_per_device=plan.slots,
+            pool_size=self.spec.pool, devices=d, schedule=self.engine.schedule,
+            mean_live_slots=live / max(steps, 1), occupancy=live / max(c["slot_steps"], 1),
+            decode_forward_rows=c["slot_steps"],
+            assigned=int(final["assigned"].sum()), refills=int(final["refills"].sum()),
+            page_size=plan.page_size, pages_per_device=plan.num_pages,
+            stalls=int(final["stalls"].sum()), restarts=int(final["restarts"].sum()),
+            compactions=c["compactions"], round_trips=c["round_trips"],
+            admissions=c["admissions"], prefill_seconds=sec["prefill"],
+            decode_seconds=sec["decode"], init_seconds=sec["init"],
+            host_seconds=total - sec["prefill"] - sec["decode"] - sec["init"],
+            total_seconds=total, padded_prompt_len=self.spec.prompt_len,
+            padded_num_prompts=self.num_prompts, memory_bytes_per_device=plan.bytes_per_device,
+            decode_calls=list(self.decode_calls))
 
 
 class Engine:
@@ -449,134 +655,15 @@ class Engine:
                           top_k=top_k, top_p=top_p)
         if self.mesh is not None:       # replicated on the mesh once per call
             params = jax.device_put(params, NamedSharding(self.mesh, P()))
-        run = functools.partial(self._run, params, prompts, spec, plan, stop,
-                                np.asarray(jax.random.PRNGKey(seed)))
-        return RolloutStream(run, background=background)
+        scheduler = Scheduler(self, params, prompts, spec, plan, stop,
+                              np.asarray(jax.random.PRNGKey(seed)))
+        return RolloutStream(scheduler, functools.partial(self._run, scheduler),
+                             background=background)
 
-    def _run(self, params, prompts, spec: programs.Spec, plan: SlotPlan, stop, seed_key,
-             should_stop: Callable[[], bool]) -> Iterator:
-        """The host side of the scheduler: admit prompts into free pool entries, run the decode
-        loop until it returns, hand out complete groups, compact the tail. Yields GroupResults,
-        then a dict with the call's statistics."""
-        t_start = time.perf_counter()
-        cfg, g_total = self.cfg, len(prompts)
-        k_pool, d = spec.pool, self.num_devices
-        num_slots = plan.slots
-        pool, slots, kv, stats = self._program("init", spec, num_slots)()[0]
-        jax.block_until_ready(kv["pages_k"])
-        t_init = time.perf_counter() - t_start
-        entry_gid = [-1] * k_pool
-        next_prompt = 0
-        per_prompt = 4 * cfg.num_attention_heads * spec.prompt_len ** 2
-        ga_max = max(1, min(_pow2_at_least(k_pool), PREFILL_SCORE_BYTES // max(per_prompt, 1)))
-        ga_max = 1 << (ga_max.bit_length() - 1)
-        t_prefill = t_decode = 0.0
-        counters = dict(slot_steps=0, compactions=0, round_trips=0, admissions=0)
-        calls: list = []          # (slots, steps, seconds) of each decode call
-
-        def admit_free():
-            nonlocal pool, next_prompt, t_prefill
-            free = [e for e in range(k_pool) if entry_gid[e] < 0]
-            while free and next_prompt < g_total:
-                take = min(len(free), g_total - next_prompt, ga_max)
-                ga = 1 if take == 1 else ga_max     # two admission programs at most
-                toks = np.zeros((ga, spec.prompt_len), np.int32)
-                lens = np.ones((ga,), np.int32)
-                gids = np.full((ga,), -1, np.int32)
-                ents = np.full((ga,), k_pool, np.int32)
-                for r in range(take):
-                    pr = prompts[next_prompt + r]
-                    toks[r, : len(pr)] = pr
-                    lens[r], gids[r], ents[r] = len(pr), next_prompt + r, free[r]
-                    entry_gid[free[r]] = next_prompt + r
-                t0 = time.perf_counter()
-                pool = self._program("admit", spec, ga)(params, toks, lens, ents, gids, stop,
-                                                        seed_key, pool)[0]
-                jax.block_until_ready(pool["gid"])
-                t_prefill += time.perf_counter() - t0
-                counters["admissions"] += 1
-                next_prompt += take
-                free = free[take:]
-
-        admit_free()
-        ready: list = []          # (prompt, fetched device arrays, step) not yet handed out
-        delivered = 0
-        last_steps = 0
-        decode = self._program("decode", spec)
-        while delivered + len(ready) < g_total and not should_stop():
-            t0 = time.perf_counter()
-            (pool, slots, kv, stats), sm = decode(params, stop, seed_key,
-                                                  np.bool_(next_prompt >= g_total), pool, slots,
-                                                  kv, stats)
-            # hand out the groups of the previous return while this decode call runs
-            for item in ready:
-                yield self._hand_out(item, prompts, spec, t_start)
-                delivered += 1
-            ready = []
-            sm = jax.device_get(sm)
-            t_decode += time.perf_counter() - t0
-            steps = int(sm["steps"])
-            calls.append((num_slots, steps - last_steps, time.perf_counter() - t0))
-            counters["round_trips"] += 1
-            counters["slot_steps"] += (steps - last_steps) * num_slots * d
-            done_entries = [e for e in range(k_pool) if sm["complete"][e]]
-            progressed = bool(done_entries) or steps > last_steps
-            last_steps = steps
-            for e in done_entries:
-                ready.append((entry_gid[e], self._program("fetch", spec)(np.int32(e), pool)[0],
-                              steps))
-            if done_entries:
-                free = np.zeros((k_pool,), bool)
-                free[done_entries] = True
-                pool = self._program("release", spec)(free, pool)[0]
-                for e in done_entries:
-                    entry_gid[e] = -1
-                admit_free()
-            if (not spec.lockstep and next_prompt >= g_total and int(sm["pending"]) == 0
-                    and delivered + len(ready) < g_total):
-                for smaller in self._buckets_below(num_slots, spec):
-                    if int(sm["live"]) > smaller:
-                        break
-                    slots = self._program("compact", spec, smaller)(slots)[0]
-                    num_slots = smaller
-                    counters["compactions"] += 1
-                    progressed = True
-            if not progressed:
-                raise RuntimeError(f"rollout scheduler made no progress (a bug): summary={sm}, "
-                                   f"slots={num_slots}, entries={entry_gid}")
-        for item in ready:
-            yield self._hand_out(item, prompts, spec, t_start)
-        final = jax.device_get(stats)
-        total = time.perf_counter() - t_start
-        steps = int(final["steps"][0])
-        live = int(final["live"].sum())
-        yield dict(stats=dict(
-            decode_steps=steps, num_slots=plan.slots * d, slots_per_device=plan.slots,
-            pool_size=k_pool, devices=d, schedule=self.schedule,
-            mean_live_slots=live / max(steps, 1),
-            occupancy=live / max(counters["slot_steps"], 1),
-            decode_forward_rows=counters["slot_steps"],
-            assigned=int(final["assigned"].sum()), refills=int(final["refills"].sum()),
-            page_size=plan.page_size, pages_per_device=plan.num_pages,
-            stalls=int(final["stalls"].sum()), restarts=int(final["restarts"].sum()),
-            compactions=counters["compactions"], round_trips=counters["round_trips"],
-            admissions=counters["admissions"], prefill_seconds=t_prefill,
-            decode_seconds=t_decode, init_seconds=t_init,
-            host_seconds=total - t_prefill - t_decode - t_init,
-            total_seconds=total, padded_prompt_len=spec.prompt_len, padded_num_prompts=g_total,
-            memory_bytes_per_device=plan.bytes_per_device, decode_calls=calls))
-
-    def _hand_out(self, item, prompts, spec: programs.Spec, t_start: float) -> GroupResult:
-        gid, arrays, step = item
-        rows = self.num_devices * spec.share
-        tok, logp, lens, fin = (np.asarray(a).reshape((rows,) + a.shape[2:])
-                                [: spec.rollouts_per_prompt] for a in jax.device_get(arrays))
-        return _group(gid, tok, logp, lens, fin, len(prompts[gid]), step,
-                      time.perf_counter() - t_start)
-
-    @staticmethod
-    def _buckets_below(num_slots: int, spec: programs.Spec) -> list[int]:
-        return list(slot_buckets(num_slots, min(spec.min_slots, num_slots))[1:])
+    def _run(self, scheduler: Scheduler, should_stop: Callable[[], bool]) -> Iterator[GroupResult]:
+        """The device loop of a stream: ``scheduler.run`` (one place to wrap it, e.g. a test that
+        slows the loop down)."""
+        return scheduler.run(should_stop)
 
 
 # ----------------------------------------------------------------------------------------------
