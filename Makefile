@@ -1,12 +1,12 @@
 # Two entry points for a fresh machine with Python 3.11 and pip:
 #   make demo   -> creates .venv, installs the package, runs the default BroRL job on CPU
-#   make test   -> creates .venv, installs the package with test extras, runs the test suite
+#   make test   -> creates .venv, installs the package with test extras, runs ruff and the tests
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test lint fix bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,15 @@ demo: $(STAMP)
 	$(PY) -m brorl_jax.main --config=configs/demo.py --workdir=runs/demo
 
 test: $(STAMP)
+	$(PY) -m ruff check .
 	$(PY) -m pytest tests -n 2 --dist loadfile
+
+# Lint and import order ([tool.ruff] in pyproject.toml); `make fix` applies ruff's safe fixes.
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+fix: $(STAMP)
+	$(PY) -m ruff check --fix .
 
 clean:
 	rm -rf $(VENV) runs

@@ -24,7 +24,6 @@ if ROOT not in sys.path:
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
 from pallas_kernels import targets as tg  # noqa: E402

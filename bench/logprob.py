@@ -25,8 +25,8 @@ def child(impl: str, tokens: int, vocab: int, hidden: int, dtype: str) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-
     from _measure import current_rss_bytes, device_peak_bytes, peak_rss_bytes
+
     from pallas_kernels import fused_logprob
 
     dt = jnp.dtype(dtype)

@@ -43,13 +43,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+from brorl_jax.algo import sharded as algo_sharded  # noqa: E402
 from brorl_jax.algo.optimizer import make_optimizer  # noqa: E402
 from brorl_jax.config import algo_config, optimizer_config  # noqa: E402
 from brorl_jax.models import init_params  # noqa: E402
-from brorl_jax.parallel import sharded  # noqa: E402
-from brorl_jax.algo import sharded as algo_sharded  # noqa: E402
 from brorl_jax.parallel.mesh import make_mesh  # noqa: E402
 from configs import brorl_64gpu  # noqa: E402
 
@@ -73,9 +71,8 @@ def hand_calculation(mc, *, fsdp: int, devices: int, seq: int, rows_per_step: in
                      q_chunk: int) -> dict:
     n_params = sum(x.size for x in jax.tree.leaves(
         jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0)))))
-    d, i, l, h, hkv, dh, v = (mc.hidden_size, mc.intermediate_size, mc.num_hidden_layers,
-                              mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
-                              mc.vocab_size)
+    d, i, l, h, v = (mc.hidden_size, mc.intermediate_size, mc.num_hidden_layers,
+                     mc.num_attention_heads, mc.vocab_size)
     shard = n_params * 4 / fsdp
     layer_params = (n_params - v * d - d) / l
     out = {

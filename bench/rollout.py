@@ -36,8 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from brorl_jax.models import ModelConfig, from_pretrained, init_params  # noqa: E402
-from brorl_jax.rollout import (Engine, generate, generate_naive, kv_bytes,  # noqa: E402
-                               rollout_bytes)
+from brorl_jax.rollout import Engine, generate_naive, kv_bytes, rollout_bytes  # noqa: E402
 
 MODEL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
              num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096)
@@ -284,7 +283,7 @@ def streaming_overlap(args) -> dict:
     verify = args.verify_ms / 1e3
     t0 = time.perf_counter()
     arrivals = []
-    for group in engine.stream(params, prompts, **kw):
+    for _ in engine.stream(params, prompts, **kw):
         arrivals.append(time.perf_counter() - t0)
         time.sleep(verify)                                      # the consumer's work per group
     wall = time.perf_counter() - t0

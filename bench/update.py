@@ -40,8 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def child(a) -> None:
     import jax
-
     from _measure import current_rss_bytes, device_peak_bytes, peak_rss_bytes
+
     from brorl_jax.algo import create_train_state, make_optimizer, make_update_step
     from brorl_jax.config import algo_config, optimizer_config
     from brorl_jax.models import init_params
@@ -127,8 +127,13 @@ def real_model_rollouts(a):
 def long_tail_child(a) -> None:
     import jax
 
-    from brorl_jax.algo import (assemble_update_batch, create_train_state, make_logprob_fn,
-                                make_optimizer, make_update_step)
+    from brorl_jax.algo import (
+        assemble_update_batch,
+        create_train_state,
+        make_logprob_fn,
+        make_optimizer,
+        make_update_step,
+    )
     from brorl_jax.config import algo_config, optimizer_config
     from brorl_jax.models import init_params
 
@@ -197,7 +202,6 @@ def long_tail_child(a) -> None:
 
 def long_tail_main(a) -> None:
     import jax
-
     from _measure import run_child
     model = ("SmolLM2-135M-Instruct (its own samples, chat-templated arithmetic prompts)"
              if a.model == "smollm2" else

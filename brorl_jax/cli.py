@@ -34,9 +34,19 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import configs
-from brorl_jax.errors import (DEBUG_ENV, CheckpointError, ConfigError, DataError,  # noqa: F401
-                              DiskFullError, Interrupted, ModelError, UserError, VerifierError,
-                              WorkdirError, debug_enabled)
+from brorl_jax.errors import (  # noqa: F401
+    DEBUG_ENV,
+    CheckpointError,
+    ConfigError,
+    DataError,
+    DiskFullError,
+    Interrupted,
+    ModelError,
+    UserError,
+    VerifierError,
+    WorkdirError,
+    debug_enabled,
+)
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(configs.__file__), "demo.py")
 # Flags defined here belong to the command that calls run(), so its --help lists them.

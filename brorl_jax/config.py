@@ -180,10 +180,10 @@ def choices() -> dict[str, tuple[str, ...]]:
     """Every key whose value is a name, and the names allowed: read from the registries that
     implement them (adding an estimator, filter or verifier there adds it here)."""
     from brorl_jax import algo
-    from brorl_jax.models.config import ATTENTION_IMPLS
     from brorl_jax.algo import policies
-    from pallas_kernels.fused_logprob import IMPLS as LOGPROB_IMPLS
+    from brorl_jax.models.config import ATTENTION_IMPLS
     from brorl_jax.parallel.rules import PARAM_RULES
+    from pallas_kernels.fused_logprob import IMPLS as LOGPROB_IMPLS
     from pallas_kernels.sampling import IMPLS as ROLLOUT_IMPLS
     return {
         "model.dtype": ("float32", "bfloat16"),

@@ -22,8 +22,8 @@ FLAGS = [cli.Flag("string", "workdir", None, "Evaluate this run's checkpoint (el
 
 def evaluate(cfg, workdir: str | None = None, step: int | None = None) -> dict:
     from brorl_jax.config import validate
-    from brorl_jax.train.loop import Trainer, restore_params
     from brorl_jax.errors import CheckpointError
+    from brorl_jax.train.loop import Trainer, restore_params
     from brorl_jax.train.workdir import has_checkpoints, require_existing
     validate(cfg)
     if workdir:                          # before anything expensive; never created

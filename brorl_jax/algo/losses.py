@@ -30,7 +30,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-
 # ------------------------------------------------------------------------- aggregation weights
 # A "sequence" is a row of the padded layout, or a run of equal segment ids in a packed row
 # (docs/INTERFACES.md "algo"); a packed sequence never straddles rows, so per-sequence sums are

@@ -18,8 +18,15 @@ from typing import Any, Sequence
 import jax
 from jax.sharding import Mesh
 
-from brorl_jax.algo.update import (PolicyFns, TrainState, create_train_state, make_logprob_fn,
-                                   make_update_step, model_policy_fns, split_attention_arg)
+from brorl_jax.algo.update import (
+    PolicyFns,
+    TrainState,
+    create_train_state,
+    make_logprob_fn,
+    make_update_step,
+    model_policy_fns,
+    split_attention_arg,
+)
 from brorl_jax.models.chunked_attention import forward_hidden
 from brorl_jax.parallel import rules as R
 from brorl_jax.parallel.sharded import _replicated, constrain_rows, row_constraint

@@ -27,8 +27,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from brorl_jax.algo.batch import UPDATE_KEYS as BATCH_KEYS
-from brorl_jax.algo.batch import is_packed
+from brorl_jax.algo.batch import UPDATE_KEYS as BATCH_KEYS, is_packed
 from brorl_jax.algo.config import AlgoConfig
 from brorl_jax.algo.losses import get_loss_agg, policy_loss
 from pallas_kernels import fused_logprob, fused_logprob_stats
@@ -365,7 +364,8 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
             else:
                 epochs.append(_split(order, cfg.ppo_mini_batches, shard_rows))
         minis = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *epochs) if len(epochs) > 1 else epochs[0]
-        (params, opt_state), m = lax.scan(functools.partial(minibatch_step, micro_rows), (state.params, state.opt_state), minis)
+        (params, opt_state), m = lax.scan(functools.partial(minibatch_step, micro_rows),
+                                          (state.params, state.opt_state), minis)
 
         n_tok = jnp.maximum(m["n_tokens"], 1.0)
         frac = lambda k: jnp.mean(m[k] / n_tok)

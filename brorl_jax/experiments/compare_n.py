@@ -184,7 +184,7 @@ def plot(results: dict, path: str) -> None:
     ax1, ax2 = fig.subplots(1, 2)
     for k, (n, runs) in enumerate(results.items()):
         colour = f"C{k}"
-        for j, (seed, r) in enumerate(runs.items()):
+        for j, r in enumerate(runs.values()):
             label = f"N={n}" if j == 0 else None
             if r["eval"]:
                 xs, ys = zip(*r["eval"])
@@ -212,7 +212,8 @@ def main(values: dict) -> int:
     try:
         ns = [int(n) for n in values["n"]]
     except ValueError:
-        raise ConfigError(f"--n must be comma-separated integers, got {','.join(values['n'])!r}.")
+        raise ConfigError(f"--n must be comma-separated integers, got "
+                          f"{','.join(values['n'])!r}.") from None
     if any(n < 2 for n in ns):
         raise ConfigError(f"--n: every N must be >= 2 (group baselines), got {ns}.")
     if values["samples"] < 1 or values["evals"] < 1:
@@ -221,7 +222,7 @@ def main(values: dict) -> int:
         seeds = [int(x) for x in values["seeds"]]
     except ValueError:
         raise ConfigError(f"--seeds must be comma-separated integers, got "
-                          f"{','.join(values['seeds'])!r}.")
+                          f"{','.join(values['seeds'])!r}.") from None
     base = validate(values["config"])
     rows = base.algo.prompts_per_step * base.rollout.rollouts_per_prompt
     for n in ns:

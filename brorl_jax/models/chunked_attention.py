@@ -23,8 +23,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from brorl_jax.models.config import ModelConfig
-from brorl_jax.models.transformer import (attention, default_positions, embed, final_norm,
-                                          layer_finish, layer_qkv, segment_positions)
+from brorl_jax.models.transformer import (
+    attention,
+    default_positions,
+    embed,
+    final_norm,
+    layer_finish,
+    layer_qkv,
+    segment_positions,
+)
 
 
 def chunked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_mask: jax.Array,

@@ -23,10 +23,9 @@ Weight names (HF -> params; torch Linear weights are [out, in], our Dense kernel
 
 from __future__ import annotations
 
-import tempfile
-
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 

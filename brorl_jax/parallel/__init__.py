@@ -8,9 +8,16 @@ Heavier modules, imported by name: sharded (step builders), vocab_parallel.
 See docs/scale.md.
 """
 from brorl_jax.parallel.mesh import AXES, make_mesh, mesh_from_config, use_mesh
-from brorl_jax.parallel.rules import (ARRAY_AXES, LOGICAL_AXES, PARAM_RULES,
-                                      batch_shardings, param_shardings, param_specs,
-                                      state_shardings, unmatched_params)
+from brorl_jax.parallel.rules import (
+    ARRAY_AXES,
+    LOGICAL_AXES,
+    PARAM_RULES,
+    batch_shardings,
+    param_shardings,
+    param_specs,
+    state_shardings,
+    unmatched_params,
+)
 
 __all__ = ["AXES", "make_mesh", "mesh_from_config", "use_mesh", "ARRAY_AXES", "LOGICAL_AXES",
            "PARAM_RULES", "batch_shardings", "param_shardings", "param_specs",

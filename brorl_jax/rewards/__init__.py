@@ -14,8 +14,7 @@ Records are veRL style: {"data_source": "math" | "code" | "reasoning_gym/<task>"
 """
 
 from brorl_jax.rewards.reasoning_gym_reward import reasoning_gym_records
-from brorl_jax.rewards.registry import (REWARDS, RewardSpec, register_reward,
-                                        resolve_reward_name)
+from brorl_jax.rewards.registry import REWARDS, RewardSpec, register_reward, resolve_reward_name
 from brorl_jax.rewards.sandbox import SandboxLimits, isolation_report
 from brorl_jax.rewards.service import ScoringService, score
 from brorl_jax.rewards.types import RewardResult

@@ -48,10 +48,21 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from brorl_jax.models import ModelConfig
 from brorl_jax.models.transformer import dtype_of
 from brorl_jax.rollout import programs
-from brorl_jax.rollout.plan import (KV_FRACTION, PREFILL_SCORE_BYTES, SCHEDULES, SlotPlan,
-                                    bucket_prompt_length, default_min_slots, pages_for,
-                                    pool_size_for, plan_slots, resolve_eos_ids, slot_buckets,
-                                    stop_table, validate_inputs)
+from brorl_jax.rollout.plan import (
+    KV_FRACTION,
+    PREFILL_SCORE_BYTES,
+    SCHEDULES,
+    SlotPlan,
+    bucket_prompt_length,
+    default_min_slots,
+    pages_for,
+    plan_slots,
+    pool_size_for,
+    resolve_eos_ids,
+    slot_buckets,
+    stop_table,
+    validate_inputs,
+)
 from pallas_kernels.decode_attention import resolve_impl as _resolve_attention_impl
 from pallas_kernels.sampling import resolve_impl as _resolve_sampling_impl
 

@@ -16,11 +16,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from brorl_jax.models import ModelConfig, attention, embed, final_norm, layer_finish, layer_qkv
-from brorl_jax.models import lm_logits
+from brorl_jax.models import (
+    ModelConfig,
+    attention,
+    embed,
+    final_norm,
+    layer_finish,
+    layer_qkv,
+    lm_logits,
+)
 from brorl_jax.rollout.engine import RolloutResult
-from brorl_jax.rollout.plan import (PREFILL_SCORE_BYTES, bucket_num_prompts, bucket_prompt_length,
-                                    pad_prompts, resolve_eos_ids, validate_inputs)
+from brorl_jax.rollout.plan import (
+    PREFILL_SCORE_BYTES,
+    bucket_num_prompts,
+    bucket_prompt_length,
+    pad_prompts,
+    resolve_eos_ids,
+    validate_inputs,
+)
 from brorl_jax.rollout.programs import prefill_prompts_fn, sample_keys_for, sample_step
 from pallas_kernels.sampling import resolve_impl as _resolve_sampling_impl
 

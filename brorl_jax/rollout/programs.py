@@ -177,7 +177,7 @@ def admit(params, pool, tokens, lengths, entries, gids, stop, seed_key, *, spec:
     """Prefill ``tokens int32[Ga, P]`` (``lengths [Ga]``) into pool ``entries [Ga]`` as global
     prompts ``gids [Ga]`` (-1: a padding row, dropped); draw token 0 of this device's share of
     each prompt's samples; queue the samples that did not stop at token 0."""
-    c, k, nd, n, s = spec.cfg, spec.pool, spec.share, spec.rollouts_per_prompt, spec.max_new_tokens
+    c, nd, n, s = spec.cfg, spec.share, spec.rollouts_per_prompt, spec.max_new_tokens
     ga = tokens.shape[0]
     pk, pv, logits = prefill_prompts_fn(params, c, tokens, lengths)
     real = gids >= 0

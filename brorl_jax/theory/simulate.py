@@ -12,8 +12,9 @@ times counts c times. After every ``log_every`` steps it records the three curve
 the correct mass Q_pos = Σ_{i∈P} p_i, the fraction of correct tokens whose probability is higher
 than at step 0, and the worst probability change min_{i∈P} (p_i - p_i^0) (negative = a drop).
 
-Setup choices (BroRL §4.1 and Fig. 3 describe the setup; where they are silent, ours): P = token ids 1..|P|; "seeded" init (default, as Fig. 3's
-0.60-0.64 mass axis implies) sets z_i = 3 on P and an anchor token z_0 = 5 (token 0, incorrect);
+Setup choices (BroRL §4.1 and Fig. 3 describe the setup; where they are silent, ours):
+P = token ids 1..|P|; "seeded" init (default, as Fig. 3's 0.60-0.64 mass axis implies) sets
+z_i = 3 on P and an anchor token z_0 = 5 (token 0, incorrect);
 ``--noseeded`` starts from z = 0. The optimizer is ``optax.adamw`` with torch's AdamW defaults
 (b1 = 0.9, b2 = 0.999, eps = 1e-8, weight decay 0.01); the paper does not state them.
 
@@ -309,7 +310,8 @@ def _int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--n must be comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--n must be comma-separated integers, got {text!r}") from None
     if not values:
         raise argparse.ArgumentTypeError("--n must list at least one N")
     return values

@@ -29,8 +29,12 @@ import numpy as np
 
 from brorl_jax import algo
 from brorl_jax.algo import policies
-from brorl_jax.train.monitoring import (effective_update_ratio, ngram_diversity, path_diversity,
-                                       reward_entropy)
+from brorl_jax.train.monitoring import (
+    effective_update_ratio,
+    ngram_diversity,
+    path_diversity,
+    reward_entropy,
+)
 
 # generate(params, prompt_ids, *, n, temperature, seed, stream=True) -> rollout.RolloutStream
 # (each prompt's rollout.GroupResult in completion order; a context manager)
@@ -53,7 +57,7 @@ class Collector:
         self.runtime = runtime
         self.seq_len = seq_len
         self.pad_id = pad_id
-        r, a = cfg.rollout, cfg.algo
+        r = cfg.rollout
         self.samples_per_prompt = policies.samples_per_prompt_policy(r)
         self.schedule = policies.parse_temperature_schedule(r.temperature_schedule)
         self.normalizer_state: dict = {}

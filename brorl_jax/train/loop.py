@@ -32,10 +32,21 @@ import jax
 import numpy as np
 
 from brorl_jax import algo, data, models
-from brorl_jax.config import (algo_config, derived_learning_rate, json_option, optimizer_config,
-                              validate)
-from brorl_jax.errors import (CheckpointError, ConfigError, DataError, ModelError,
-                              TrainingStopped, VerifierError)
+from brorl_jax.config import (
+    algo_config,
+    derived_learning_rate,
+    json_option,
+    optimizer_config,
+    validate,
+)
+from brorl_jax.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    ModelError,
+    TrainingStopped,
+    VerifierError,
+)
 from brorl_jax.rewards import ScoringService
 from brorl_jax.rewards.health import VerifierFailure, VerifierHealth, check_records
 from brorl_jax.train import evaluation, run_config, workdir as workdir_lib

@@ -25,8 +25,13 @@ from collections.abc import Iterable, Sequence
 
 import ml_collections
 
-from brorl_jax.config import ConfigError, _flatten, default_config, derived_learning_rate, \
-    unknown_key_message
+from brorl_jax.config import (
+    ConfigError,
+    _flatten,
+    default_config,
+    derived_learning_rate,
+    unknown_key_message,
+)
 from brorl_jax.train.workdir import set_aside
 
 CONFIG_FILE = "config.json"

@@ -48,8 +48,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from brorl_jax import algo, rollout
-from brorl_jax.config import ConfigError
 from brorl_jax.algo import sharded as algo_sharded
+from brorl_jax.config import ConfigError
 from brorl_jax.parallel import distributed, sharded
 from brorl_jax.parallel.mesh import batch_axis_size, make_mesh, mesh_from_config
 

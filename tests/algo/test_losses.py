@@ -9,9 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from brorl_jax.algo import (
+    KL_ESTIMATORS,
+    LOSS_AGG,
+    get_kl_estimator,
+    get_loss_agg,
+    kl_penalty,
+    policy_loss,
+    ppo_clip_objective,
+    tis_weights,
+)
 from brorl_jax.config import ConfigError, algo_config
-from brorl_jax.algo import (KL_ESTIMATORS, LOSS_AGG, get_kl_estimator, get_loss_agg, kl_penalty,
-                            policy_loss, ppo_clip_objective, tis_weights)
 
 B, T = 4, 6
 

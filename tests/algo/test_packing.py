@@ -12,10 +12,20 @@ import optax
 import pytest
 from conftest import TOY_POLICY, VOCAB, toy_logits, toy_params
 
-from brorl_jax.algo import (assemble_update_batch, create_train_state, get_loss_agg,
-                            make_logprob_fn, make_update_step, policy_loss)
-from brorl_jax.algo.batch import (bucket_rows, first_fit_decreasing, pad_packed_rows,
-                                  unpack_to_padded)
+from brorl_jax.algo import (
+    assemble_update_batch,
+    create_train_state,
+    get_loss_agg,
+    make_logprob_fn,
+    make_update_step,
+    policy_loss,
+)
+from brorl_jax.algo.batch import (
+    bucket_rows,
+    first_fit_decreasing,
+    pad_packed_rows,
+    unpack_to_padded,
+)
 from brorl_jax.algo.losses import segment_token_counts
 from brorl_jax.config import algo_config
 

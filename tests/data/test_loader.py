@@ -8,8 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from brorl_jax.data import PromptTokenizer, load_dataset, make_prompt_loader
-from brorl_jax.data import records as rec
+from brorl_jax.data import PromptTokenizer, load_dataset, make_prompt_loader, records as rec
 
 
 def make_records(n: int) -> list[dict]:

@@ -7,8 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from brorl_jax.data import DataReport, load_dataset, load_jsonl, load_parquet
-from brorl_jax.data import records as rec
+from brorl_jax.data import DataReport, load_dataset, load_jsonl, load_parquet, records as rec
 
 
 def write_jsonl(path, lines: list) -> None:

@@ -14,8 +14,13 @@ import pytest
 import pallas_kernels as pk
 from pallas_kernels import targets as tg
 from pallas_kernels.decode_attention import (
-    default_page_size, resolve_impl, shared_prefix_decode_attention, shared_prefix_decode_attention_pallas,
-    shared_prefix_decode_attention_reference, slot_decode_attention, slot_decode_attention_pallas,
+    default_page_size,
+    resolve_impl,
+    shared_prefix_decode_attention,
+    shared_prefix_decode_attention_pallas,
+    shared_prefix_decode_attention_reference,
+    slot_decode_attention,
+    slot_decode_attention_pallas,
     slot_decode_attention_reference,
 )
 
@@ -132,7 +137,6 @@ def _slot_brute_force(q, pk, pv, plen, pidx, gk, gv, table, slen, layer):
     q, pk, pv, gk, gv = (np.asarray(a, np.float64) for a in (q, pk, pv, gk, gv))
     b, h, dh = q.shape
     g = h // pk.shape[2]
-    page = gk.shape[3]
     out = np.zeros_like(q)
     for i in range(b):
         if pidx[i] < 0:

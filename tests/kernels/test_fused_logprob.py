@@ -7,7 +7,10 @@ import pytest
 
 from pallas_kernels import fused_logprob, fused_logprob_stats, interpret_mode
 from pallas_kernels.fused_logprob import resolve_impl
-from pallas_kernels.fused_logprob_reference import fused_logprob_reference, fused_logprob_stats_reference
+from pallas_kernels.fused_logprob_reference import (
+    fused_logprob_reference,
+    fused_logprob_stats_reference,
+)
 
 # Odd sizes on purpose: T and V are not multiples of any tile, so padding/tail code runs.
 T, D, V = 37, 32, 300

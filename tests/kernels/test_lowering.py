@@ -10,7 +10,6 @@ an XLA fallback. Full compiles (shared memory / VMEM) are bench/compile_check.py
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 
 import jax

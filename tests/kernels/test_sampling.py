@@ -9,7 +9,10 @@ import pytest
 from scipy import stats
 
 from pallas_kernels.sampling import (
-    resolve_impl, sample_tokens, sample_tokens_pallas, sample_tokens_reference,
+    resolve_impl,
+    sample_tokens,
+    sample_tokens_pallas,
+    sample_tokens_reference,
 )
 
 # (samples, vocab, temperature, top_k, top_p, kernel family); the Triton family reads 128-wide
@@ -189,6 +192,7 @@ def test_triton_kernel_compiles_to_ptx_for_sm90(tmp_path, monkeypatch):
     (Triton -> PTX -> cubin); the PTX it produced is checked here."""
     _jax_triton_or_skip()
     import jax_triton.triton_lib as tl_lib
+
     import pallas_kernels as pk
     from pallas_kernels.sampling_triton import sample_tokens_triton
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pytest
-
 import torch  # noqa: E402  (a declared test dependency: missing it must fail, not skip)
 import transformers  # noqa: E402
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from brorl_jax.models import ModelConfig, forward, init_params
 from brorl_jax.models.chunked_attention import chunked_causal_attention, forward_hidden
 from brorl_jax.models.transformer import attention
-import pytest
 
 pytestmark = pytest.mark.slow     # many model compiles: out of `-m "not slow"`
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
+from models_testutil import make_hf_model, padded_batch, torch, torch_logits, transformers
 from safetensors.numpy import load_file, save_file
 
 from brorl_jax.models import from_pretrained, save_pretrained
-from models_testutil import make_hf_model, padded_batch, torch, torch_logits, transformers
 
 TOL_F32 = 1e-4
 # One batch shape everywhere, so each config compiles the jitted forward once.
@@ -97,7 +96,7 @@ def test_sharded_checkpoint_loads(tmp_path):
 
 
 def test_bfloat16_params_and_compute_close_to_float32(tmp_path):
-    torch_model = make_hf_model("qwen3", tmp_path, heads=4, kv_heads=2)
+    make_hf_model("qwen3", tmp_path, heads=4, kv_heads=2)
     tokens, mask, positions = padded_batch(np.random.default_rng(4), BATCH, LENGTH, left=True)
     ref = np.asarray(from_pretrained(tmp_path)(tokens, attention_mask=mask, positions=positions))
     # Logits of this tiny model are O(0.1-1); bf16 has an 8-bit mantissa (relative step 2^-8),

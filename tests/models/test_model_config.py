@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from models_testutil import hf_config, transformers
 
 from brorl_jax.models import ModelConfig
-from models_testutil import hf_config, transformers
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])

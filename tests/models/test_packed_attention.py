@@ -11,8 +11,12 @@ import numpy as np
 import pytest
 
 from brorl_jax.models import ModelConfig, forward, init_params
-from brorl_jax.models.transformer import (attention, dot_product_attention_args,
-                                          segment_attention_mask, segment_positions)
+from brorl_jax.models.transformer import (
+    attention,
+    dot_product_attention_args,
+    segment_attention_mask,
+    segment_positions,
+)
 
 CFG = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

@@ -16,16 +16,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 import torch  # noqa: E402  (declared test dependencies: missing them must fail, not skip)
 import transformers  # noqa: E402
 
 from brorl_jax import models
 from brorl_jax.data import PromptTokenizer
-from brorl_jax.models import from_pretrained, save_pretrained
-from brorl_jax.models import checkpoints as checkpoints_module
-from brorl_jax.models import gguf as gguf_module
-from brorl_jax.models import smollm2 as smollm2_module
+from brorl_jax.models import (
+    checkpoints as checkpoints_module,
+    from_pretrained,
+    gguf as gguf_module,
+    save_pretrained,
+    smollm2 as smollm2_module,
+)
 from brorl_jax.rollout import generate
 
 pytestmark = pytest.mark.slow     # end-to-end or many compiles: out of `-m "not slow"`

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from models_testutil import padded_batch
 
 from brorl_jax.models import (
     Model,
@@ -23,7 +24,6 @@ from brorl_jax.models import (
     lm_head_matrix,
 )
 from brorl_jax.rollout import generate_naive
-from models_testutil import padded_batch
 
 VOCAB = 97
 

@@ -15,14 +15,19 @@ import sys
 import jax
 import numpy as np
 import optax
-
 from _sharded_worker import tiny_config
-from brorl_jax.algo import assemble_update_batch, create_train_state, make_logprob_fn, make_update_step
+
+from brorl_jax.algo import (
+    assemble_update_batch,
+    create_train_state,
+    make_logprob_fn,
+    make_update_step,
+    sharded as algo_sharded,
+)
 from brorl_jax.algo.batch import pad_packed_rows, unpack_to_padded
 from brorl_jax.config import algo_config
 from brorl_jax.models import init_params
 from brorl_jax.parallel import sharded
-from brorl_jax.algo import sharded as algo_sharded
 from brorl_jax.parallel.mesh import make_mesh
 
 G, N, S, PROMPT = 4, 16, 12, 4

@@ -16,11 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from brorl_jax.algo import create_train_state, make_logprob_fn, make_update_step
+from brorl_jax.algo import (
+    create_train_state,
+    make_logprob_fn,
+    make_update_step,
+    sharded as algo_sharded,
+)
 from brorl_jax.config import algo_config
 from brorl_jax.models import Model, ModelConfig, init_params
 from brorl_jax.parallel import sharded
-from brorl_jax.algo import sharded as algo_sharded
 from brorl_jax.parallel.mesh import make_mesh
 from brorl_jax.parallel.vocab_parallel import sharded_fused_logprob, vocab_parallel_logprob
 from brorl_jax.rollout import Engine, generate, rollout_bytes

@@ -14,9 +14,8 @@ import sys
 
 import jax
 import numpy as np
-
-from parallel_testutil import HERE, REPO, device_env, free_port
 import pytest
+from parallel_testutil import HERE, REPO, device_env, free_port
 
 pytestmark = pytest.mark.slow     # end-to-end or many compiles: out of `-m "not slow"`
 
@@ -27,6 +26,7 @@ def _single_process_params():
     sys.path.insert(0, HERE)
     from _multiprocess_common import ALGO, initial_params, make_optimizer_for_test
     from _sharded_worker import tiny_config, update_batch
+
     from brorl_jax.algo import create_train_state, make_update_step
 
     cfg = tiny_config()

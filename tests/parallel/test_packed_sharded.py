@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from parallel_testutil import run_script
 
 pytestmark = pytest.mark.slow     # one subprocess, ~35 s CPU (compiles 4 updates, 4 log-prob passes)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from parallel_testutil import run_script
 
 pytestmark = pytest.mark.slow     # end-to-end or many compiles: out of `-m "not slow"`

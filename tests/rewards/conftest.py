@@ -1,8 +1,7 @@
 import pytest
+import rewards_test_verifiers as tv
 
 from brorl_jax.rewards.registry import REWARDS, register_reward
-
-import rewards_test_verifiers as tv
 
 _TEST_VERIFIERS = {"echo": tv.echo, "hang": tv.hang, "die": tv.die, "buggy": tv.buggy,
                    "out_of_range": tv.out_of_range}

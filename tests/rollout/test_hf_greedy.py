@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 import torch  # noqa: E402  (a declared test dependency: missing it must fail, not skip)
 import transformers  # noqa: E402
 
@@ -30,7 +29,7 @@ def _tiny_hf_model(kind: str, path, seed: int):
     cfg._attn_implementation = "eager"
     model = cls(cfg).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.ndim == 2:
                 p.mul_(6.0)  # peaked distributions: no near-ties for float noise to flip
             else:

@@ -49,7 +49,8 @@ def test_sampler_is_accurate_for_the_full_seeded_vocabulary():
 
 
 def _numpy_reference_step(z, m, v, t, counts, rewards, n, lr, wd):
-    """One step of an independent numpy re-implementation of the Fig. 3 simulation (torch-style AdamW), given the draws."""
+    """One step of an independent numpy re-implementation of the Fig. 3 simulation (torch-style
+    AdamW), given the draws."""
     x = np.repeat(np.arange(z.size), counts)
     e = np.exp(z - z.max())
     p = e / e.sum()

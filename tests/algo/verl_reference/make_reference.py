@@ -49,9 +49,11 @@ def build_inputs() -> dict[str, np.ndarray]:
     scores = np.zeros((G, N))
     scores[0] = 0.0                                              # all wrong
     scores[1] = rng.permutation([1, 1, 1, 0, 0, 0, 0, 0])        # binary, mixed
-    scores[2] = rng.choice(pc, size=N); scores[2, :2] = [1.0, 0.25]   # partial credit incl. full credit
+    scores[2] = rng.choice(pc, size=N)                           # partial credit incl. full credit
+    scores[2, :2] = [1.0, 0.25]
     scores[3] = 0.5                                              # all equal partial credit
-    scores[4] = rng.choice(pc[:4], size=N); scores[4, :2] = [0.25, 0.5]  # partial credit, never full
+    scores[4] = rng.choice(pc[:4], size=N)                       # partial credit, never full
+    scores[4, :2] = [0.25, 0.5]
     scores[5] = 1.0                                              # all correct
     x["scores"] = scores.astype(np.float32)
     x["index"] = np.repeat(np.arange(G), N).astype(np.int64)   # group id per row
