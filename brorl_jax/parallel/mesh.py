@@ -1,8 +1,9 @@
-"""The device mesh and the one place that maps array names to mesh axes.
+"""The device mesh (which arrays go over which axis: brorl_jax/parallel/rules.py).
 
-Mesh axes: `data` (replicas; the N samples of a prompt spread over it), `fsdp` (parameters and
-optimizer state sharded, gathered per layer by XLA), `tensor` (heads, MLP width and vocabulary
-split). Sizes come from the config; -1 means "the devices that are left".
+Mesh axes: `data` (replicas: the update's rows), `fsdp` (parameters and optimizer state sharded,
+gathered per layer by XLA; rows too), `tensor` (heads, MLP width and vocabulary split). Sizes
+come from the config; -1 means "the devices that are left". The rollout uses every device of the
+mesh alike (brorl_jax/rollout/engine.py).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import math
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 AXES = ("data", "fsdp", "tensor")
 
@@ -44,15 +45,6 @@ def make_mesh(sizes: dict | None = None, devices=None) -> Mesh:
     except Exception:  # simulated CPU devices have no topology to optimise for
         grid = np.asarray(devices).reshape(shape)
     return Mesh(grid, AXES)
-
-
-def batch_spec(ndim: int) -> P:
-    """Batches: the leading (sample) axis over data x fsdp, the rest replicated."""
-    return P(("data", "fsdp"), *([None] * (ndim - 1)))
-
-
-def named(mesh: Mesh, spec: P) -> NamedSharding:
-    return NamedSharding(mesh, spec)
 
 
 def mesh_from_config(mesh_cfg, devices=None) -> Mesh:
