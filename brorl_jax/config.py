@@ -68,7 +68,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.select_rule = "dedup_then_balanced"  # | dedup | balanced
 
     # --- the update (algorithm) ------------------------------------------------------------
-    # Every key here is a field of brorl_jax.algo.AlgoConfig under the same name.
+    # Every key here is a field of brorl_jax.algo.AlgoConfig (the update's) or of
+    # brorl_jax.algo.CollectConfig (the host-side collect's) under the same name.
     c.algo = ml_collections.ConfigDict()
     c.algo.prompts_per_step = 128         # B after dynamic-sampling filtering [BroRL Table 1]
     c.algo.advantage = "reinforce_pp_baseline"  # algo.ADVANTAGES [BroRL 3.1]
@@ -162,7 +163,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.seed = 0
     c.train.checkpoint_every = 10
     c.train.keep_checkpoints = 3
-    c.train.log_every = 1
+    c.train.log_every = 1                 # metrics written every k steps (+ evaluations, the end)
     c.train.plots = True
     c.train.tensorboard = True
     c.train.mass_balance_diagnostics = False
@@ -514,6 +515,14 @@ def algo_config(cfg: ml_collections.ConfigDict | None = None, **overrides):
     if cfg is not None and not overrides:
         return AlgoConfig.from_run_config(cfg)
     return AlgoConfig.from_run_config(_with_overrides(cfg, overrides, AlgoConfig))
+
+
+def collect_config(cfg: ml_collections.ConfigDict | None = None, **overrides):
+    """The host-side collect's frozen CollectConfig, as algo_config builds the update's."""
+    from brorl_jax.algo import CollectConfig
+    if cfg is not None and not overrides:
+        return CollectConfig.from_run_config(cfg)
+    return CollectConfig.from_run_config(_with_overrides(cfg, overrides, CollectConfig))
 
 
 def optimizer_config(cfg: ml_collections.ConfigDict | None = None, **overrides):

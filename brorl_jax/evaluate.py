@@ -10,8 +10,6 @@ directory is only read: a missing one is an error (never created), nothing in it
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 
 from brorl_jax import cli
 
@@ -21,9 +19,14 @@ FLAGS = [cli.Flag("string", "workdir", None, "Evaluate this run's checkpoint (el
 
 
 def evaluate(cfg, workdir: str | None = None, step: int | None = None) -> dict:
+    """pass@k / mean@k of checkpoint `step` of the run in `workdir` (default: the newest that
+    restores), or of the model at config.model.path without a workdir. Builds the run context
+    only (the model loads once; no training loader, no work directory of its own)."""
     from brorl_jax.config import validate
     from brorl_jax.errors import CheckpointError
-    from brorl_jax.train.loop import Trainer, restore_params
+    from brorl_jax.train.context import build_context, check_model_path, load_records
+    from brorl_jax.train.evaluation import evaluate as evaluate_params
+    from brorl_jax.train.loop import restore_params
     from brorl_jax.train.workdir import has_checkpoints, require_existing
     validate(cfg)
     if workdir:                          # before anything expensive; never created
@@ -31,20 +34,18 @@ def evaluate(cfg, workdir: str | None = None, step: int | None = None) -> dict:
         if not has_checkpoints(workdir):
             raise CheckpointError(f"no complete checkpoint in {workdir}/checkpoints; train "
                                   "first.")
-    scratch = tempfile.mkdtemp(prefix="brorl_eval_")
+    check_model_path(cfg.model.path)
+    _, eval_records = load_records(cfg)
+    ctx = build_context(cfg, eval_records)
     try:
-        trainer = Trainer(cfg, scratch)
-        try:
-            params = trainer.model.params
-            if workdir:
-                _, params, step = restore_params(cfg, workdir, step)
-            out = trainer.evaluate(params, step or 0)
-            out["step"] = step or 0
-            return out
-        finally:
-            trainer.close()
+        params = ctx.model.params
+        if workdir:
+            _, params, step = restore_params(cfg, workdir, step, model=ctx.model)
+        out = evaluate_params(ctx, params, step or 0)
+        out["step"] = step or 0
+        return out
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        ctx.close()
 
 
 def main(values: dict) -> int:

@@ -1,4 +1,5 @@
-"""Held-out evaluation: pass@k with the unbiased estimator and mean@k.
+"""Held-out evaluation: pass@k with the unbiased estimator and mean@k; `evaluate(ctx, params,
+step)` runs it on a run context's held-out prompts (training and `python -m brorl_jax.evaluate`).
 
 pass@k for one prompt with n samples of which c are correct is 1 - C(n-c, k) / C(n, k)
 (Chen et al. 2021, "Evaluating Large Language Models Trained on Code", eq. 1), computed as a
@@ -8,6 +9,8 @@ temperature 0.6, top-p 0.95 [BroRL App. D], which is what `mean@k` of binary rew
 from __future__ import annotations
 
 import numpy as np
+
+from brorl_jax.train.context import EVAL_SEED, merge_health
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -32,3 +35,36 @@ def summarize(rewards: np.ndarray, ks: tuple[int, ...], correct_threshold: float
         if k <= n:
             out[f"eval/pass@{k}"] = float(np.mean([pass_at_k(n, int(c), k) for c in correct]))
     return out
+
+
+def evaluate(ctx, params, step: int) -> dict:
+    """pass@k / mean@k of `params` (the update's layout) on the context's held-out prompts at the
+    evaluation's sampling settings (eval.*); each process evaluates an equal block of the
+    prompts. A data source whose verifier failed on every sample raises VerifierError."""
+    k = ctx.cfg.eval.samples_per_prompt
+    runtime, prompts_all = ctx.runtime, ctx.eval_prompts
+    params = runtime.rollout_params(params)
+    procs, index = runtime.num_processes, runtime.process_index
+    per = -(-len(prompts_all) // procs)
+    first = per * index
+    prompts = prompts_all[first:first + per]
+    real = len(prompts)
+    prompts = prompts + [prompts_all[0]] * (per - real)    # equal shapes everywhere
+    sampling = ctx.eval_sampling()
+    rewards, healths = [], []
+    chunk = max(1, 4096 // k)
+    for start in range(0, len(prompts), chunk):
+        part = prompts[start:start + chunk]
+        res = ctx.rollouts(params, [ids for ids, _ in part], n=k, sampling=sampling,
+                           seed=EVAL_SEED + first + start)
+        g, n, s = res.tokens.shape
+        scored = ctx.scorer.score([r for _, r in part for _ in range(n)],
+                                  res.tokens.reshape(g * n, s), res.lengths.reshape(g * n))
+        rewards.append(scored.rewards.reshape(g, n))
+        healths.append(scored.health)
+    ctx.check_health(merge_health(healths), f"the evaluation at step {step}")
+    rewards = np.concatenate(rewards)
+    reals = runtime.allgather_rows(np.asarray([real]))
+    every = runtime.allgather_rows(rewards[None])
+    rewards = np.concatenate([every[i][:reals[i]] for i in range(procs)])
+    return summarize(rewards, tuple(sorted({1, k})), ctx.cfg.algo.correct_threshold)

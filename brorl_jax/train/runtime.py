@@ -1,6 +1,7 @@
 """Where the loop's compiled steps run: one device, a mesh of devices, or several processes.
 
-The loop (train/loop.py) talks to one interface, `Runtime`, and never asks which one it has:
+The RL step (train/step.py), the evaluation and the warm start talk to one interface, `Runtime`
+(held by the run context, train/context.py), and never ask which one they have:
 
   place_state(state)            the train state laid out for the update
   rollout_params(params)        parameters in the form the rollout takes
@@ -29,8 +30,8 @@ The loop (train/loop.py) talks to one interface, `Runtime`, and never asks which
                  of the update batch. Only the update and small gathers (advantage normalisation,
                  metrics, evaluation rewards, data-iterator states) cross processes.
 
-Compiled programs live on the runtime object the Trainer holds (one per algo config, e.g. per
-scheduled temperature), never in module-level caches.
+Compiled programs live on the runtime object the run context holds (one per AlgoConfig, e.g. per
+scheduled temperature; collect-only settings are not in it), never in module-level caches.
 
 Choice (not in the paper, which does not describe its system): rollouts in the multi-process case
 are per-process so that generation, the dominant cost at large N, needs no cross-host traffic

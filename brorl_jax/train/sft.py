@@ -10,6 +10,7 @@ verifier expects (`answer_text`).
 from __future__ import annotations
 
 import functools
+import time
 from typing import Sequence
 
 import jax
@@ -83,12 +84,12 @@ def _sft_step(params, mcfg, optimizer, opt_state, batch):
     return optax.apply_updates(params, updates), opt_state, loss
 
 
-def warm_start(trainer, params) -> tuple[dict, dict]:
-    """Runs `cfg.sft.steps` supervised steps on the trainer's training prompts."""
-    cfg = trainer.cfg
-    prompts = trainer.loader.prompts
-    tok = trainer.tokenizer
-    eos = trainer.eos_ids[0] if trainer.eos_ids else tok.eos_token_id
+def warm_start(ctx, params, prompts: Sequence) -> tuple[dict, dict]:
+    """Runs `cfg.sft.steps` supervised steps on `prompts` (the training loader's data.Prompt
+    list) from `params`, with the run context's tokenizer and model -> (params, metrics)."""
+    cfg = ctx.cfg
+    tok = ctx.tokenizer
+    eos = ctx.eos_ids[0] if ctx.eos_ids else tok.eos_token_id
     rng = np.random.default_rng(cfg.train.seed + 17)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0),
                             optax.adamw(optax.warmup_cosine_decay_schedule(
@@ -118,8 +119,23 @@ def warm_start(trainer, params) -> tuple[dict, dict]:
                 answers[pr.index] = tok.encode(text, add_special_tokens=False) + [eos]
             p_ids.append(list(pr.ids))
             a_ids.append(answers[pr.index])
-        batch = build_sft_batch(p_ids, a_ids, seq_len=trainer.seq_len, pad_id=trainer.pad_id)
+        batch = build_sft_batch(p_ids, a_ids, seq_len=ctx.seq_len, pad_id=ctx.pad_id)
         batch = jax.tree.map(jnp.asarray, batch)
-        params, opt_state, loss = _sft_step(params, trainer.mcfg, optimizer, opt_state, batch)
+        params, opt_state, loss = _sft_step(params, ctx.mcfg, optimizer, opt_state, batch)
         losses.append(loss)
     return params, {"sft/loss": float(np.mean(jax.device_get(losses[-10:])))}
+
+
+def run_warm_start(ctx, params, prompts: Sequence, save_dir: str | None = None) -> dict:
+    """The warm start of a run: `warm_start`, then process 0's result on every process (each saw
+    its own prompts), logged and, with `save_dir`, saved as a Hugging Face directory (the common
+    starting point of comparisons, experiments.compare_n)."""
+    t0 = time.perf_counter()
+    params, metrics = warm_start(ctx, params, prompts)
+    params = ctx.runtime.broadcast(params)
+    if jax.process_index() == 0:
+        print(f"[sft] {ctx.cfg.sft.steps} supervised steps in {time.perf_counter() - t0:.0f}s, "
+              f"final loss {metrics['sft/loss']:.3f}", flush=True)
+    if save_dir is not None and ctx.runtime.process_index == 0:
+        models.save_pretrained(ctx.model.with_params(params), save_dir)
+    return params

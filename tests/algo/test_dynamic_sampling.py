@@ -4,20 +4,14 @@ generated."""
 import numpy as np
 import pytest
 
-from brorl_jax.algo import (
-    GROUP_FILTERS,
-    DynamicSamplingError,
-    Group,
-    GroupSampler,
-    generation_batch_size,
-    select_groups,
-)
-from brorl_jax.config import algo_config
+from brorl_jax.algo import (GROUP_FILTERS, DynamicSamplingError, Group, GroupSampler,
+                            generation_batch_size, select_groups)
+from brorl_jax.config import collect_config
 
 
 def _sampler(**kw) -> GroupSampler:
     """A GroupSampler with the config's defaults for what the test does not set."""
-    cfg = algo_config()
+    cfg = collect_config()
     base = dict(cap_policy=cfg.dynamic_sampling_cap_policy, rule=cfg.dynamic_sampling_rule,
                 correct_threshold=cfg.correct_threshold, enabled=cfg.dynamic_sampling)
     return GroupSampler(**{**base, **kw})
@@ -106,8 +100,8 @@ def test_cap_pad_policy_stops_and_reports_padding():
 
 
 def test_disabled_keeps_everything_and_config_wiring():
-    cfg = algo_config(prompts_per_step=3, rollouts_per_prompt=2, dynamic_sampling=False,
-                      generation_batch_multiplier=1.6, dynamic_sampling_rule="reward_std")
+    cfg = collect_config(prompts_per_step=3, rollouts_per_prompt=2, dynamic_sampling=False,
+                         generation_batch_multiplier=1.6, dynamic_sampling_rule="reward_std")
     s = GroupSampler.from_config(cfg)
     assert (s.row_budget, s.max_group_rows, s.rule) == (6, 2, "reward_std")
     assert generation_batch_size(3, 1.6) == 5

@@ -8,20 +8,10 @@ import optax
 import pytest
 from conftest import TOY_POLICY, VOCAB, random_batch, toy_logits, toy_params
 
-from brorl_jax.algo import (
-    Group,
-    GroupSampler,
-    assemble_groups,
-    assemble_update_batch,
-    compute_advantages,
-    create_train_state,
-    make_logprob_fn,
-    make_optimizer,
-    make_update_step,
-    maybe_reset_reference,
-    reset_reference,
-)
-from brorl_jax.config import algo_config, optimizer_config
+from brorl_jax.algo import (Group, GroupSampler, assemble_groups, assemble_update_batch,
+                            compute_advantages, create_train_state, make_logprob_fn, make_optimizer,
+                            make_update_step, maybe_reset_reference, reset_reference)
+from brorl_jax.config import algo_config, collect_config, optimizer_config
 
 
 def _cfg(**kw):
@@ -156,8 +146,9 @@ def test_maybe_reset_reference_follows_interval():
 
 def test_dynamic_sampling_padding_keeps_shapes_no_recompilation():
     """The compiled update sees [prompts_per_step * N, T] whether or not groups were filtered out."""
-    cfg = _cfg(prompts_per_step=3, rollouts_per_prompt=2, dynamic_sampling_cap_policy="pad",
-               max_generation_rounds=1)
+    cfg = _cfg(prompts_per_step=3, rollouts_per_prompt=2)
+    ccfg = collect_config(prompts_per_step=3, rollouts_per_prompt=2,
+                          dynamic_sampling_cap_policy="pad", max_generation_rounds=1)
     opt = optax.adam(1e-3)
     update = jax.jit(make_update_step(None, cfg, opt, policy=TOY_POLICY))
     state = create_train_state(toy_params(), opt)
@@ -166,14 +157,14 @@ def test_dynamic_sampling_padding_keeps_shapes_no_recompilation():
     shapes = []
     for rewards in (np.array([[1, 0], [0, 1], [1, 0]]),     # nothing filtered
                     np.array([[1, 1], [0, 1], [0, 0]])):    # two groups filtered -> padded
-        s = GroupSampler.from_config(cfg)
+        s = GroupSampler.from_config(ccfg)
         tokens = rng.integers(1, VOCAB, (3, 2, 4))
         logprobs = rng.normal(size=(3, 2, 4)) - 3
         s.add_round([Group(prompts[i], tokens[i], logprobs[i], np.ones((2, 4), bool),
                            np.full(2, 4), rewards[i].astype(np.float32),
                            rewards[i].astype(np.float32)) for i in range(3)])
         kept = s.groups
-        adv = np.asarray(compute_advantages(cfg.advantage, np.stack([g.shaped for g in kept])))
+        adv = np.asarray(compute_advantages(ccfg.advantage, np.stack([g.shaped for g in kept])))
         batch = assemble_groups(kept, list(adv), rows=cfg.batch_rows, seq_len=8)
         shapes.append({k: v.shape for k, v in batch.items()})
         _, m = update(state, batch, jax.random.PRNGKey(0))

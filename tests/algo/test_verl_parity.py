@@ -21,8 +21,8 @@ import pytest
 
 from brorl_jax.algo import LOSS_AGG, compute_advantages, kl_penalty, policy_loss, tis_weights
 from brorl_jax.algo.dynamic_sampling import select_groups
-from brorl_jax.config import algo_config
-from brorl_jax.train.collect import batch_advantages
+from brorl_jax.algo.collect import CollectState, advantages
+from brorl_jax.config import algo_config, collect_config
 
 NPZ = os.path.join(os.path.dirname(__file__), "verl_reference", "verl_core_algos.npz")
 RTOL = ATOL = 1e-5
@@ -179,17 +179,18 @@ def test_reinforce_pp_baseline_token_whitening_matches_verl(ref, scores):
     sqrt(var + 1e-8); the small scores put the variance near the epsilon."""
     key = "out_adv_reinforce_pp_baseline" if scores == "in_scores" else "out_adv_small_reinforce_pp_baseline"
     ours = compute_advantages("reinforce_pp_baseline", ref[scores], lengths=lengths_gn(ref),
-                              whiten_eps=algo_config().whiten_eps)
+                              whiten_eps=collect_config().whiten_eps)
     close(per_token(ref, ours), ref[key], f"reinforce_pp_baseline on {scores}")
 
 
 def test_the_loops_advantages_are_veRLs(ref):
-    """collect.batch_advantages (what the loop calls, with the config's defaults) on groups with
+    """algo.collect.advantages (what the RL step calls, with the config's defaults) on groups with
     their response lengths gives veRL's token-whitened advantages."""
-    cfg = algo_config()
+    cfg = collect_config()
     shaped = [row for row in ref["in_scores"]]
     lengths = [row for row in lengths_gn(ref)]
-    adv, _ = batch_advantages(cfg, shaped, lengths, {})
+    adv, state = advantages(cfg, CollectState(), shaped, lengths)
+    assert state == CollectState()                   # the batch normaliser keeps no state
     close(per_token(ref, np.stack(adv)), ref["out_adv_reinforce_pp_baseline"], "loop advantages")
 
 

@@ -1,6 +1,7 @@
-"""The one collect path (brorl_jax/train/collect.py): with every option off it is the paper's
-recipe step by step; with options on it changes what they say, compiles no more once its shapes
-are warm, and its state survives a checkpoint (exact resume)."""
+"""The one RL step (brorl_jax/train/step.py rl_step, its collect in train/collect.py and
+algo/collect.py): with every option off it is the paper's recipe step by step; with options on
+it changes what they say, compiles no more once its shapes are warm, and its CollectState
+survives a checkpoint (exact resume)."""
 import json
 import math
 import os
@@ -11,10 +12,14 @@ import numpy as np
 import pytest
 
 from brorl_jax import algo
-from brorl_jax.config import algo_config, optimizer_config
+from brorl_jax.config import algo_config, collect_config, optimizer_config
+from brorl_jax.rewards.health import VerifierHealth
 from brorl_jax.rollout import bucket_num_prompts
+from brorl_jax.train import collect
 from brorl_jax.train.collect import round_seed
+from brorl_jax.train.context import Scored, update_config_at
 from brorl_jax.train.loop import Trainer
+from brorl_jax.train.step import rl_step
 from configs import tiny
 
 pytestmark = pytest.mark.slow     # end-to-end or many compiles: out of `-m "not slow"`
@@ -31,6 +36,46 @@ def fake_score(records, tokens, lengths):
     return out
 
 
+class FakeScorer:
+    """The context's Scorer with fake_score's rewards (the real one is closed with it): each run
+    of consecutive samples of the same record is one group."""
+
+    def __init__(self, real=None, delay=0.0):
+        self.real, self.delay, self.calls = real, delay, []
+
+    def score(self, records, tokens, lengths):
+        import time
+        self.calls.append((time.perf_counter(), len(records)))
+        time.sleep(self.delay)
+        out, start = [], 0
+        for i in range(1, len(records) + 1):
+            if i == len(records) or records[i] is not records[start]:
+                out.append(fake_score([records[start]], tokens[None, start:i],
+                                      lengths[None, start:i])[0])
+                start = i
+        return Scored(np.concatenate(out), VerifierHealth())
+
+    def close(self):
+        if self.real is not None:
+            self.real.close()
+
+
+def fake_trainer(cfg, workdir) -> Trainer:
+    trainer = Trainer(cfg, str(workdir))
+    trainer.ctx.scorer = FakeScorer(trainer.ctx.scorer)
+    return trainer
+
+
+def spy_update(ctx, batches: list):
+    """Records every update batch (host numpy) the step hands the runtime."""
+    real = ctx.runtime.update
+
+    def update(acfg, state, batch, rng):
+        batches.append(batch)
+        return real(acfg, state, batch, rng)
+    ctx.runtime.update = update
+
+
 def test_options_off_is_the_paper_recipe_by_hand(tmp_path):
     """The collect's batch equals the recipe written out: one round of generation, scoring,
     0 < #correct < N, REINFORCE++-baseline over the kept groups' tokens, assemble_update_batch. Option
@@ -43,26 +88,33 @@ def test_options_off_is_the_paper_recipe_by_hand(tmp_path):
     off.algo.reward_clip_low, off.algo.reward_clip_high = -math.inf, math.inf
     off.algo.advantage_normalizer = "batch"
     assert algo_config(off) == algo_config(cfg) and optimizer_config(off) == optimizer_config(cfg)
-    trainer = Trainer(cfg, str(tmp_path / "a"))
+    assert collect_config(off) == collect_config(cfg)
+    trainer = fake_trainer(cfg, tmp_path / "a")
+    ctx = trainer.ctx
+    batches = []
+    spy_update(ctx, batches)
     try:
-        trainer.score = fake_score
-        batch, stats = trainer.collect(trainer.model.params, iter(trainer.loader), 0)
+        state = ctx.new_train_state(jax.tree.map(jnp.copy, ctx.model.params))  # update donates
+        _, cstate, stats = rl_step(ctx, state, algo.CollectState(), iter(trainer.loader), 0)
+        (batch,) = batches
         # by hand
         prompts = next(iter(trainer.loader))
-        res = trainer.generate(trainer.model.params, prompts["prompt_ids"],
-                               n=cfg.rollout.rollouts_per_prompt,
-                               temperature=cfg.rollout.temperature,
-                               seed=round_seed(cfg.train.seed, 0, 0))
+        res = ctx.runtime.generate(ctx.model, ctx.model.params, prompts["prompt_ids"],
+                                   rollouts_per_prompt=cfg.rollout.rollouts_per_prompt,
+                                   max_new_tokens=cfg.rollout.max_new_tokens,
+                                   temperature=cfg.rollout.temperature,
+                                   seed=round_seed(cfg.train.seed, 0, 0), eos_ids=ctx.eos_ids)
         rewards = fake_score(prompts["records"], res.tokens, res.lengths)
     finally:
         trainer.close()
+    assert cstate.to_json() == {}                     # the paper's recipe keeps no state
     kept = np.flatnonzero(algo.select_groups(rewards))[:cfg.algo.prompts_per_step]
     assert len(kept) == cfg.algo.prompts_per_step and stats["dynamic_sampling/rounds"] == 1
     adv = algo.compute_advantages("reinforce_pp_baseline", rewards[kept],
                                   lengths=res.lengths[kept])     # token-weighted, as veRL
     want = algo.assemble_update_batch(
         [list(prompts["prompt_ids"][i]) for i in kept], res.tokens[kept], res.logprobs[kept],
-        res.mask[kept], adv, seq_len=trainer.seq_len, pad_id=trainer.pad_id,
+        res.mask[kept], adv, seq_len=ctx.seq_len, pad_id=ctx.pad_id,
         mini_batches=cfg.algo.ppo_mini_batches)                       # packed, the default
     assert sorted(batch) == sorted(want)
     for k in want:
@@ -94,22 +146,20 @@ def _options_config(steps=2, train_size=10):
 def test_scheduled_temperature_changes_the_update_config_per_phase():
     c = tiny.get_config()
     c.rollout.temperature_schedule = "0:1.3,2:0.9,4:1.0"
-    from brorl_jax.train.collect import Collector
-
-    class OneProcess:
-        num_processes = 1
-    coll = Collector(c, algo_config(c), OneProcess(), seq_len=8, pad_id=0)
-    temps = [coll.update_config(s).temperature for s in range(6)]
+    sched = algo.policies.parse_temperature_schedule(c.rollout.temperature_schedule)
+    base = algo_config(c)
+    at = lambda s: update_config_at(base, algo.policies.temperature_at(sched, s, 1.0))
+    temps = [at(s).temperature for s in range(6)]
     assert temps == [1.3, 1.3, 0.9, 0.9, 1.0, 1.0]
-    assert coll.update_config(4) is coll.algo_cfg           # 1.0 = the default config
+    assert at(4) is base                                     # 1.0 = the default config
     # one compiled pair per distinct config: the runtime keys its programs by AlgoConfig
-    assert len({coll.update_config(s) for s in range(6)}) == 3
+    assert len({at(s) for s in range(6)}) == 3
+    assert update_config_at(base, 0.0) is base              # greedy rollouts: plain softmax
 
 
 @pytest.fixture(scope="module")
 def options_trainer(tmp_path_factory):
-    trainer = Trainer(_options_config(), str(tmp_path_factory.mktemp("options")))
-    trainer.score = fake_score
+    trainer = fake_trainer(_options_config(), tmp_path_factory.mktemp("options"))
     yield trainer
     trainer.close()
 
@@ -129,29 +179,31 @@ def test_adaptive_n_does_not_recompile_once_buckets_are_warm(options_trainer):
     tail drained through) were all seen before compile nothing: not the rollout, not the update
     (fixed row budget), not the advantages."""
     trainer = options_trainer
-    shapes_seen, rollouts = set(), []
-    real_generate = trainer.generate
+    ctx = trainer.ctx
+    shapes_seen, rollouts, batches = set(), [], []
+    real_rollouts = ctx.rollouts
 
-    def generate(params, prompt_ids, *, n, **kw):
-        out = real_generate(params, prompt_ids, n=n, **kw)
-        rollouts.append((bucket_num_prompts(len(prompt_ids)), n, kw["temperature"], out))
+    def rollouts_spy(params, prompt_ids, *, n, sampling, **kw):
+        out = real_rollouts(params, prompt_ids, n=n, sampling=sampling, **kw)
+        rollouts.append((bucket_num_prompts(len(prompt_ids)), n, sampling.temperature, out))
         return out
 
-    trainer.generate = generate
+    ctx.rollouts = rollouts_spy
+    spy_update(ctx, batches)
     counter, listener = _compiles()
-    state = trainer.new_state(jax.tree.map(jnp.copy, trainer.model.params))  # update donates
+    state = ctx.new_train_state(jax.tree.map(jnp.copy, ctx.model.params))  # update donates
+    cstate = algo.CollectState()
     data_iter = iter(trainer.loader)
     warm_steps, warm_mixed, n_values, batch_shapes = 0, 0, set(), set()
     try:
         for step in range(8):
             rollouts.clear()
             before = counter[0]
-            batch, stats = trainer.collect(state.params, data_iter, step)
+            state, cstate, stats = rl_step(ctx, state, cstate, data_iter, step)
+            batch = batches[-1]
             # each rollout's shapes, with every slot bucket it decoded at (stats after the end)
             calls = [(g, n, t, slots) for g, n, t, out in rollouts
                      for slots in {c[0] for c in out.stats["decode_calls"]}]
-            state, m = trainer.runtime.update(trainer.collector.update_config(step), state, batch,
-                                              jax.random.fold_in(jax.random.key(0), step))
             jax.block_until_ready(state.params)
             compiled = counter[0] - before
             shape = tuple(sorted((k, v.shape) for k, v in batch.items()))
@@ -167,10 +219,10 @@ def test_adaptive_n_does_not_recompile_once_buckets_are_warm(options_trainer):
                 warm_mixed += len({c[1] for c in calls}) >= 2     # several buckets in one step
             assert 4 <= stats["monitor/n_mean"] <= 12
             assert stats["monitor/selection_kept_frac"] == pytest.approx(2 / 3)
-            assert np.isfinite(float(m["grad_var"]))
+            assert np.isfinite(stats["update/grad_var"])
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
-        trainer.generate = real_generate
+        del ctx.rollouts
     assert warm_steps >= 2 and warm_mixed >= 1 and n_values >= {4, 12}
     # packed rows of width prompt + response, their count in a few buckets
     assert len(batch_shapes) <= 3
@@ -186,8 +238,7 @@ def test_options_run_end_to_end_and_resume_exactly(tmp_path):
 
     def run(steps, workdir):
         # two prompts, both in every step: step 2 picks N from step 1's pass rates
-        trainer = Trainer(_options_config(steps, train_size=2), str(workdir))
-        trainer.score = fake_score
+        trainer = fake_trainer(_options_config(steps, train_size=2), workdir)
         try:
             result = trainer.run()
         finally:
@@ -210,7 +261,7 @@ def test_options_run_end_to_end_and_resume_exactly(tmp_path):
     # linear warm-up from 0 over 1 RL step, then cosine decay (to 0.1 x lr at train.steps)
     assert steps[0]["optim/lr"] == 0.0
     assert steps[1]["optim/lr"] == pytest.approx(whole.lr)
-    saved = whole.collector.state_dict()
+    saved = result.collect_state.to_json()
     assert saved["pass_rates"] and saved["advantage_normalizer"]["ema_std"] > 0
     ckpt = Checkpointer(os.path.join(whole.workdir, "checkpoints"))
     try:
@@ -221,7 +272,8 @@ def test_options_run_end_to_end_and_resume_exactly(tmp_path):
 
     run(1, tmp_path / "resumed")
     resumed, resumed_result = run(2, tmp_path / "resumed")
-    assert resumed.collector.state_dict() == saved
+    assert resumed_result.collect_state.to_json() == saved
+    assert resumed_result.collect_state == result.collect_state
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(result.state.params),
                             jax.tree_util.tree_leaves(resumed_result.state.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
@@ -240,22 +292,24 @@ def test_groups_are_scored_while_decoding_goes_on(tmp_path):
     cfg.algo.kl_coef = 0.0
     cfg.algo.generation_batch_multiplier = 8.0     # 16 prompts per round, 6 slots: groups
     cfg.rollout.memory_budget_gb = 0.0005          # finish one after another
-    trainer = Trainer(cfg, str(tmp_path / "s"))
-    calls, streams = [], []
-    real_generate = trainer.generate
+    trainer = fake_trainer(cfg, tmp_path / "s")
+    ctx = trainer.ctx
+    streams = []
+    real_rollouts = ctx.rollouts
 
-    def generate(*a, **kw):
-        streams.append(real_generate(*a, **kw))
+    def rollouts_spy(*a, **kw):
+        streams.append(real_rollouts(*a, **kw))
         return streams[-1]
 
-    def slow_score(records, tokens, lengths):
-        calls.append((time.perf_counter(), len(records)))
-        time.sleep(0.1)
-        return fake_score(records, tokens, lengths)
+    def collect_only(step=0):   # rl_step up to the update batch (the update is not timed here)
+        got, state = collect.generate_groups(ctx, ctx.model.params, algo.CollectState(),
+                                             iter(trainer.loader), step)
+        advs, state = collect.advantages(ctx, state, got.kept)
+        return (collect.update_batch(ctx, got.kept, advs),
+                collect.collect_metrics(ctx, got, state, advs, step))
     try:
-        trainer.score = fake_score
-        fast, fast_stats = trainer.collect(trainer.model.params, iter(trainer.loader), 0)
-        engine = trainer.runtime.rollout_engine(trainer.model.config)
+        fast, fast_stats = collect_only()
+        engine = ctx.runtime.rollout_engine(ctx.model.config)
         real_run = engine._run
 
         def slow_run(*a, **kw):         # the device loop, 0.1 s slower before each group
@@ -264,13 +318,17 @@ def test_groups_are_scored_while_decoding_goes_on(tmp_path):
                     time.sleep(0.1)
                 yield item
         engine._run = slow_run
-        trainer.score, trainer.generate = slow_score, generate
+        slow = FakeScorer(delay=0.1)
+        real_scorer, ctx.scorer, ctx.rollouts = ctx.scorer, slow, rollouts_spy
         t0 = time.perf_counter()
-        batch, stats = trainer.collect(trainer.model.params, iter(trainer.loader), 0)
+        batch, stats = collect_only()
         wall = time.perf_counter() - t0
+        ctx.scorer = real_scorer
     finally:
         trainer.close()
-    assert [n for _, n in calls] == [1] * 16             # one call per group, as it arrives
+    calls = slow.calls
+    # one call per group (its N samples), as it arrives
+    assert [n for _, n in calls] == [cfg.rollout.rollouts_per_prompt] * 16
     (st,) = streams
     assert calls[0][0] < st.finished_at, "scoring waited for the whole rollout"
     assert stats["time/rollout_s"] >= 1.6 and stats["time/scoring_s"] >= 1.6
@@ -280,7 +338,8 @@ def test_groups_are_scored_while_decoding_goes_on(tmp_path):
     assert 0 <= stats["time/scoring_waited_for_rollout_s"] < stats["time/rollout_s"]
     assert 0 <= stats["time/rollout_idle_for_scoring_s"] < stats["time/scoring_s"]
     # the rollout's own stats, summed over the step's calls
-    assert stats["rollout/useful_tokens"] == stats["perf/generated_tokens"] == st.stats["useful_tokens"]
+    assert stats["rollout/useful_tokens"] == st.stats["useful_tokens"] > 0
+    assert "perf/generated_tokens" not in stats          # it always equalled useful_tokens
     assert stats["rollout/decode_steps"] == st.stats["decode_steps"] > 0
     assert stats["rollout/refills"] == st.stats["refills"] > 0
     assert stats["rollout/compactions"] == st.stats["compactions"]

@@ -121,3 +121,79 @@ def test_export_checkpoint_to_hugging_face(uninterrupted, tmp_path):
     np.testing.assert_allclose(np.asarray(ours(tokens)), ref, atol=1e-4)
     np.testing.assert_array_equal(np.asarray(ours.params["embed"]["embedding"]),
                                   params["embed"]["embedding"])
+
+
+# Keys whose values are wall-clock measurements (everything else a run logs is deterministic).
+TIMING = ("time/", "perf/samples_per_s", "perf/tokens_per_s")
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_metrics.json")
+
+
+def _deterministic(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(TIMING)}
+
+
+def test_metrics_equal_the_recorded_run(uninterrupted):
+    """The tiny run from the shared warm start logs, step for step, exactly the metrics recorded
+    in tests/train/golden/tiny_metrics.json (losses, rewards, pass rates, eval pass@k, rollout
+    counts; timings aside): the warm start, rl_step and the loop compute what the train layer
+    computed before it was split into context / step / CollectState (recorded at commit
+    db2ec30; how: the file's "command"). Re-record only for an intended change of the numbers,
+    and say why in the commit."""
+    with open(GOLDEN) as f:
+        golden = json.load(f)
+    records = read_metrics(os.path.join(uninterrupted[0], "metrics.jsonl"))
+    assert len(records) == len(golden["records"])
+    for got, want in zip(records, golden["records"]):
+        got = _deterministic(got)
+        assert sorted(got) == sorted(want), (got["step"], set(got) ^ set(want))
+        diff = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
+        assert not diff, f"step {got['step']}: {diff}"
+
+
+def _cli_config(overrides):
+    """configs/tiny.py with --config.KEY=VALUE overrides (the shared warm start's)."""
+    cfg = tiny.get_config()
+    for arg in overrides:
+        key, value = arg[len("--config."):].split("=", 1)
+        section, name = key.split(".")
+        cfg[section][name] = type(cfg[section][name])(value)
+    cfg.train.steps = STEPS
+    return cfg
+
+
+def test_evaluate_command_loads_the_model_once_and_repeats_the_runs_evaluation(
+        uninterrupted, tiny_warm_start, monkeypatch):
+    """`python -m brorl_jax.evaluate --workdir` on the finished run: the model loads once, no
+    training loader and no temporary work directory are made, and the held-out pass@k of the
+    last checkpoint is exactly the run's own final evaluation (same prompts, seeds, params)."""
+    import tempfile
+
+    from brorl_jax import data, models
+    from brorl_jax.evaluate import evaluate
+
+    loads = []
+    real = models.from_pretrained
+    monkeypatch.setattr(models, "from_pretrained",
+                        lambda *a, **kw: loads.append(a) or real(*a, **kw))
+
+    def forbidden(*a, **kw):
+        raise AssertionError("evaluate must not build this")
+    monkeypatch.setattr(data, "make_prompt_loader", forbidden)
+    monkeypatch.setattr(tempfile, "mkdtemp", forbidden)
+    out = evaluate(_cli_config(tiny_warm_start), str(uninterrupted[0]))
+    assert len(loads) == 1
+    last = read_metrics(os.path.join(uninterrupted[0], "metrics.jsonl"))[-1]
+    assert out["step"] == STEPS
+    for key in ("eval/pass@1", "eval/pass@2", "eval/mean@2", "eval/num_prompts"):
+        assert out[key] == last[key], key
+
+
+def test_log_every_writes_every_kth_evaluated_and_last_step():
+    from brorl_jax.train.loop import should_log
+    steps, every = 7, 3
+    logged = [d for d in range(1, steps + 1)
+              if should_log(d, every, evaluated=d in (4, steps), stop=False)]
+    assert logged == [3, 4, 6, 7]
+    assert should_log(5, every, evaluated=False, stop=True)       # the step a signal stops at
+    assert [d for d in range(1, 5) if should_log(d, 1, evaluated=False, stop=False)] == \
+        [1, 2, 3, 4]

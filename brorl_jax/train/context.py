@@ -1,0 +1,272 @@
+"""The run context: what every RL step, evaluation and warm start reads, built once per run.
+
+    ctx = build_context(cfg, eval_records)     # the model loads here, once
+    ctx.model, ctx.tokenizer, ctx.runtime, ctx.scorer, ctx.eval_prompts, ...
+    ctx.rollouts(params, prompts, n=..., seed=..., sampling=ctx.train_sampling(step))
+
+The context owns no per-step state and no files: the Trainer (train/loop.py) adds the data
+iterator, the work directory, checkpoints, logs and signals; `python -m brorl_jax.evaluate`
+needs only the context. Rollout arguments are assembled in one place (`RunContext.rollouts`,
+from a `Sampling`); scoring (`Scorer.score`) returns the rewards with the verifier health of
+exactly those samples, so nothing mutates shared counters.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from brorl_jax import algo, data, models
+from brorl_jax.config import algo_config, collect_config, json_option, optimizer_config
+from brorl_jax.errors import ConfigError, DataError, ModelError, VerifierError
+from brorl_jax.rewards import ScoringService
+from brorl_jax.rewards.health import VerifierFailure, VerifierHealth, check_records
+from brorl_jax.train.runtime import Runtime, make_runtime
+
+# Seed offset of the held-out evaluation's rollouts (distinct from every training round's).
+EVAL_SEED = 10_000_019
+
+
+def log(msg: str) -> None:
+    if jax.process_index() == 0:
+        print(msg, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Model and data (checked before anything expensive)
+# ------------------------------------------------------------------------------------------------
+def check_model_path(path: str) -> None:
+    """ModelError unless model.path is empty (the demo model), a known builtin:NAME or an
+    existing path; nothing is loaded or materialised."""
+    problem = models.model_path_problem(path) if path else None
+    if problem:
+        raise ModelError(f"config key 'model.path' = {path!r}: {problem}.")
+
+
+def load_model(cfg) -> models.Model:
+    """The config's model (the embedded demo model when model.path is empty), with the config's
+    attention implementation. A path that does not hold a model raises ModelError."""
+    path = cfg.model.path or models.ensure_demo_model()
+    check_model_path(cfg.model.path)
+    try:
+        model = models.from_pretrained(path, dtype=cfg.model.dtype,
+                                       param_dtype=cfg.model.param_dtype)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"config key 'model.path' = {path!r} does not hold a usable model: "
+                         f"{e}") from e
+    if cfg.model.attention_impl == model.config.attention_impl:
+        return model
+    mcfg = dataclasses.replace(model.config, attention_impl=cfg.model.attention_impl)
+    return models.Model(mcfg, model.params, model.tokenizer, model.generation_eos_ids)
+
+
+def load_records(cfg) -> tuple[list[dict], list[dict]]:
+    """The training and held-out records, each data source mapped to a verifier and every
+    ground truth checked by it; bad rows skipped and reported with file and line."""
+    def show(report):
+        if report.skipped:
+            log(f"[data] {report.summary()}")
+
+    train, held_out, _ = data.load_train_and_eval(cfg.data, on_report=show)
+    try:
+        verifiers, bad = check_records(train + held_out, json_option(cfg, "rewards.map"))
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if bad:
+        report = data.DataReport(num_rows=len(train) + len(held_out))
+        for b in bad:
+            report.skip(b.record["source"], b.record["row"], data.records.BAD_GROUND_TRUTH,
+                        f"{b.verifier}: {b.message}")
+        report.num_kept = report.num_rows - len(bad)
+        dropped = {id(b.record) for b in bad}
+        train = [r for r in train if id(r) not in dropped]
+        held_out = [r for r in held_out if id(r) not in dropped]
+        show(report)
+    log("[data] verifiers: " + ", ".join(f"{s} -> {v}" for s, v in sorted(verifiers.items())))
+    if not train:
+        raise DataError(f"no usable training rows in data.train = {cfg.data.train!r} "
+                        "(every row was skipped; see the [data] lines above).")
+    return train, held_out
+
+
+# ------------------------------------------------------------------------------------------------
+# Scoring
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Scored:
+    """Rewards [M] float32 of M samples and the verifier health of exactly those samples."""
+    rewards: np.ndarray
+    health: VerifierHealth
+
+
+class Scorer:
+    """Completions -> text -> the verifier worker pool (rewards.ScoringService)."""
+
+    def __init__(self, service: ScoringService, tokenizer):
+        self.service = service
+        self.tokenizer = tokenizer
+
+    def score(self, records: Sequence[dict], tokens: np.ndarray, lengths: np.ndarray) -> Scored:
+        """M samples: records [M] (one per sample), tokens [M, S], lengths [M]."""
+        texts = [self.tokenizer.decode(tokens[i, :int(lengths[i])].tolist(),
+                                       skip_special_tokens=True) for i in range(len(records))]
+        results = self.service.score_batch(list(records), texts)
+        health = VerifierHealth()
+        health.add(records, results)
+        return Scored(np.array([r.score for r in results], np.float32), health)
+
+    def close(self) -> None:
+        self.service.close()
+
+
+def merge_health(parts: Sequence[VerifierHealth]) -> VerifierHealth:
+    """One VerifierHealth of several scoring calls' (or processes') samples together."""
+    return VerifierHealth.merged([h.to_json() for h in parts])
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampling settings and the context
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How rollouts are sampled: the training steps' (rollout.*, the temperature per step of
+    rollout.temperature_schedule) or the evaluation's (eval.*)."""
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+
+
+def update_config_at(algo_cfg: algo.AlgoConfig, temperature: float) -> algo.AlgoConfig:
+    """The update's config for rollouts sampled at `temperature`: log-probs are of logits / T
+    with T the sampling temperature (1 for greedy rollouts), so a scheduled temperature changes
+    the update's config (one compiled update per distinct temperature)."""
+    t = temperature if temperature > 0 else 1.0
+    if t == algo_cfg.temperature:
+        return algo_cfg
+    return dataclasses.replace(algo_cfg, temperature=t)
+
+
+@dataclasses.dataclass
+class RunContext:
+    """Everything a step, an evaluation or the warm start reads (module docstring)."""
+    cfg: Any
+    model: models.Model
+    tokenizer: Any
+    prompt_tokenizer: data.PromptTokenizer
+    eos_ids: tuple[int, ...]
+    pad_id: int
+    seq_len: int                      # data.max_prompt_len + rollout.max_new_tokens
+    algo_cfg: algo.AlgoConfig         # the update's (its jit key)
+    collect_cfg: algo.CollectConfig   # the host-side collect's
+    optimizer_cfg: algo.OptimizerConfig
+    optimizer: Any
+    runtime: Runtime
+    scorer: Scorer
+    eval_prompts: list                # [(prompt ids, record)] held out, within max_prompt_len
+    temperature_schedule: tuple = ()
+
+    @property
+    def mcfg(self):
+        return self.model.config
+
+    # -- sampling -------------------------------------------------------------------------------
+    def rollout_temperature(self, step: int) -> float:
+        """Sampling temperature of RL step `step`: rollout.temperature unless scheduled."""
+        return algo.policies.temperature_at(self.temperature_schedule, step,
+                                            self.cfg.rollout.temperature)
+
+    def train_sampling(self, step: int) -> Sampling:
+        r = self.cfg.rollout
+        return Sampling(self.rollout_temperature(step), r.top_p, r.top_k, r.max_new_tokens)
+
+    def eval_sampling(self) -> Sampling:
+        c = self.cfg.eval
+        return Sampling(c.temperature, c.top_p, 0,
+                        c.max_new_tokens if c.max_new_tokens > 0 else self.cfg.rollout.max_new_tokens)
+
+    def update_config(self, step: int) -> algo.AlgoConfig:
+        """The AlgoConfig of step `step` (update_config_at)."""
+        return update_config_at(self.algo_cfg, self.rollout_temperature(step))
+
+    # -- the one place rollout arguments are put together ---------------------------------------
+    def rollouts(self, params, prompt_ids, *, n: int, seed: int, sampling: Sampling,
+                 stream: bool = False):
+        """Rollouts of the current policy (params as the runtime's rollout takes them): a
+        rollout.RolloutResult, or with ``stream=True`` a rollout.RolloutStream of the groups in
+        the order they finish. The runtime adds its device settings (memory budget, impl)."""
+        call = self.runtime.stream if stream else self.runtime.generate
+        return call(self.model, params, prompt_ids, rollouts_per_prompt=n,
+                    max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                    top_p=sampling.top_p, top_k=sampling.top_k, seed=seed, eos_ids=self.eos_ids)
+
+    # -- health across processes ----------------------------------------------------------------
+    def check_health(self, health: VerifierHealth, where: str, gather: bool = True
+                     ) -> VerifierHealth:
+        """Every process's verdicts together (so all log the same metrics and stop together);
+        raises VerifierError when a data source failed on every sample."""
+        if gather:
+            health = VerifierHealth.merged(self.runtime.allgather_json(health.to_json()))
+        try:
+            health.check(where)
+        except VerifierFailure as e:
+            raise VerifierError(str(e)) from None
+        return health
+
+    def new_train_state(self, params) -> algo.TrainState:
+        return algo.create_train_state(params, self.optimizer,
+                                       with_reference=self.algo_cfg.kl_coef > 0)
+
+    def close(self) -> None:
+        self.scorer.close()
+
+
+def held_out_prompts(cfg, prompt_tokenizer, eval_records: Sequence[dict]) -> list:
+    """[(prompt ids, record)] of the first eval.num_prompts held-out records within
+    data.max_prompt_len; DataError when none is."""
+    prompts = [(prompt_tokenizer(r), r) for r in eval_records]
+    prompts = [(ids, r) for ids, r in prompts
+               if len(ids) <= cfg.data.max_prompt_len][:cfg.eval.num_prompts]
+    if not prompts:
+        raise DataError(f"no held-out prompts: {len(eval_records)} evaluation records, none "
+                        f"within data.max_prompt_len={cfg.data.max_prompt_len} tokens. Give "
+                        "data.eval, raise data.eval_size (a file's first min(data.eval_size, "
+                        "10%) rows are held out) or data.max_prompt_len.")
+    return prompts
+
+
+def build_context(cfg, eval_records: Sequence[dict], *, model: models.Model | None = None
+                  ) -> RunContext:
+    """The run's context from a validated config and its held-out records: the model (loaded
+    here unless given), the runtime, the scoring pool and the evaluation prompts."""
+    model = load_model(cfg) if model is None else model
+    tok = model.tokenizer
+    if tok is None:
+        raise ModelError(f"model directory {cfg.model.path!r} has no tokenizer files; RL "
+                         "needs one to turn completions into text for the verifiers.")
+    prompt_tokenizer = data.PromptTokenizer(
+        tok, cfg.data.max_prompt_len, system_prompt=cfg.data.system_prompt or None,
+        use_chat_template=cfg.data.use_chat_template)
+    eval_prompts = held_out_prompts(cfg, prompt_tokenizer, eval_records)
+    optimizer_cfg = optimizer_config(cfg)
+    optimizer = algo.make_optimizer(optimizer_cfg)
+    # Mass-balance diagnostics (BroRL Lemma 2) come from the update's pi_old pass over the
+    # vocabulary, at the run's N; no extra pass.
+    diag_n = cfg.rollout.rollouts_per_prompt if cfg.train.mass_balance_diagnostics else None
+    runtime = make_runtime(cfg, model.config, optimizer, diagnostics_n=diag_n)
+    service = ScoringService(num_workers=cfg.rewards.num_workers, timeout_s=cfg.rewards.timeout_s,
+                             batch_deadline_s=cfg.rewards.batch_deadline_s,
+                             recycle_after=cfg.rewards.recycle_after,
+                             reward_map=json_option(cfg, "rewards.map"))
+    return RunContext(
+        cfg=cfg, model=model, tokenizer=tok, prompt_tokenizer=prompt_tokenizer,
+        eos_ids=tuple(model.generation_eos_ids),
+        pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
+        seq_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens,
+        algo_cfg=algo_config(cfg), collect_cfg=collect_config(cfg), optimizer_cfg=optimizer_cfg,
+        optimizer=optimizer, runtime=runtime, scorer=Scorer(service, tok),
+        eval_prompts=eval_prompts,
+        temperature_schedule=algo.policies.parse_temperature_schedule(
+            cfg.rollout.temperature_schedule))

@@ -1,0 +1,88 @@
+"""One RL step of BroRL (§3.1), step by step:
+
+    train_state, collect_state, metrics = rl_step(ctx, train_state, collect_state, batch_source,
+                                                  step)
+
+  1. Rollouts: the policy's current parameters in the form the rollout takes; generation rounds
+     of ceil(prompts_per_step * generation_batch_multiplier) prompts, N samples each (N per
+     prompt under adaptive N; ceil(factor * N) candidates under over-generation).
+  2. Rewards: every sample scored by its data source's verifier as soon as its group is done;
+     selection of N of the candidates and reward shaping (length penalty, clipping).
+  3. Dynamic sampling: groups with 0 < #correct < N kept, whole and in arrival order, until
+     prompts_per_step * N rows are filled (or the round cap: error, or pad).
+  4. Verifier health: a data source whose every sample failed stops the run (before a
+     dynamic-sampling error, which it would cause).
+  5. Advantages: REINFORCE++-baseline (the configured estimator and normaliser) over every kept
+     group of every process.
+  6. The update batch: fixed-shape, packed rows.
+  7. The update: reference log-probs when the KL term is on, then PPO (clip-higher, TIS, KL) in
+     mini-batches; a non-finite loss or gradient skips it.
+  8. The periodic reference reset.
+
+`ctx` is the run's context (train/context.py), `train_state` an algo.TrainState, `collect_state`
+the algo.CollectState that carries from step to step (adaptive-N pass rates, the advantage EMA,
+the last step's verifier health), `batch_source` an iterator of the loader's prompt batches and
+`step` the 0-based RL step (every random draw derives from (seed, step)). The host-side
+decisions are algo/collect.py's pure functions; this function only wires them to the runtime and
+the verifiers, and returns the step's metrics (reduced over processes). Nothing else is
+touched: the loop (train/loop.py) adds logging, evaluation, checkpoints and signals.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+
+from brorl_jax import algo
+from brorl_jax.errors import TrainingStopped
+from brorl_jax.train import collect
+from brorl_jax.train.context import RunContext
+
+# Rollout metrics that add up over processes (the others are averaged).
+SUMMED_METRICS = ("perf/generated_samples", "rollout/useful_tokens",
+                  "dynamic_sampling/kept_groups", "dynamic_sampling/padded_groups")
+# Update metrics logged under loss/ (the rest under update/).
+LOSS_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "clip_frac_low", "clip_frac_high",
+             "dual_clip_frac", "ratio_mean", "tis_dropped_frac", "tis_weight_mean")
+
+
+def rl_step(ctx: RunContext, train_state: algo.TrainState, collect_state: algo.CollectState,
+            batch_source, step: int) -> tuple[algo.TrainState, algo.CollectState, dict]:
+    """One RL step (module docstring) -> (train state, collect state, the step's metrics)."""
+    where = f"step {step + 1}"
+    # 1-3. rollouts, rewards, selection and shaping, dynamic sampling
+    params = ctx.runtime.rollout_params(train_state.params)
+    got, collect_state = collect.generate_groups(ctx, params, collect_state, batch_source, step)
+    collect_state = dataclasses.replace(collect_state, health=got.health)
+    # 4. verifier health: every process's verdicts together
+    if got.cap_error is not None:
+        ctx.check_health(got.health, where, gather=False)
+        raise TrainingStopped(f"{where}: {got.cap_error}")
+    health = ctx.check_health(got.health, where)
+    # 5. advantages over the kept groups of every process
+    advs, collect_state = collect.advantages(ctx, collect_state, got.kept)
+    # 6. the update batch (this process's rows)
+    batch = collect.update_batch(ctx, got.kept, advs)
+    metrics = collect.collect_metrics(ctx, got, collect_state, advs, step)
+    metrics.update(health.metrics())
+    metrics = ctx.runtime.reduce_metrics(metrics, sums=SUMMED_METRICS,
+                                         maxes=("response/length_max",))
+    # 7. the update
+    t0 = time.perf_counter()
+    rng = jax.random.fold_in(jax.random.key(ctx.cfg.train.seed), step)
+    train_state, upd = ctx.runtime.update(ctx.update_config(step), train_state, batch, rng)
+    metrics.update(update_metrics(jax.device_get(upd)))
+    metrics["time/update_s"] = time.perf_counter() - t0
+    # 8. the reference reset
+    train_state, reset = algo.maybe_reset_reference(train_state, ctx.algo_cfg, ctx.optimizer)
+    if reset:
+        train_state = ctx.runtime.relayout(train_state)
+        metrics["ref_reset"] = 1
+    return train_state, collect_state, metrics
+
+
+def update_metrics(upd: dict) -> dict:
+    """The update's metrics under loss/ (LOSS_KEYS), mass_balance/ or update/."""
+    return {k if k.startswith("mass_balance/") else
+            f"loss/{k}" if k in LOSS_KEYS else f"update/{k}": float(v) for k, v in upd.items()}
