@@ -29,8 +29,12 @@ from brorl_jax import algo
 from brorl_jax.algo import collect as host
 from brorl_jax.rewards.health import VerifierHealth
 from brorl_jax.train.context import RunContext, merge_health
-from brorl_jax.train.monitoring import (effective_update_ratio, ngram_diversity, path_diversity,
-                                       reward_entropy)
+from brorl_jax.train.monitoring import (
+    effective_update_ratio,
+    ngram_diversity,
+    path_diversity,
+    reward_entropy,
+)
 
 ROLLOUT_STAT_KEYS = ("useful_tokens", "decode_steps", "refills", "compactions")
 

@@ -36,11 +36,17 @@ from brorl_jax.config import derived_learning_rate, optimizer_config, validate
 from brorl_jax.errors import CheckpointError, DataError
 from brorl_jax.train import evaluation, run_config, workdir as workdir_lib
 from brorl_jax.train.checkpoint import Checkpointer
-from brorl_jax.train.context import (RunContext, build_context, check_model_path, load_model,
-                                     load_records, log as _log)
+from brorl_jax.train.context import (
+    RunContext,
+    build_context,
+    check_model_path,
+    load_model,
+    load_records,
+    log as _log,
+)
 from brorl_jax.train.logger import MetricsLogger, plot_metrics
-from brorl_jax.train.signals import GracefulStop
 from brorl_jax.train.sft import run_warm_start
+from brorl_jax.train.signals import GracefulStop
 from brorl_jax.train.step import LOSS_KEYS, SUMMED_METRICS, rl_step  # noqa: F401 - re-exported
 
 __all__ = ["Trainer", "RunResult", "train", "restore_params", "check_model_path", "load_model"]

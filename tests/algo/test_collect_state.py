@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from brorl_jax import algo
-from brorl_jax.algo import collect as host
-from brorl_jax.algo import policies
+from brorl_jax.algo import collect as host, policies
 from brorl_jax.config import algo_config, collect_config, default_config
 
 

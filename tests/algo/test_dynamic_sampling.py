@@ -4,8 +4,14 @@ generated."""
 import numpy as np
 import pytest
 
-from brorl_jax.algo import (GROUP_FILTERS, DynamicSamplingError, Group, GroupSampler,
-                            generation_batch_size, select_groups)
+from brorl_jax.algo import (
+    GROUP_FILTERS,
+    DynamicSamplingError,
+    Group,
+    GroupSampler,
+    generation_batch_size,
+    select_groups,
+)
 from brorl_jax.config import collect_config
 
 

@@ -7,7 +7,11 @@ import optax
 import pytest
 
 from brorl_jax.algo import make_optimizer, scaled_learning_rate
-from brorl_jax.algo.length_penalty import apply_length_penalty, cosine_length_reward, length_penalty_active
+from brorl_jax.algo.length_penalty import (
+    apply_length_penalty,
+    cosine_length_reward,
+    length_penalty_active,
+)
 from brorl_jax.config import ConfigError, collect_config, optimizer_config
 
 

@@ -8,9 +8,19 @@ import optax
 import pytest
 from conftest import TOY_POLICY, VOCAB, random_batch, toy_logits, toy_params
 
-from brorl_jax.algo import (Group, GroupSampler, assemble_groups, assemble_update_batch,
-                            compute_advantages, create_train_state, make_logprob_fn, make_optimizer,
-                            make_update_step, maybe_reset_reference, reset_reference)
+from brorl_jax.algo import (
+    Group,
+    GroupSampler,
+    assemble_groups,
+    assemble_update_batch,
+    compute_advantages,
+    create_train_state,
+    make_logprob_fn,
+    make_optimizer,
+    make_update_step,
+    maybe_reset_reference,
+    reset_reference,
+)
 from brorl_jax.config import algo_config, collect_config, optimizer_config
 
 

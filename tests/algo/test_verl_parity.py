@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from brorl_jax.algo import LOSS_AGG, compute_advantages, kl_penalty, policy_loss, tis_weights
-from brorl_jax.algo.dynamic_sampling import select_groups
 from brorl_jax.algo.collect import CollectState, advantages
+from brorl_jax.algo.dynamic_sampling import select_groups
 from brorl_jax.config import algo_config, collect_config
 
 NPZ = os.path.join(os.path.dirname(__file__), "verl_reference", "verl_core_algos.npz")

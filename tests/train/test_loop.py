@@ -1,5 +1,6 @@
 """The training loop end to end (configs/tiny.py): metrics, evaluation, checkpoints, and exact
 resume after SIGKILL mid-training and during an asynchronous checkpoint save."""
+import json
 import os
 import signal
 import subprocess
