@@ -32,8 +32,8 @@ import jax
 import numpy as np
 
 from brorl_jax import algo, data, models
-from brorl_jax.config import (algo_config, derived_learning_rate, json_option, optimizer_config,
-                              validate)
+from brorl_jax.config import (algo_config, check_mesh, derived_learning_rate, json_option,
+                              optimizer_config, validate)
 from brorl_jax.errors import (CheckpointError, ConfigError, DataError, ModelError,
                               TrainingStopped, VerifierError)
 from brorl_jax.rewards import ScoringService
@@ -96,9 +96,11 @@ class Trainer:
     def __init__(self, cfg, workdir: str, *, allow_config_change=()):
         # Checks first, cheapest first: nothing expensive starts before they pass.
         validate(cfg)
+        check_mesh(cfg, jax.device_count())
         self.cfg = cfg
         self.workdir = workdir
         workdir_lib.prepare(workdir)
+        self.lock = workdir_lib.acquire(workdir, process_index=jax.process_index(), log=_log)
         check_model_path(cfg.model.path)
         self.resuming = workdir_lib.has_checkpoints(workdir)
         allow = run_config.check_allow_list(allow_config_change)
@@ -125,6 +127,7 @@ class Trainer:
         # vocabulary, at the run's N; no extra pass.
         diag_n = cfg.rollout.rollouts_per_prompt if cfg.train.mass_balance_diagnostics else None
         self.runtime: Runtime = make_runtime(cfg, self.mcfg, self.optimizer, diagnostics_n=diag_n)
+        workdir_lib.check_lock(self.lock, self.runtime.allgather_json)
         self.collector = Collector(cfg, self.algo_cfg, self.runtime, seq_len=self.seq_len,
                                    pad_id=self.pad_id)
 
@@ -172,6 +175,7 @@ class Trainer:
                 _log(f"[data] {report.summary()}")
 
         train, held_out, _ = data.load_train_and_eval(self.cfg.data, on_report=show)
+        self.data_metrics = data.check_overlap(train, held_out, log=_log)   # first metrics row
         try:
             verifiers, bad = check_records(train + held_out, json_option(self.cfg, "rewards.map"))
         except ValueError as e:
@@ -265,13 +269,15 @@ class Trainer:
         chunk = max(1, 4096 // k)
         step_health, self.health = self.health, VerifierHealth()    # the evaluation's own
         try:
-            for start in range(0, len(prompts), chunk):
-                part = prompts[start:start + chunk]
-                res = self.generate(params, [ids for ids, _ in part], n=k,
-                                    temperature=c.temperature, top_p=c.top_p, top_k=0,
-                                    max_new_tokens=c.max_new_tokens if c.max_new_tokens > 0
-                                    else None, seed=10_000_019 + first + start)
-                rewards.append(self.score([r for _, r in part], res.tokens, res.lengths))
+            with self.stopping.during(f"the evaluation at step {step}",   # a signal: stop now
+                                      self.checkpointer.latest_step()):
+                for start in range(0, len(prompts), chunk):
+                    part = prompts[start:start + chunk]
+                    res = self.generate(params, [ids for ids, _ in part], n=k,
+                                        temperature=c.temperature, top_p=c.top_p, top_k=0,
+                                        max_new_tokens=c.max_new_tokens if c.max_new_tokens > 0
+                                        else None, seed=10_000_019 + first + start)
+                    rewards.append(self.score([r for _, r in part], res.tokens, res.lengths))
             self._check_health(self.health, f"the evaluation at step {step}")
         finally:
             self.health = step_health
@@ -322,7 +328,7 @@ class Trainer:
             state = self.new_state(self.warm_start(state.params))
         state = self.runtime.place_state(state)
         first = self.evaluate(state.params, 0)
-        logger.write(0, first)
+        logger.write(0, {**first, **self.data_metrics})
         _log(f"[eval] before RL: pass@1 = {first['eval/pass@1']:.3f}")
         return state, data_iter, {"skipped_steps": 0, "generated_samples": 0}, logger, first
 
@@ -344,14 +350,17 @@ class Trainer:
         """cfg.sft.steps supervised steps (the demo's warm start); the result is also saved as a
         Hugging Face directory, the common starting point of comparisons (experiments.compare_n)."""
         from brorl_jax.train.sft import warm_start
+        kept = workdir_lib.kept_warm_start(self.workdir, self.cfg, log=_log)
+        if kept is not None:                   # finished before an interruption: not redone
+            return kept
         t0 = time.perf_counter()
-        params, sft_metrics = warm_start(self, params)
+        with self.stopping.during("the warm start"):
+            params, sft_metrics = warm_start(self, params)
         params = self.runtime.broadcast(params)  # each process saw its own prompts: take one
         _log(f"[sft] {self.cfg.sft.steps} supervised steps in {time.perf_counter() - t0:.0f}s, "
              f"final loss {sft_metrics['sft/loss']:.3f}")
         if self.runtime.process_index == 0:
-            models.save_pretrained(self.model.with_params(params),
-                                   os.path.join(self.workdir, "warm_start_model"))
+            workdir_lib.keep_warm_start(self.workdir, self.cfg, self.model.with_params(params))
         return params
 
     def run(self) -> RunResult:
@@ -443,9 +452,12 @@ class Trainer:
         logger.close()
 
     def close(self) -> None:
-        self.stopping.uninstall()
-        self.scorer.close()
-        self.checkpointer.close()
+        try:
+            self.stopping.uninstall()
+            self.scorer.close()
+            self.checkpointer.close()
+        finally:
+            self.lock.release()
 
 
 def _update_metrics(upd: dict) -> dict:

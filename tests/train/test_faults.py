@@ -185,7 +185,7 @@ def test_bad_values_are_refused_before_expensive_work(env, tmp_path):
 
 # 3. A run remembers its config ------------------------------------------------------------------
 def test_resume_refuses_a_changed_config_and_logs_allowed_changes(env, copy):
-    saved = json.load(open(os.path.join(copy, "config.json")))
+    saved = json.load(open(os.path.join(copy, "brorl_config.json")))
     assert saved["rollout"]["rollouts_per_prompt"] == 8 and saved["train"]["steps"] == STEPS
     before = hashes(copy)
     rc, out, err = run(env, "brorl_jax.main", *resume_args(copy),
@@ -206,7 +206,7 @@ def test_resume_refuses_a_changed_config_and_logs_allowed_changes(env, copy):
     change = json.loads(open(os.path.join(copy, "config_changes.jsonl")).read())
     assert change["resumed_from_step"] == STEPS
     assert change["changes"]["rollout.temperature"] == {"old": 1.0, "new": 0.9, "how": "override"}
-    assert json.load(open(os.path.join(copy, "config.json")))["rollout"]["temperature"] == 0.9
+    assert json.load(open(os.path.join(copy, "brorl_config.json")))["rollout"]["temperature"] == 0.9
     assert hashes(copy) == before
 
 
@@ -418,7 +418,7 @@ def test_history_is_kept_and_readers_never_create_a_workdir(env, tmp_path, finis
     workdir.mkdir()
     (workdir / "metrics.jsonl").write_text('{"step": 0, "run": "second"}\n')
     (workdir / "metrics.jsonl.1").write_text('{"step": 0, "run": "first"}\n')
-    (workdir / "config.json").write_text('{"name": "old"}\n')
+    (workdir / "brorl_config.json").write_text('{"name": "old"}\n')
     misspelled = finished + "x"
     results = run_all(env, [
         ("brorl_jax.main", *TINY, f"--workdir={workdir}", "--config.train.steps=0",
@@ -430,10 +430,112 @@ def test_history_is_kept_and_readers_never_create_a_workdir(env, tmp_path, finis
     assert rc == 0, err[-3000:]
     assert (workdir / "metrics.jsonl.1").read_text() == '{"step": 0, "run": "first"}\n'
     assert (workdir / "metrics.jsonl.2").read_text() == '{"step": 0, "run": "second"}\n'
-    assert (workdir / "config.json.1").read_text() == '{"name": "old"}\n'
+    assert (workdir / "brorl_config.json.1").read_text() == '{"name": "old"}\n'
     assert [r["step"] for r in read_metrics(str(workdir / "metrics.jsonl"))] == [0]
     assert f"earlier history kept in {workdir}/metrics.jsonl.2" in out
     for rc, _, err in results[1:]:
         short_error(rc, err)
         assert f"--workdir '{misspelled}' does not exist. Did you mean '{finished}'?" in err
     assert not os.path.exists(misspelled) and not os.path.exists(tmp_path / "hf")
+
+
+# 9. One run per work directory (issue 26) --------------------------------------------------------
+HOLD = ("import sys, time\n"
+        "from brorl_jax.train import workdir\n"
+        "lock = workdir.acquire(sys.argv[1], command='holder')\n"
+        "print('held', flush=True)\n"
+        "time.sleep(600)\n")
+
+
+def all_files(workdir):
+    """{relative path: sha256} of every file in the directory (nothing added, nothing changed)."""
+    return hashes(workdir, sorted(os.listdir(workdir)))
+
+
+def wait_for_holder(workdir, pid, proc, timeout=300):
+    from brorl_jax.train.workdir import read_lock
+    deadline = time.time() + timeout
+    while (read_lock(workdir) or {}).get("pid") != pid:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+
+
+def test_a_work_directory_belongs_to_one_run_at_a_time(env, copy, tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, copy], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = all_files(copy)
+        (rc, out, err), (rc2, out2, err2), (rc3, out3, err3) = run_all(env, [
+            ("brorl_jax.main", *resume_args(copy, steps=3)),
+            ("brorl_jax.evaluate", *TINY, f"--workdir={copy}"),
+            ("brorl_jax.export", *TINY, f"--workdir={copy}", f"--out={tmp_path / 'hf'}"),
+        ])
+        short_error(rc, err)
+        assert (f"--workdir '{copy}' is in use by another run: pid {holder.pid} on host "
+                f"{os.uname().nodename}, started ") in err and "(holder)" in err
+        assert "give another --workdir" in err and "[resume]" not in out
+        # readers read a locked directory and write nothing into it
+        assert rc2 == 0, err2[-3000:]
+        assert f"[workdir] {copy} is in use by a run (pid {holder.pid}" in out2
+        assert rc3 == 0, err3[-3000:]
+        assert os.path.exists(tmp_path / "hf" / "model.safetensors")
+        assert all_files(copy) == before and not os.path.exists(os.path.join(copy, "logs"))
+    finally:
+        holder.kill()                                  # SIGKILL: its record stays behind
+        holder.wait()
+    # a lock left by a dead process is taken over; a second main stops at the door
+    first = start(env, "brorl_jax.main", *resume_args(copy, steps=3))
+    wait_for_holder(copy, first.pid, first)
+    rc, out, err = run(env, "brorl_jax.main", *resume_args(copy, steps=3))
+    short_error(rc, err)
+    assert f"is in use by another run: pid {first.pid} on host" in err
+    rc, out, err = finish(first)
+    assert rc == 0, err[-3000:]
+    assert (f"[workdir] taking over the lock of {copy}: the run that held it (pid {holder.pid} "
+            f"on host {os.uname().nodename}") in out and "(holder)) is no longer running" in out
+    assert [r["step"] for r in read_metrics(os.path.join(copy, "metrics.jsonl"))] == [0, 1, 2, 3]
+    assert {k: v for k, v in all_files(copy).items() if k.startswith("checkpoints/2/")} == \
+        {k: v for k, v in before.items() if k.startswith("checkpoints/2/")}
+    assert open(os.path.join(copy, ".brorl_lock")).read() == ""      # released cleanly
+
+
+# 10. Exports never overwrite ---------------------------------------------------------------------
+def test_exports_never_overwrite(env, copy, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"mine": true}\n')
+    replaced = tmp_path / "replaced"
+    replaced.mkdir()
+    (replaced / "old.txt").write_text("old\n")
+    (tmp_path / "a_file").write_text("x")
+    legacy = str(tmp_path / "legacy")            # a run from before brorl_config.json
+    shutil.copytree(copy, legacy)
+    os.replace(os.path.join(legacy, "brorl_config.json"), os.path.join(legacy, "config.json"))
+    before, legacy_before = all_files(copy), all_files(legacy)
+    export = ("brorl_jax.export", *TINY, f"--workdir={copy}")
+    results = run_all(env, [
+        (*export, f"--out={copy}"),
+        (*export, f"--out={os.path.join(copy, 'hf')}"),
+        (*export, f"--out={mine}"),
+        (*export, f"--out={tmp_path / 'a_file'}"),
+        (*export, f"--out={replaced}", "--overwrite"),
+        ("brorl_jax.main", *resume_args(legacy), "--config.algo.advantage=grpo"),
+    ])
+    for rc, _, err in results[:2]:
+        assert "is inside the run's work directory" in short_error(rc, err)
+    assert f"--out '{mine}' is not empty" in short_error(*results[2][::2])
+    assert "--overwrite to replace it" in results[2][2]
+    assert "is a file; give a directory" in short_error(*results[3][::2])
+    rc, out, err = results[4]
+    assert rc == 0, err[-3000:]
+    assert {"config.json", "generation_config.json", "model.safetensors"} <= \
+        set(os.listdir(replaced))
+    assert "model_type" in json.load(open(replaced / "config.json"))
+    assert not os.path.exists(replaced / "old.txt")
+    assert [n for n in os.listdir(tmp_path) if ".export-" in n or ".old-" in n] == []
+    # an old work directory's config.json is still its resume check
+    err = short_error(*results[5][::2])
+    assert "algo.advantage: 'reinforce_pp_baseline' -> 'grpo'" in err
+    assert (mine / "config.json").read_text() == '{"mine": true}\n'
+    assert all_files(copy) == before and all_files(legacy) == legacy_before
