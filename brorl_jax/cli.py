@@ -178,8 +178,9 @@ def report(exc: BaseException, values: dict, log_dirs: Sequence[str] = ()) -> in
                             "restart with the same --workdir (it resumes from its last complete "
                             "checkpoint).")
     if isinstance(exc, KeyboardInterrupt):
-        exc = Interrupted("interrupted (SIGINT); a restart with the same --workdir resumes from "
-                          "its last complete checkpoint.", signal.SIGINT)
+        exc = getattr(exc, "interrupted", None) or Interrupted(
+            "interrupted (SIGINT); a restart with the same --workdir resumes from its last "
+            "complete checkpoint.", signal.SIGINT)
     if not isinstance(exc, (UserError, Interrupted)):
         raise exc
     if debug_enabled():

@@ -134,7 +134,10 @@ def check_overlap(train: list[dict], held_out: list[dict], log=print) -> dict:
                                    ("held-out", held_out, eval_keys,
                                     out["data/eval_repeated_rows"])):
         if n:
-            log(f"[data] warning: {n} of {len(records)} {name} rows repeat an earlier prompt"
-                f"{where(records, keys)}; repeated prompts weigh more in "
-                f"{'training' if name == 'training' else 'the held-out score'}.")
+            generated = all(str(r.get("source", "")).startswith(REASONING_GYM_PREFIX[:-1])
+                            for r in records)
+            log(f"[data] {'note' if generated else 'warning'}: {n} of {len(records)} {name} "
+                f"rows repeat an earlier prompt{where(records, keys)}; repeated prompts weigh "
+                f"more in {'training' if name == 'training' else 'the held-out score'}"
+                + (" (a generated set, drawn with replacement)." if generated else "."))
     return out
