@@ -29,6 +29,16 @@ from brorl_jax.errors import Interrupted
 NAMES = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}
 
 
+class StopNow(KeyboardInterrupt):
+    """Raised by the handler inside a phase without a safe point: a BaseException (as Ctrl-C's
+    KeyboardInterrupt), so no `except Exception` on the way turns it into another error;
+    `interrupted` is the errors.Interrupted the command reports (cli.report)."""
+
+    def __init__(self, interrupted: Interrupted):
+        super().__init__(str(interrupted))
+        self.interrupted = interrupted
+
+
 class GracefulStop:
     """Installs handlers for SIGINT and SIGTERM that request a stop at the next safe point."""
 
@@ -67,7 +77,7 @@ class GracefulStop:
             self._during = None
             self._log(f"[signal] {NAMES[signum]} during {what}: stopping now")
             sys.stdout.flush()
-            raise self.stop(resume_step, during=what)
+            raise StopNow(self.stop(resume_step, during=what))
         self._log(f"[signal] {NAMES[signum]}: stopping after the current step (send it again "
                   "to stop at once)")
         sys.stdout.flush()

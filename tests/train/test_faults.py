@@ -420,19 +420,35 @@ def test_history_is_kept_and_readers_never_create_a_workdir(env, tmp_path, finis
     (workdir / "metrics.jsonl.1").write_text('{"step": 0, "run": "first"}\n')
     (workdir / "brorl_config.json").write_text('{"name": "old"}\n')
     misspelled = finished + "x"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rows = [{"prompt": f"{i}+1=", "ground_truth": str(i + 1), "data_source": "openai/gsm8k"}
+            for i in range(12)]
+    same = _jsonl(tmp_path / "same.jsonl", rows + rows[:2])     # two rows repeat
     results = run_all(env, [
         ("brorl_jax.main", *TINY, f"--workdir={workdir}", "--config.train.steps=0",
-         "--config.sft.steps=0"),
+         "--config.sft.steps=0", f"--config.data.train={same}", f"--config.data.eval={same}"),
         ("brorl_jax.evaluate", *TINY, f"--workdir={misspelled}"),
         ("brorl_jax.export", *TINY, f"--workdir={misspelled}", f"--out={tmp_path / 'hf'}"),
+        ("brorl_jax.evaluate", *TINY, f"--workdir={empty}"),
     ])
+    assert "no complete checkpoint" in short_error(*results.pop()[::2])
+    assert os.listdir(empty) == []                  # not even logs/: readers write nothing
     rc, out, err = results[0]
     assert rc == 0, err[-3000:]
     assert (workdir / "metrics.jsonl.1").read_text() == '{"step": 0, "run": "first"}\n'
     assert (workdir / "metrics.jsonl.2").read_text() == '{"step": 0, "run": "second"}\n'
     assert (workdir / "brorl_config.json.1").read_text() == '{"name": "old"}\n'
-    assert [r["step"] for r in read_metrics(str(workdir / "metrics.jsonl"))] == [0]
+    (first,) = read_metrics(str(workdir / "metrics.jsonl"))
+    assert first["step"] == 0
     assert f"earlier history kept in {workdir}/metrics.jsonl.2" in out
+    # data.eval = data.train with repeated rows: warned and counted in the first metrics row
+    assert (first["data/eval_in_train"], first["data/train_repeated_rows"],
+            first["data/eval_repeated_rows"]) == (14, 2, 2)
+    assert ("[data] warning: 14 of 14 held-out prompts are also training prompts (first: "
+            f"{same} row 0); the held-out score is then partly a training score") in out
+    assert f"[data] warning: 2 of 14 training rows repeat an earlier prompt (first: {same} " \
+        "row 12)" in out
     for rc, _, err in results[1:]:
         short_error(rc, err)
         assert f"--workdir '{misspelled}' does not exist. Did you mean '{finished}'?" in err
@@ -538,4 +554,98 @@ def test_exports_never_overwrite(env, copy, tmp_path):
     err = short_error(*results[5][::2])
     assert "algo.advantage: 'reinforce_pp_baseline' -> 'grpo'" in err
     assert (mine / "config.json").read_text() == '{"mine": true}\n'
-    assert all_files(copy) == before and all_files(legacy) == legacy_before
+    assert all_files(copy) == before
+    assert {k: v for k, v in all_files(legacy).items() if not k.startswith("logs/")} == \
+        legacy_before                          # main logs its error in its own logs/ only
+
+
+# 11. Every value checked at the door (issue 26; the full table over the schema is
+# tests/test_door_checks.py) -------------------------------------------------------------------
+def test_values_the_plan_cannot_hold_are_refused_at_the_door(env, tmp_path):
+    w = lambda name: f"--workdir={tmp_path / name}"       # noqa: E731
+    results = run_all(env, [
+        ("brorl_jax.main", *TINY, w("a"), "--config.rollout.temperature=inf"),
+        ("brorl_jax.main", *TINY, w("b"), "--config.rollout.temperature=nan"),
+        ("brorl_jax.main", *TINY, w("c"), "--config.rollout.rollouts_per_prompt=100000000000"),
+        ("brorl_jax.main", *TINY, w("d"), "--config.mesh.data=4", "--config.mesh.fsdp=2"),
+        ("brorl_jax.main", *TINY, w("e"), "--config.rollout.rollouts_per_prompt=abc"),
+        ("brorl_jax.main", "--config=configs/brorl.py:n=abc", w("f")),
+        ("brorl_jax.main", *TINY, w("g"), "--config.data.max_prompt_len=8"),
+        ("brorl_jax.experiments.compare_n", *TINY, f"--out={tmp_path / 'h'}", "--seeds="),
+        ("brorl_jax.experiments.compare_n", *TINY, f"--out={tmp_path / 'i'}", "--n="),
+    ])
+    errs = [short_error(rc, err) for rc, _, err in results]
+    assert "config key 'rollout.temperature' must be finite, got inf" in errs[0]
+    assert "config key 'rollout.temperature' is nan" in errs[1]
+    assert ("config key 'rollout.rollouts_per_prompt' = 100000000000 does not fit in int32"
+            in errs[2])
+    assert ("config keys mesh.data=4, mesh.fsdp=2, mesh.tensor=1 do not match the 1 device JAX "
+            "sees") in errs[3]
+    assert ("config key 'rollout.rollouts_per_prompt' must be an integer (int), got 'abc'"
+            in errs[4])
+    assert "config preset argument 'n' must be int, got 'abc'" in errs[5]
+    assert "longer than data.max_prompt_len=8" in errs[6]
+    assert "raise data.max_prompt_len (now 8; the longest prompt has " in errs[6]
+    assert "--seeds is empty" in errs[7] and "--n is empty" in errs[8]
+    for name in "abcdef":                      # refused before the work directory was made
+        assert not os.path.exists(tmp_path / name)
+
+
+# 12. Signals during the warm start and an evaluation (issue 26) ---------------------------------
+def _wait_for_line(proc, text, timeout=600):
+    """Reads the process's stdout until a line contains `text`; returns the lines read."""
+    lines, deadline = [], time.time() + timeout
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if text in line:
+            return lines
+    raise AssertionError(f"{text!r} not printed: {''.join(lines)[-3000:]}"
+                         f"{proc.communicate()[1][-3000:]}")
+
+
+def test_a_signal_during_the_warm_start_or_an_evaluation_stops_within_seconds(env, tmp_path):
+    warm = ["--config=configs/tiny.py", "--config.train.steps=0",
+            "--config.train.tensorboard=False"]
+    sft_dir, eval_dir = tmp_path / "sft", tmp_path / "eval"
+    # 1. during the evaluation before RL (this run also puts the warm start's program into the
+    # shared compilation cache, so the second run's signal lands in SFT steps, not a compile)
+    in_eval = start(env, "brorl_jax.main", *warm, f"--workdir={eval_dir}",
+                    "--config.eval.num_prompts=16", "--config.eval.samples_per_prompt=32")
+    _wait_for_line(in_eval, "[sft] 60 supervised steps")     # the evaluation before RL follows
+    time.sleep(3.0)                                          # the warm start saved, in the eval
+    in_eval.send_signal(signal.SIGINT)
+    t0 = time.time()
+    rc, out, err = finish(in_eval)
+    assert rc == 130, err[-3000:]
+    assert time.time() - t0 < 60, "the evaluation did not stop within seconds"
+    assert "[signal] SIGINT during the evaluation at step 0: stopping now" in out
+    assert "stopped by SIGINT during the evaluation at step 0" in err
+    assert os.path.exists(eval_dir / "warm_start_model" / "brorl_warm_start.json")
+    kept = hashes(str(eval_dir), ("warm_start_model",))
+    # 2. during the warm start: stops within seconds, keeps nothing half-done
+    in_sft = start(env, "brorl_jax.main", *warm, f"--workdir={sft_dir}")
+    _wait_for_line(in_sft, "[config] lr =")           # the next thing is the warm start
+    time.sleep(3.0)
+    in_sft.send_signal(signal.SIGTERM)
+    t0 = time.time()
+    rc, out, err = finish(in_sft)
+    assert rc == 143, err[-3000:]
+    # within one SFT step (or the compile of the first one): a loose bound for a loaded machine;
+    # the warm start did not run to its end
+    assert time.time() - t0 < 60, "the warm start did not stop within seconds"
+    assert "[signal] SIGTERM during the warm start: stopping now" in out
+    assert "supervised steps in" not in out
+    assert err.strip().splitlines()[-1] == (
+        "stopped by SIGTERM during the warm start; a restart with the same --workdir starts "
+        "from the beginning (no checkpoint was written yet; a finished warm start is kept and "
+        "not run again).")
+    assert not os.path.exists(sft_dir / "warm_start_model")   # an unfinished one is not kept
+    # 3. the restart does not redo the finished warm start: it loads it and goes on
+    rc, out, err = run(env, "brorl_jax.main", *warm, f"--workdir={eval_dir}")
+    assert rc == 0, err[-3000:]
+    assert (f"[sft] warm start kept from an earlier start: {eval_dir}/warm_start_model") in out
+    assert "supervised steps in" not in out and "[eval] before RL: pass@1" in out
+    assert hashes(str(eval_dir), ("warm_start_model",)) == kept
