@@ -9,8 +9,10 @@ must not collide in absl's global flag registry), and errors at the door.
 Errors at the door (docs/reliability.md):
   * a user error (brorl_jax.errors.UserError: config, data, model, checkpoint, work directory,
     disk, verifier) ends the command with `error: <what, where, the fix>` on stderr and exit
-    code 2; the full traceback goes to a log file (WORKDIR/logs/ when the command's work
-    directory exists, else the system temp directory) and to stderr with --debug / BRORL_DEBUG=1;
+    code 2; the full traceback goes to a log file (WORKDIR/logs/ for the commands that write
+    their directory -- main's --workdir, compare_n's --out -- when it exists and no other run
+    holds it; else the system temp directory: evaluate and export never write into the run they
+    read, nor export into --out) and to stderr with --debug / BRORL_DEBUG=1;
   * a command line that does not parse (a misspelled --config.KEY, a bad value, a config file
     that fails to load) is reported the same way, naming the key with the closest known one;
   * SIGINT / SIGTERM: exit 130 / 143 with one line (the trainer stops at a safe point first);
@@ -97,8 +99,36 @@ def _root_message(exc: BaseException) -> str:
             text = text[1:-1].encode().decode("unicode_escape") if text else text
         if text:
             messages.append(f"{text}")
-        exc = exc.__cause__ or exc.__context__
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     return messages[-1] if messages else "unknown error"
+
+
+def _parses_as(value: str, want: type) -> bool:
+    """Whether config_flags can read `value` as a `want` (int, float, bool; str always)."""
+    try:
+        if want is bool:
+            return value.strip().lower() in ("true", "false", "1", "0", "yes", "no", "t", "f")
+        if want is int:
+            int(value)
+        elif want is float:
+            float(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _type_errors(argv: Sequence[str], schema: dict) -> list[str]:
+    """'config key K must be TYPE, got V' for every --config.K=V whose V is not a K's type."""
+    out = []
+    for arg in argv[1:]:
+        m = re.match(r"--config\.([^=]+)=(.*)", arg, re.S)
+        if m and m.group(1) in schema:
+            want = type(schema[m.group(1)])
+            if want in (int, float, bool) and not _parses_as(m.group(2), want):
+                kind = {int: "an integer", float: "a number", bool: "true or false"}[want]
+                out.append(f"config key '{m.group(1)}' must be {kind} ({want.__name__}), got "
+                           f"{m.group(2)!r}.")
+    return out
 
 
 def command_line_error(argv: Sequence[str], exc: BaseException) -> str:
@@ -114,6 +144,9 @@ def command_line_error(argv: Sequence[str], exc: BaseException) -> str:
             unknown.append(unknown_key_message(m.group(1)))
     if unknown:
         return "invalid command line:\n  " + "\n  ".join(unknown)
+    mistyped = _type_errors(argv, schema)
+    if mistyped:
+        return "invalid command line:\n  " + "\n  ".join(mistyped)
     cause = _root_message(exc)
     if "Failed loading config file" in str(exc) or "config file" in cause.lower():
         path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
@@ -121,17 +154,22 @@ def command_line_error(argv: Sequence[str], exc: BaseException) -> str:
     return f"invalid command line: {cause}"
 
 
-def _log_path(values: dict) -> str:
+def _log_path(values: dict, exc: BaseException | None = None,
+              log_dirs: Sequence[str] = ()) -> str:
+    """WORKDIR/logs/ for a command that writes that directory (`log_dirs`: the flags naming it),
+    unless another run holds it; else the system temp directory."""
+    from brorl_jax.errors import WorkdirLockedError
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    for key in ("workdir", "out"):
+    for key in log_dirs:
         d = values.get(key)
-        if isinstance(d, str) and d and os.path.isdir(d):
+        if isinstance(d, str) and d and os.path.isdir(d) and \
+                not isinstance(exc, WorkdirLockedError):
             return os.path.join(d, "logs", f"error-{stamp}.log")
     return os.path.join(tempfile.gettempdir(), f"brorl_jax-error-{stamp}-{os.getpid()}.log")
 
 
-def _write_log(exc: BaseException, values: dict) -> str | None:
-    path = _log_path(values)
+def _write_log(exc: BaseException, values: dict, log_dirs: Sequence[str] = ()) -> str | None:
+    path = _log_path(values, exc, log_dirs)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
@@ -142,7 +180,7 @@ def _write_log(exc: BaseException, values: dict) -> str | None:
         return None
 
 
-def report(exc: BaseException, values: dict) -> int:
+def report(exc: BaseException, values: dict, log_dirs: Sequence[str] = ()) -> int:
     """Prints the short message for a user error, an interruption or a full disk; returns the
     exit code. Anything else is re-raised (a bug: its traceback is the report)."""
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
@@ -150,8 +188,9 @@ def report(exc: BaseException, values: dict) -> int:
                             "restart with the same --workdir (it resumes from its last complete "
                             "checkpoint).")
     if isinstance(exc, KeyboardInterrupt):
-        exc = Interrupted("interrupted (SIGINT); a restart with the same --workdir resumes from "
-                          "its last complete checkpoint.", signal.SIGINT)
+        exc = getattr(exc, "interrupted", None) or Interrupted(
+            "interrupted (SIGINT); a restart with the same --workdir resumes from its last "
+            "complete checkpoint.", signal.SIGINT)
     if not isinstance(exc, (UserError, Interrupted)):
         raise exc
     if debug_enabled():
@@ -159,7 +198,7 @@ def report(exc: BaseException, values: dict) -> int:
     if isinstance(exc, Interrupted):
         print(str(exc), file=sys.stderr, flush=True)
         return exc.exit_code
-    log = _write_log(exc, values)
+    log = _write_log(exc, values, log_dirs)
     print(f"error: {exc}", file=sys.stderr)
     if not debug_enabled():
         print(f"(traceback: {log or 'not written'}; --debug prints it)", file=sys.stderr)
@@ -190,9 +229,10 @@ def _terminated(signum, frame):
 
 
 def run(main: Callable[[dict], int | None], extra: Sequence[Flag] = (), *,
-        config_default: str = DEFAULT_CONFIG) -> None:
+        config_default: str = DEFAULT_CONFIG, log_dirs: Sequence[str] = ()) -> None:
     """Defines the flags, parses the command line and calls main({name: value}); user errors end
-    the command with a short message and exit code 2 (module docstring)."""
+    the command with a short message and exit code 2 (module docstring). `log_dirs`: the flags
+    naming a directory the command writes (its error logs go to DIR/logs/)."""
     try:
         holders = define(extra, config_default)
     except Exception as e:  # noqa: BLE001 - config_flags parses --config.KEY overrides here
@@ -213,7 +253,7 @@ def run(main: Callable[[dict], int | None], extra: Sequence[Flag] = (), *,
         try:
             code = main(values)
         except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - report() re-raises bugs
-            code = report(e, values)
+            code = report(e, values, log_dirs)
         sys.exit(code or 0)
 
     app.run(entry, flags_parser=_parse_flags)

@@ -222,6 +222,12 @@ NON_NEGATIVE = (
     "data.train_size", "data.eval_size", "eval.temperature", "optim.weight_decay",
     "optim.grad_clip",
 )
+# Float keys where an infinite value means something (no clipping); every other float key must
+# be finite, and no float key may be NaN (validate).
+INFINITE_OK = ("algo.reward_clip_low", "algo.reward_clip_high")
+# Integer keys are counts, sizes, steps and seeds that end up in int32 arrays and loop bounds:
+# each must fit in int32, and so must the token counts they multiply into (validate).
+INT32_MAX = 2**31 - 1
 # JSON-object keys and what their values must be (checked by validate, read by json_option).
 JSON_OBJECT_KEYS = ("data.reasoning_gym_kwargs", "data.fields", "rewards.map")
 DATA_SPEC_SUFFIXES = (".jsonl", ".parquet", ".pq")
@@ -292,6 +298,9 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                       "; start configs from brorl_jax.config.default_config().")
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    errors += _validate_numbers(schema, given)
+    if errors:      # nan / inf / huge values would make the range checks below misleading
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
 
     for key, allowed in choices().items():
         if _get(cfg, key) not in allowed:
@@ -357,6 +366,57 @@ def validate(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     return cfg
+
+
+def _validate_numbers(schema: dict, given: dict) -> list[str]:
+    """Every float finite (NaN nowhere; inf only in INFINITE_OK), every int within int32, and the
+    token counts of one generation round and one update within int32 (they are int32 arrays and
+    sums on device)."""
+    errors = []
+    for key, value in given.items():
+        want = type(schema.get(key))
+        if want is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if math.isnan(value):
+                errors.append(f"config key '{key}' is nan; give a number.")
+            elif math.isinf(value) and key not in INFINITE_OK:
+                errors.append(f"config key '{key}' must be finite, got {value}.")
+            elif math.isfinite(value) and abs(value) > 1e30:
+                errors.append(f"config key '{key}' = {value:g} is out of range (|value| <= 1e30).")
+        elif want is int and isinstance(value, int) and not isinstance(value, bool):
+            if not -INT32_MAX <= value <= INT32_MAX:
+                errors.append(f"config key '{key}' = {value} does not fit in int32 (|value| <= "
+                              f"{INT32_MAX}); counts, sizes and seeds are int32 on device.")
+    if errors:
+        return errors
+    get = given.get
+    n, prompts = get("rollout.rollouts_per_prompt", 0), get("algo.prompts_per_step", 0)
+    seq = get("data.max_prompt_len", 0) + get("rollout.max_new_tokens", 0)
+    mult = get("algo.generation_batch_multiplier", 1.0)
+    if min(n, prompts, seq) > 0 and mult >= 1.0:
+        tokens = math.ceil(prompts * mult) * n * seq
+        if tokens > INT32_MAX:
+            errors.append(
+                f"one generation round holds ceil(algo.prompts_per_step {prompts} x "
+                f"algo.generation_batch_multiplier {mult:g}) x rollout.rollouts_per_prompt {n} x "
+                f"(data.max_prompt_len + rollout.max_new_tokens = {seq}) = {tokens:,} tokens, "
+                f"more than int32 counts ({INT32_MAX:,}); lower rollout.rollouts_per_prompt, "
+                "algo.prompts_per_step or the lengths.")
+    return errors
+
+
+def check_mesh(cfg: ml_collections.ConfigDict, num_devices: int) -> None:
+    """ConfigError unless mesh.data x mesh.fsdp x mesh.tensor (-1 = the rest) uses exactly the
+    `num_devices` devices JAX sees; on one device too (where the mesh is otherwise unused)."""
+    from brorl_jax.parallel.mesh import AXES, mesh_shape
+    sizes = {a: int(cfg.mesh[a]) for a in AXES}
+    try:
+        mesh_shape(sizes, num_devices)
+    except ValueError as e:
+        given = ", ".join(f"mesh.{a}={v}" for a, v in sizes.items())
+        raise ConfigError(f"config keys {given} do not match the {num_devices} device"
+                          f"{'s' if num_devices != 1 else ''} JAX sees ({e}). Set the sizes so "
+                          "their product is the device count, or one of them to -1 (the rest; "
+                          "the default is mesh.data=-1, mesh.fsdp=1, mesh.tensor=1).") from None
 
 
 def _validate_io_keys(cfg: ml_collections.ConfigDict) -> list[str]:

@@ -43,6 +43,11 @@ class WorkdirError(UserError):
     """The work directory (or a path inside it) is missing, not a directory, or not writable."""
 
 
+class WorkdirLockedError(WorkdirError):
+    """Another live run holds the work directory (train/workdir.py: one run at a time); nothing
+    is written into it, not even the error log."""
+
+
 class CheckpointError(UserError):
     """No checkpoint can be restored, or a save failed."""
 

@@ -33,7 +33,7 @@ def main(values: dict) -> int:
 
 def run() -> None:
     """Console-script entry (`brorl-jax`)."""
-    cli.run(main, FLAGS)
+    cli.run(main, FLAGS, log_dirs=("workdir",))
 
 
 if __name__ == "__main__":

@@ -20,5 +20,9 @@ def parse_arg(arg: str | None, allowed: dict[str, type]) -> dict:
         if key not in allowed:
             raise ValueError(f"unknown config preset key {key!r}; allowed: "
                              f"{', '.join(sorted(allowed))}.")
-        out[key] = allowed[key](value)
+        try:
+            out[key] = allowed[key](value)
+        except ValueError:
+            raise ValueError(f"config preset argument {key!r} must be {allowed[key].__name__}, "
+                             f"got {value!r} (in {arg!r}).") from None
     return out

@@ -22,11 +22,11 @@ from brorl_jax.data.records import (
     load_parquet,
     normalize_row,
 )
-from brorl_jax.data.sources import load_dataset, load_train_and_eval
+from brorl_jax.data.sources import check_overlap, load_dataset, load_train_and_eval
 from brorl_jax.data.tokenize import PromptTokenizer
 
 __all__ = [
     "DataReport", "Prompt", "PromptIterator", "PromptLoader", "PromptTokenizer", "SkippedRow",
-    "load_dataset", "load_train_and_eval", "load_jsonl", "load_parquet", "make_prompt_loader", "normalize_row",
+    "check_overlap", "load_dataset", "load_train_and_eval", "load_jsonl", "load_parquet", "make_prompt_loader", "normalize_row",
     "reasoning_gym_source", "tokenize_and_filter",
 ]

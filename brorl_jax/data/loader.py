@@ -212,10 +212,17 @@ def make_prompt_loader(records: Sequence[dict], tokenizer_fn: Callable[[dict], S
     local_batch_size = batch_size // shard_count
     steps_per_epoch = (num_even // shard_count) // local_batch_size
     if steps_per_epoch == 0:
-        raise ValueError(f"{num_even} usable prompts (of {len(records)}; "
-                         f"{report.num_skipped(PROMPT_TOO_LONG)} too long) cannot fill one batch "
-                         f"of {batch_size} prompts over {shard_count} hosts; lower batch_size or "
-                         "add data.")
+        too_long = report.num_skipped(PROMPT_TOO_LONG)
+        fix = "add data"
+        if too_long:
+            longest = max(int(s.detail.split()[0]) for s in report.skipped
+                          if s.reason == PROMPT_TOO_LONG)
+            fix = (f"raise data.max_prompt_len (now {max_prompt_len}; the longest prompt has "
+                   f"{longest} tokens), or add data")
+        raise ValueError(f"{num_even} usable prompts (of {len(records)}; {too_long} longer than "
+                         f"data.max_prompt_len={max_prompt_len}) cannot fill one batch (a "
+                         f"generation round) of {batch_size} prompts over {shard_count} hosts; {fix} (or "
+                         "lower algo.prompts_per_step).")
 
     dataset = grain.MapDataset.source(prompts)[shard_index::shard_count]
     if shuffle:

@@ -99,3 +99,45 @@ def load_train_and_eval(data_cfg, on_report=None
         n = min(data_cfg.eval_size, len(train) // 10)
         held_out, train = train[:n], train[n:]
     return train, held_out, reports
+
+
+def check_overlap(train: list[dict], held_out: list[dict], log=print) -> dict:
+    """Counts what makes a held-out score or a training set mean less than it seems: held-out
+    rows whose prompt is also a training prompt (the held-out score is then partly a training
+    score), and rows repeating an earlier prompt of their own set. Logs one warning line per
+    non-zero count; returns the counts as metrics (data/...), logged with the first metrics row."""
+    train_keys = [_prompt_key(r) for r in train]
+    eval_keys = [_prompt_key(r) for r in held_out]
+    in_train = set(train_keys)
+    overlap = sum(k in in_train for k in eval_keys)
+    out = {"data/eval_in_train": overlap,
+           "data/train_repeated_rows": len(train_keys) - len(in_train),
+           "data/eval_repeated_rows": len(eval_keys) - len(set(eval_keys))}
+
+    def where(records, keys):
+        first, seen = None, set()
+        for r, k in zip(records, keys):
+            if k in seen:
+                first = r
+                break
+            seen.add(k)
+        return f" (first: {first.get('source')} row {first.get('row')})" if first else ""
+
+    if overlap:
+        example = next(r for r, k in zip(held_out, eval_keys) if k in in_train)
+        log(f"[data] warning: {overlap} of {len(held_out)} held-out prompts are also training "
+            f"prompts (first: {example.get('source')} row {example.get('row')}); the held-out "
+            "score is then partly a training score. Give data.eval prompts disjoint from "
+            "data.train (or leave data.eval empty to hold out part of data.train).")
+    for name, records, keys, n in (("training", train, train_keys,
+                                    out["data/train_repeated_rows"]),
+                                   ("held-out", held_out, eval_keys,
+                                    out["data/eval_repeated_rows"])):
+        if n:
+            generated = all(str(r.get("source", "")).startswith(REASONING_GYM_PREFIX[:-1])
+                            for r in records)
+            log(f"[data] {'note' if generated else 'warning'}: {n} of {len(records)} {name} "
+                f"rows repeat an earlier prompt{where(records, keys)}; repeated prompts weigh "
+                f"more in {'training' if name == 'training' else 'the held-out score'}"
+                + (" (a generated set, drawn with replacement)." if generated else "."))
+    return out

@@ -223,6 +223,10 @@ def main(values: dict) -> int:
     except ValueError:
         raise ConfigError(f"--seeds must be comma-separated integers, got "
                           f"{','.join(values['seeds'])!r}.") from None
+    for flag, given in (("--n", ns), ("--seeds", seeds)):
+        if not given:
+            raise ConfigError(f"{flag} is empty; give at least one value, e.g. "
+                              f"{flag}={'16,512' if flag == '--n' else '0,1,2'}.")
     base = validate(values["config"])
     rows = base.algo.prompts_per_step * base.rollout.rollouts_per_prompt
     for n in ns:
@@ -235,4 +239,4 @@ def main(values: dict) -> int:
 
 
 if __name__ == "__main__":
-    cli.run(main, FLAGS)
+    cli.run(main, FLAGS, log_dirs=("out",))

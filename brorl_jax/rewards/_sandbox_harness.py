@@ -48,6 +48,14 @@ MS_REC = 16384
 MS_PRIVATE = 1 << 18
 MS_RELATIME = 1 << 21
 
+MNT_DETACH = 2
+# pivot_root has no libc wrapper: the syscall number per architecture (else chroot is used).
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217,
+                  "riscv64": 41}.get(os.uname().machine)
+# Where the solution's work directory and temporary directory are inside the minimal root.
+ROOT_WORK = "/work"
+DEVICES = ("null", "zero", "full", "random", "urandom")
+
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
@@ -72,6 +80,7 @@ _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctype
                         ctypes.c_char_p]
 _libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
                         ctypes.c_ulong]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
 
 def _check(ret, what):
@@ -97,6 +106,28 @@ def prctl(option, arg=0):
 def _write(path, text):
     with open(path, "w") as f:
         f.write(text)
+
+
+# The run directory (inputs, outputs, status.json) as the keeper reaches it: by path, or, inside
+# a minimal root where it is not visible, through a directory fd opened before entering it.
+_RUN = {"dir": None, "fd": None}
+
+
+def run_open(name, flags, mode=0o600):
+    if _RUN["fd"] is not None:
+        return os.open(name, flags, mode, dir_fd=_RUN["fd"])
+    return os.open(os.path.join(_RUN["dir"], name), flags, mode)
+
+
+def run_write(name, text):
+    fd = run_open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def run_read(name):
+    with os.fdopen(run_open(name, os.O_RDONLY), encoding="utf-8", errors="replace") as f:
+        return f.read()
 
 
 def _mount_points():
@@ -166,6 +197,174 @@ def _setup_mounts(iso, run_dir, work_dir):
     return failed
 
 
+def _elf_interpreter(path):
+    """The dynamic loader an ELF executable names (PT_INTERP), or None."""
+    import struct
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            if head[:4] != b"\x7fELF" or head[4] != 2:          # 64-bit ELF only
+                return None
+            end = "<" if head[5] == 1 else ">"
+            phoff, = struct.unpack(end + "Q", head[32:40])
+            phentsize, phnum = struct.unpack(end + "HH", head[54:58])
+            for i in range(phnum):
+                f.seek(phoff + i * phentsize)
+                ptype, = struct.unpack(end + "I", f.read(4))
+                if ptype == 3:                                  # PT_INTERP
+                    f.seek(phoff + i * phentsize + 8)
+                    offset, = struct.unpack(end + "Q", f.read(8))
+                    f.seek(phoff + i * phentsize + 32)
+                    size, = struct.unpack(end + "Q", f.read(8))
+                    f.seek(offset)
+                    return f.read(size).rstrip(b"\0").decode()
+    except (OSError, struct.error, UnicodeDecodeError):
+        return None
+    return None
+
+
+def exposed_paths():
+    """What the minimal root shows of the host, read-only: the interpreter, its standard
+    library (sys.path of this -I -S interpreter), the directories of the shared libraries it
+    has mapped (so later imports of extension modules find theirs), its dynamic loader and the
+    loader's cache. Nothing else: no checkout, no data, no home, no other run's files."""
+    paths = [os.path.realpath(sys.executable)]
+    paths += [p for p in sys.path if os.path.exists(p)]
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6:
+                    mapped = parts[5].strip()
+                    if mapped.startswith("/") and ".so" in os.path.basename(mapped):
+                        paths.append(os.path.dirname(mapped))
+    except OSError:
+        pass
+    interp = _elf_interpreter(os.path.realpath(sys.executable))
+    if interp:
+        paths.append(interp)
+    paths.append("/etc/ld.so.cache")
+    out = []
+    for p in paths:
+        if os.path.exists(p) and p not in out:
+            out.append(p)
+    return out
+
+
+def _mirror(root, path, bound):
+    """Recreates `path` inside `root`: each symlink on the way as the same symlink, then a
+    mount point (an empty file or directory) for the real thing; returns (real source, target
+    inside root), or None when it is already visible (inside a directory in `bound`)."""
+    parts = [c for c in path.split("/") if c]
+    host = "/"
+    hops = 0
+    while parts:
+        name = parts.pop(0)
+        nxt = os.path.join(host, name)
+        inside = root + nxt
+        if os.path.islink(nxt):
+            hops += 1
+            if hops > 40:
+                raise OSError("too many symlinks in %s" % path)
+            target = os.readlink(nxt)
+            if not os.path.lexists(inside):
+                os.makedirs(os.path.dirname(inside), 0o755, exist_ok=True)
+                os.symlink(target, inside)
+            rest = [c for c in target.split("/") if c]
+            parts = rest + parts
+            host = "/" if target.startswith("/") else host
+            continue
+        host = nxt
+        if any(host == b or host.startswith(b.rstrip("/") + "/") for b in bound):
+            return None                       # already visible through a bound directory
+        if not parts:
+            if os.path.isdir(host):
+                os.makedirs(inside, 0o755, exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(inside), 0o755, exist_ok=True)
+                if not os.path.lexists(inside):
+                    open(inside, "w").close()
+            return host, inside
+        if not os.path.isdir(host):
+            return None
+    return None
+
+
+def _bind_readonly(source, target):
+    """A read-only, nosuid, nodev bind of one host path (its submounts not included)."""
+    mount(source, target, None, MS_BIND)
+    flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV
+    st = os.statvfs(target).f_flag
+    for st_bit, ms_bit in _ST_TO_MS:
+        if st & st_bit:
+            flags |= ms_bit        # flags the kernel keeps locked (e.g. inside a user namespace)
+    mount(None, target, None, flags)
+
+
+def _build_root(iso, run_dir, work_dir):
+    """A new, minimal root in run_dir/root: exposed_paths() read-only, a minimal /dev, a
+    private /proc (with a pid namespace), a private empty /tmp and the work dir (ROOT_WORK),
+    both size-capped tmpfs. Returns the root's path."""
+    root = os.path.join(run_dir, "root")
+    os.mkdir(root, 0o755)
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=0755")
+    bound = []
+    for path in sorted(exposed_paths(), key=lambda p: len(os.path.realpath(p))):
+        got = _mirror(root, path, bound)
+        if got is not None:
+            _bind_readonly(*got)
+            if os.path.isdir(got[0]):
+                bound.append(got[0])
+    for entry in sys.path:       # the base interpreter's third-party packages: not given
+        for name in ("site-packages", "dist-packages"):
+            hidden = root + os.path.join(entry, name)
+            if os.path.isdir(hidden) and not os.path.islink(hidden):
+                mount("tmpfs", hidden, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                      "size=4k,mode=0555")
+    dev = root + "/dev"
+    os.makedirs(dev, 0o755, exist_ok=True)
+    mount("tmpfs", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=0755")
+    for name in DEVICES:
+        if os.path.exists("/dev/" + name):
+            open(os.path.join(dev, name), "w").close()
+            mount("/dev/" + name, os.path.join(dev, name), None, MS_BIND)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, os.path.join(dev, name))
+    os.mkdir(dev + "/shm", 0o1777)
+    os.chmod(dev + "/shm", 0o1777)
+    owner = ""
+    if iso.get("uid") is not None:
+        owner = ",uid=%d,gid=%d" % (iso["uid"], iso["gid"])
+    mount("tmpfs", dev + "/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+          "size=%d,mode=1777" % (4 << 20))
+    for name, mode, size in (("tmp", "1777", iso["tmpfs_bytes"]),):
+        os.makedirs(root + "/" + name, 0o755, exist_ok=True)
+        mount("tmpfs", root + "/" + name, "tmpfs", MS_NOSUID | MS_NODEV,
+              "size=%d,mode=%s" % (size, mode))
+    os.makedirs(root + ROOT_WORK, 0o755, exist_ok=True)
+    mount("tmpfs", root + ROOT_WORK, "tmpfs", MS_NOSUID | MS_NODEV,
+          "size=%d,mode=0700%s" % (iso["tmpfs_bytes"], owner))
+    if iso["unshare_flags"] & CLONE_NEWPID:
+        os.makedirs(root + "/proc", 0o555, exist_ok=True)
+        mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4m,mode=0755")
+    return root
+
+
+def _enter_root(root):
+    """Makes `root` this process's root: pivot_root (the old root unmounted, unreachable), else
+    chroot. Returns which."""
+    os.chdir(root)
+    if SYS_PIVOT_ROOT is not None and _libc.syscall(SYS_PIVOT_ROOT, b".", b".") == 0:
+        _check(_libc.umount2(b".", MNT_DETACH), "umount the old root")
+        os.chdir("/")
+        return "pivot_root"
+    os.chroot(".")
+    os.chdir("/")
+    return "chroot"
+
+
 def _relocate_imports(moved):
     """Points sys.path and loaded packages' __path__ at the bind-mounted copies, so lazy
     imports (e.g. encodings.idna on the first socket call) work for the sandbox uid."""
@@ -221,7 +420,7 @@ def _child_setup(cfg, fds):
     for target, fd in enumerate(high):
         os.dup2(fd, target)
     os.closerange(len(fds), 65536)
-    os.chdir(cfg["work_dir"])
+    os.chdir(cfg["child_work_dir"])
     _set_limits(cfg["limits"])
     _drop_privileges(cfg["isolation"])
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -400,12 +599,10 @@ def _decode(status, timed_out, wall, cpu):
 
 
 def _open_fds(cfg, i):
-    run_dir = cfg["run_dir"]
-    stdin = os.path.join(run_dir, "in_%d" % i) if cfg["style"] == "stdio" else os.devnull
-    fds = [os.open(stdin, os.O_RDONLY)]
+    fds = [run_open("in_%d" % i, os.O_RDONLY) if cfg["style"] == "stdio"
+           else os.open(os.devnull, os.O_RDONLY)]
     for name in ("out_%d" % i, "err_%d" % i, "ret_%d" % i):
-        fds.append(os.open(os.path.join(run_dir, name), os.O_RDWR | os.O_CREAT | os.O_TRUNC,
-                           0o600))
+        fds.append(run_open(name, os.O_RDWR | os.O_CREAT | os.O_TRUNC))
     return fds
 
 
@@ -444,30 +641,39 @@ def keeper(cfg, launcher_alive_fd):
                 __import__(name)
             except ImportError:
                 pass
-    status = {"setup": "ok", "compile": None, "tests": [], "mount_ro_failed": []}
+    status = {"setup": "ok", "compile": None, "tests": [], "mount_ro_failed": [],
+              "root": None}
+    _RUN["dir"] = cfg["run_dir"]
+    cfg["child_work_dir"] = cfg["work_dir"]
     try:
         _write("/proc/self/oom_score_adj", "-1000")
     except OSError:
         pass
     if os.getpid() != 1:
         prctl(PR_SET_CHILD_SUBREAPER, 1)
+    source = run_read("solution.py")
     try:
-        if iso["unshare_flags"] & CLONE_NEWNS:
+        if iso["unshare_flags"] & CLONE_NEWNS and iso.get("minimal_root"):
+            mount(None, "/", None, MS_REC | MS_PRIVATE)
+            root = _build_root(iso, cfg["run_dir"], cfg["work_dir"])
+            _RUN["fd"] = os.open(cfg["run_dir"], os.O_RDONLY | os.O_DIRECTORY)
+            executable = os.path.realpath(sys.executable)
+            status["root"] = _enter_root(root)
+            sys.executable = executable          # the path the minimal root holds
+            cfg["child_work_dir"] = ROOT_WORK
+            os.environ.update(HOME=ROOT_WORK, TMPDIR="/tmp", PWD=ROOT_WORK)
+        elif iso["unshare_flags"] & CLONE_NEWNS:
             status["mount_ro_failed"] = _setup_mounts(iso, cfg["run_dir"], cfg["work_dir"])
     except OSError as e:
         status["setup"] = "isolation setup failed: %s" % e
-        _write(os.path.join(cfg["run_dir"], "status.json"), json.dumps(status))
+        run_write("status.json", json.dumps(status))
         return
     lim = cfg["limits"]
-    run_dir = cfg["run_dir"]
-    with open(os.path.join(run_dir, "solution.py"), encoding="utf-8", errors="replace") as f:
-        source = f.read()
     start = time.monotonic()
     # Compile first in a confined child: a pathological source must not hit the keeper.
     pid = _fork_confined(cfg, [os.open(os.devnull, os.O_RDONLY),
                                os.open(os.devnull, os.O_WRONLY),
-                               os.open(os.path.join(cfg["run_dir"], "compile_err"),
-                                       os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)],
+                               run_open("compile_err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)],
                          lambda: _compile_only(source))
     st, timed_out, cpu = _wait(pid, lim["wall_s"])
     _kill_leftovers(cfg, pid)
@@ -486,15 +692,16 @@ def keeper(cfg, launcher_alive_fd):
             t0 = time.monotonic()
             args_json = None
             if cfg["style"] == "call":
-                with open(os.path.join(run_dir, "in_%d" % i), encoding="utf-8") as f:
-                    args_json = f.read()
+                args_json = run_read("in_%d" % i)
             pid = _fork_confined(cfg, _open_fds(cfg, i),
                                  lambda: _run_solution(cfg, source, args_json))
             st, timed_out, cpu = _wait(pid, min(lim["wall_s"], left))
             _kill_leftovers(cfg, pid)
             status["tests"].append(_decode(st, timed_out, time.monotonic() - t0, cpu))
-            _clear_dir(cfg["work_dir"])
-    _write(os.path.join(cfg["run_dir"], "status.json"), json.dumps(status))
+            _clear_dir(cfg["child_work_dir"])
+            if status["root"]:
+                _clear_dir("/tmp")                 # each test starts with an empty /tmp
+    run_write("status.json", json.dumps(status))
 
 
 def launcher(cfg):
@@ -520,6 +727,22 @@ def launcher(cfg):
     os._exit(os.WEXITSTATUS(st) if os.WIFEXITED(st) else EXIT_SETUP_FAILED)
 
 
+def _probe_root(flags, probe_dir):
+    """In a throw-away mount namespace: builds the minimal root and enters it; the method that
+    worked ("pivot_root" / "chroot"), or {"error": ...}. Checks that the host is gone."""
+    try:
+        os.makedirs(probe_dir, 0o711, exist_ok=True)
+        run_dir = os.path.join(probe_dir, str(os.getpid()))
+        os.mkdir(run_dir, 0o711)
+        iso = {"unshare_flags": flags, "tmpfs_bytes": 1 << 20, "uid": None}
+        how = _enter_root(_build_root(iso, run_dir, None))
+        if os.path.exists(probe_dir) or not os.path.isdir(ROOT_WORK) or os.listdir("/tmp"):
+            return {"error": "the minimal root still shows the host's files"}
+        return how
+    except OSError as e:
+        return {"error": "minimal root: %s" % e}
+
+
 def probe():
     """Tries each isolation layer in throw-away namespaces; prints a JSON report."""
     report = {"euid": os.geteuid(), "errors": {}}
@@ -529,7 +752,8 @@ def probe():
     # Weaker sets for kernels that refuse some namespace types.
     for extra in (CLONE_NEWNS | CLONE_NEWPID, CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID):
         candidates.append(extra if os.geteuid() == 0 else extra | CLONE_NEWUSER)
-    chosen = 0
+    chosen, root = 0, None
+    probe_dir = "/tmp/brorl_sbx_%d_probe" % os.getpid()     # swept by sandbox.py if left
     for flags in candidates:
         r, w = os.pipe()
         pid = os.fork()
@@ -554,6 +778,7 @@ def probe():
                             res["tmpfs"] = True
                         except OSError as e:
                             res["mount_error"] = str(e)
+                        res["root"] = _probe_root(flags, probe_dir)
                     os.write(w, (json.dumps(res) + "\n").encode())
                     os._exit(0)
                 os.waitpid(inner, 0)
@@ -585,9 +810,20 @@ def probe():
                 if not flags & ~CLONE_NEWUSER:
                     continue
             chosen = flags
+            if flags & CLONE_NEWNS:
+                root = inner_res.get("root")
+                if isinstance(root, dict):
+                    report["errors"]["minimal_root"] = root["error"]
+                    root = None
             break
         report["errors"]["%#x" % flags] = outer_res.get("error", "namespace check failed")
+    try:
+        import shutil
+        shutil.rmtree(probe_dir, ignore_errors=True)
+    except OSError:
+        pass
     report["unshare_flags"] = chosen
+    report["root"] = root          # "pivot_root" | "chroot" | None (the read-only host tree)
     print(json.dumps(report))
 
 

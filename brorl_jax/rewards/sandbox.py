@@ -9,8 +9,15 @@ buys and what is lost when it is missing.
 Layers, strongest first (each used when available, all combined):
   * namespaces: network (no interfaces but a down loopback: no network at all), pid (the
     solution sees only its own processes; tearing down pid 1 kills every process it started),
-    mount (the whole file tree is re-mounted read-only except a size-capped tmpfs work dir;
-    a private /proc), ipc and uts.
+    mount, ipc and uts.
+  * a minimal root (mount namespace + pivot_root, else chroot): the solution's file system is a
+    new tmpfs root holding only the interpreter, its standard library and the shared libraries
+    it loads (read-only binds of those host paths, nothing else of the host: no checkout, no
+    data, no home, no other run's files), a minimal /dev (null, zero, full, random, urandom,
+    a private /dev/shm), a private /proc, and two size-capped tmpfs: an empty /tmp and its work
+    dir /work. Where a new root cannot be entered, the fallback is the host's tree re-mounted
+    read-only with a private tmpfs work dir (files stay readable: only permissions protect
+    them); the probe report says which is in force.
   * a per-run cgroup (v1 or v2) capping pids and memory, used to kill every process of the run.
   * an unprivileged uid (when the worker is root): the solution cannot write root's files or
     signal the worker; a dedicated uid per worker makes RLIMIT_NPROC meaningful.
@@ -81,6 +88,7 @@ class Isolation:
     drop_uid: bool
     cgroup: str | None                  # "v1" | "v2" | None
     cgroup_dirs: tuple[str, ...]        # parent dirs where per-run cgroups are created
+    root: str | None = None             # "pivot_root" | "chroot": a minimal root; None: host tree
 
     @property
     def namespaces(self) -> tuple[str, ...]:
@@ -94,7 +102,13 @@ class Isolation:
             "network": ("blocked: empty network namespace" if "net" in ns
                         else "NOT isolated: no network namespace on this machine"),
             "filesystem": (
-                "read-only everywhere except a private tmpfs work dir (mount namespace)"
+                f"minimal root ({self.root}): only the interpreter, its standard library and "
+                "shared libraries (read-only), a minimal /dev, a private /proc, an empty "
+                "private /tmp and work dir (tmpfs); no other host file is visible"
+                if "mount" in ns and self.root else
+                "host tree read-only except a private tmpfs work dir (mount namespace; no "
+                "minimal root on this machine: host files stay readable, subject to their "
+                "permissions)"
                 if "mount" in ns else
                 ("unprivileged uid: cannot write files it does not own; world-writable "
                  "directories (/tmp, /dev/shm) remain writable" if self.drop_uid else
@@ -255,12 +269,13 @@ def probe_isolation(mode: str | None = None) -> Isolation:
     drop_uid = os.geteuid() == 0
     if mode == "rlimits" or sys.platform != "linux":
         return Isolation(0, drop_uid, None, ())
-    flags = 0
+    flags, root = 0, None
     try:
         out = subprocess.run([sys.executable, "-I", "-S", _HARNESS, "--probe"], check=True,
                              capture_output=True, timeout=30, text=True)
         report = json.loads(out.stdout.strip().splitlines()[-1])
         flags = int(report["unshare_flags"])
+        root = report.get("root") if flags & _CLONE_NEWNS else None
         if report.get("errors"):
             logger.info("sandbox namespace probe: %s", report["errors"])
     except (subprocess.SubprocessError, OSError, ValueError, KeyError, IndexError) as e:
@@ -268,7 +283,7 @@ def probe_isolation(mode: str | None = None) -> Isolation:
     cgroup, dirs = _probe_cgroups()
     # A user namespace maps only our uid: dropping to another uid is impossible inside it.
     drop_uid = drop_uid and not flags & _CLONE_NEWUSER
-    return Isolation(flags, drop_uid, cgroup, dirs)
+    return Isolation(flags, drop_uid, cgroup, dirs, root)
 
 
 def isolation_report(mode: str | None = None) -> dict:
@@ -477,6 +492,7 @@ def run_python_tests(source: str, test_inputs: Sequence[str], *, style: str = "s
             "isolation": {
                 "unshare_flags": iso.unshare_flags, "uid": uid, "gid": uid,
                 "cgroup_procs": procs_files, "tmpfs_bytes": limits.work_dir_bytes,
+                "minimal_root": bool(iso.root),
             },
         }
         cfg_path = os.path.join(run_dir, "config.json")
@@ -558,3 +574,9 @@ def _collect(run_dir: str, n_tests: int, limits: SandboxLimits, proc) -> Sandbox
                              timed_out=rec["timed_out"], wall_s=rec["wall_s"],
                              output_truncated=truncated, stderr_tail=(stderr or "")[-2000:]))
     return SandboxResult("ok", tests)
+
+
+if __name__ == "__main__":      # python -m brorl_jax.rewards.sandbox --probe
+    if sys.argv[1:] not in ([], ["--probe"]):
+        sys.exit("usage: python -m brorl_jax.rewards.sandbox [--probe]")
+    print(json.dumps(isolation_report(), indent=1))

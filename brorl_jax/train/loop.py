@@ -31,8 +31,10 @@ import sys
 import time
 from typing import Any
 
+import jax
+
 from brorl_jax import algo, data, models
-from brorl_jax.config import derived_learning_rate, optimizer_config, validate
+from brorl_jax.config import check_mesh, derived_learning_rate, optimizer_config, validate
 from brorl_jax.errors import CheckpointError, DataError
 from brorl_jax.train import evaluation, run_config, workdir as workdir_lib
 from brorl_jax.train.checkpoint import Checkpointer
@@ -67,17 +69,28 @@ class Trainer:
     def __init__(self, cfg, workdir: str, *, allow_config_change=()):
         # Checks first, cheapest first: nothing expensive starts before they pass.
         validate(cfg)
+        check_mesh(cfg, jax.device_count())
         self.cfg = cfg
         self.workdir = workdir
         workdir_lib.prepare(workdir)
+        self.lock = workdir_lib.acquire(workdir, process_index=jax.process_index(), log=_log)
+        try:                            # released on any failure from here (a notebook goes on)
+            self._build(cfg, workdir, allow_config_change)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _build(self, cfg, workdir: str, allow_config_change) -> None:
         check_model_path(cfg.model.path)
         self.resuming = workdir_lib.has_checkpoints(workdir)
         allow = run_config.check_allow_list(allow_config_change)
         self.config_changes = run_config.check_resume(cfg, workdir, allow) if self.resuming else []
         train_records, eval_records = load_records(cfg)
+        self.data_metrics = data.check_overlap(train_records, eval_records, log=_log)  # step 0
         self.lr, self.lr_note = derived_learning_rate(cfg)
         self.ctx: RunContext = build_context(cfg, eval_records)
         try:                            # the scoring workers run from here: stop them on error
+            workdir_lib.check_lock(self.lock, self.runtime.allgather_json)
             self.loader = self._make_loader(train_records)
             self.checkpointer = Checkpointer(
                 os.path.join(workdir, workdir_lib.CHECKPOINTS), keep=cfg.train.keep_checkpoints,
@@ -123,8 +136,11 @@ class Trainer:
         return self.ctx.runtime
 
     def evaluate(self, params, step: int) -> dict:
-        """pass@k / mean@k on the held-out prompts (train/evaluation.evaluate)."""
-        return evaluation.evaluate(self.ctx, params, step)
+        """pass@k / mean@k on the held-out prompts (train/evaluation.evaluate); a signal during
+        it stops the run at once (there is no safe point inside)."""
+        with self.stopping.during(f"the evaluation at step {step}",
+                                  self.checkpointer.latest_step()):
+            return evaluation.evaluate(self.ctx, params, step)
 
     # -- the run ----------------------------------------------------------------------------------
     def start(self):
@@ -162,15 +178,26 @@ class Trainer:
             _log(f"[metrics] fresh start: the earlier history kept in {logger.kept}")
         _log(f"[config] {self.lr_note}")
         if cfg.sft.steps > 0:
-            state = ctx.new_train_state(run_warm_start(
-                ctx, state.params, self.loader.prompts,
-                save_dir=os.path.join(self.workdir, "warm_start_model")))
+            state = ctx.new_train_state(self.warm_start(state.params))
         state = self.runtime.place_state(state)
         first = self.evaluate(state.params, 0)
-        logger.write(0, first)
+        logger.write(0, {**first, **self.data_metrics})
         _log(f"[eval] before RL: pass@1 = {first['eval/pass@1']:.3f}")
         counters = {"skipped_steps": 0, "generated_samples": 0}
         return state, algo.CollectState(), data_iter, counters, logger, first
+
+    def warm_start(self, params):
+        """The supervised warm start (train/sft.py), or the one this work directory already
+        finished with the same settings (a restart after an interruption does not redo it); a
+        signal during it stops the run at once; the result is kept as warm_start_model/."""
+        kept = workdir_lib.kept_warm_start(self.workdir, self.cfg, log=_log)
+        if kept is not None:
+            return kept
+        with self.stopping.during("the warm start"):
+            params = run_warm_start(self.ctx, params, self.loader.prompts)
+        if self.runtime.process_index == 0:
+            workdir_lib.keep_warm_start(self.workdir, self.cfg, self.ctx.model.with_params(params))
+        return params
 
     def _check_meta(self, meta: dict) -> None:
         """A checkpoint's meta must hold this process's data position and the counters."""
@@ -269,9 +296,12 @@ class Trainer:
         logger.close()
 
     def close(self) -> None:
-        self.stopping.uninstall()
-        self.ctx.close()
-        self.checkpointer.close()
+        try:
+            self.stopping.uninstall()
+            self.ctx.close()
+            self.checkpointer.close()
+        finally:
+            self.lock.release()
 
 
 def should_log(done: int, log_every: int, *, evaluated: bool, stop: bool) -> bool:

@@ -1,5 +1,7 @@
-"""A run remembers its config: `workdir/config.json` holds the resolved config, and a resume
-compares the new config with it before anything expensive happens.
+"""A run remembers its config: `workdir/brorl_config.json` holds the resolved config, and a resume
+compares the new config with it before anything expensive happens. (The name is the run's own:
+a Hugging Face export writes `config.json`. Work directories from before the rename hold
+`config.json`; a resume still reads it when it is a brorl config, and saves the new name.)
 
 Which keys may change between the start of a run and a resume is decided in ONE table,
 CHANGE_POLICY, with a reason per key or section (an exact key overrides its section):
@@ -34,7 +36,8 @@ from brorl_jax.config import (
 )
 from brorl_jax.train.workdir import set_aside
 
-CONFIG_FILE = "config.json"
+CONFIG_FILE = "brorl_config.json"
+LEGACY_CONFIG_FILE = "config.json"       # the name before Hugging Face exports could collide
 CHANGES_FILE = "config_changes.jsonl"
 
 ALLOWED, REFUSED = True, False
@@ -90,7 +93,7 @@ def policy(key: str) -> tuple[bool, str]:
 
 
 def save(cfg: ml_collections.ConfigDict, workdir: str) -> str:
-    """Writes the resolved config to workdir/config.json (atomically); returns the path."""
+    """Writes the resolved config to workdir/brorl_config.json (atomically); returns the path."""
     path = os.path.join(workdir, CONFIG_FILE)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -99,10 +102,27 @@ def save(cfg: ml_collections.ConfigDict, workdir: str) -> str:
     return path
 
 
+def _saved_path(workdir: str) -> str | None:
+    """The run's saved config: brorl_config.json, else (a run from before the rename) a
+    config.json that is a brorl config (a Hugging Face config.json is not)."""
+    path = os.path.join(workdir, CONFIG_FILE)
+    if os.path.exists(path):
+        return path
+    legacy = os.path.join(workdir, LEGACY_CONFIG_FILE)
+    try:
+        with open(legacy) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if isinstance(saved, dict) and {"rollout", "algo", "train"} <= set(saved):
+        return legacy
+    return None
+
+
 def load(workdir: str) -> ml_collections.ConfigDict | None:
     """The saved config of a run; None when the run predates saved configs."""
-    path = os.path.join(workdir, CONFIG_FILE)
-    if not os.path.exists(path):
+    path = _saved_path(workdir)
+    if path is None:
         return None
     try:
         with open(path) as f:
@@ -185,15 +205,18 @@ def _lr_or_none(cfg) -> float | None:
 
 def record(cfg: ml_collections.ConfigDict, workdir: str, *, resumed_from: int | None,
            accepted: Sequence[tuple] = ()) -> list[str]:
-    """After the start: saves the config (a fresh start sets an earlier run's config.json aside
-    as config.json.N); on resume appends the accepted changes to config_changes.jsonl. Returns
+    """After the start: saves the config (a fresh start sets an earlier run's brorl_config.json
+    aside as brorl_config.json.N, and a legacy config.json as config.json.N); on resume appends
+    the accepted changes to config_changes.jsonl. Returns
     the log lines."""
     lines = []
     path = os.path.join(workdir, CONFIG_FILE)
     if resumed_from is None:
-        old = set_aside(path)
-        if old:
-            lines.append(f"[config] fresh start: the earlier run's config kept as {old}")
+        legacy = _saved_path(workdir)
+        for old in (set_aside(path),
+                    set_aside(legacy) if legacy and legacy != path else None):
+            if old:
+                lines.append(f"[config] fresh start: the earlier run's config kept as {old}")
     elif accepted:
         with open(os.path.join(workdir, CHANGES_FILE), "a") as f:
             f.write(json.dumps({
@@ -204,8 +227,11 @@ def record(cfg: ml_collections.ConfigDict, workdir: str, *, resumed_from: int | 
         for k, o, n, why, how in accepted:
             tag = "override (--allow_config_change)" if how == "override" else "allowed"
             lines.append(f"[config] {k}: {o!r} -> {n!r}, {tag}: {why}")
-    elif not os.path.exists(path):
+    elif _saved_path(workdir) is None:
         lines.append(f"[config] no {CONFIG_FILE} in {workdir} (a run from before configs were "
                      "saved); saving the current config")
+    elif not os.path.exists(path):
+        lines.append(f"[config] {LEGACY_CONFIG_FILE} of a run from before the rename read; "
+                     f"the config is now saved as {CONFIG_FILE}")
     save(cfg, workdir)
     return lines

@@ -168,6 +168,10 @@ def test_adversarial_programs_are_contained(service, tmp_path):
     private.write_text("precious")
     escape = os.path.join(bait_dir, "escaped.txt")
     escape_tmp = os.path.join(tempfile.gettempdir(), f"brorl_escape_{os.getpid()}.txt")
+    marker = os.path.join(tempfile.gettempdir(), f"brorl_marker_{os.getpid()}.txt")
+    with open(marker, "w") as f:
+        f.write("host")
+    os.chmod(marker, 0o644)
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
@@ -177,7 +181,10 @@ def test_adversarial_programs_are_contained(service, tmp_path):
     attacks = dict(ATTACKS)
     attacks.update({
         "write outside (world-writable dir)": f"open({escape!r}, 'w').write('x')\nprint('ok')",
-        "write outside (/tmp)": f"open({escape_tmp!r}, 'w').write('x')\nprint('ok')",
+        # /tmp is the sandbox's own (a private tmpfs): a write there succeeds but reaches the
+        # host's /tmp only if the host's files are visible (the marker planted there)
+        "write outside (/tmp)": f"open({escape_tmp!r}, 'w').write('x')\nimport os\n"
+                                f"print('ok' if os.path.exists({marker!r}) else 'private')",
         "overwrite a reachable file": f"open({bait!r}, 'w').write('pwned')\nprint('ok')",
         "delete a reachable file": f"import os\nos.remove({bait!r})\nprint('ok')",
         "delete a private file": f"import os\nos.remove({str(private)!r})\nprint('ok')",
@@ -233,6 +240,7 @@ def test_adversarial_programs_are_contained(service, tmp_path):
         shutil.rmtree(bait_dir, ignore_errors=True)
         if os.path.exists(escape_tmp):
             os.remove(escape_tmp)
+        os.remove(marker)
 
 
 def test_isolation_report_describes_what_is_in_force():

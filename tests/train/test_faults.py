@@ -185,7 +185,7 @@ def test_bad_values_are_refused_before_expensive_work(env, tmp_path):
 
 # 3. A run remembers its config ------------------------------------------------------------------
 def test_resume_refuses_a_changed_config_and_logs_allowed_changes(env, copy):
-    saved = json.load(open(os.path.join(copy, "config.json")))
+    saved = json.load(open(os.path.join(copy, "brorl_config.json")))
     assert saved["rollout"]["rollouts_per_prompt"] == 8 and saved["train"]["steps"] == STEPS
     before = hashes(copy)
     rc, out, err = run(env, "brorl_jax.main", *resume_args(copy),
@@ -206,7 +206,7 @@ def test_resume_refuses_a_changed_config_and_logs_allowed_changes(env, copy):
     change = json.loads(open(os.path.join(copy, "config_changes.jsonl")).read())
     assert change["resumed_from_step"] == STEPS
     assert change["changes"]["rollout.temperature"] == {"old": 1.0, "new": 0.9, "how": "override"}
-    assert json.load(open(os.path.join(copy, "config.json")))["rollout"]["temperature"] == 0.9
+    assert json.load(open(os.path.join(copy, "brorl_config.json")))["rollout"]["temperature"] == 0.9
     assert hashes(copy) == before
 
 
@@ -418,22 +418,234 @@ def test_history_is_kept_and_readers_never_create_a_workdir(env, tmp_path, finis
     workdir.mkdir()
     (workdir / "metrics.jsonl").write_text('{"step": 0, "run": "second"}\n')
     (workdir / "metrics.jsonl.1").write_text('{"step": 0, "run": "first"}\n')
-    (workdir / "config.json").write_text('{"name": "old"}\n')
+    (workdir / "brorl_config.json").write_text('{"name": "old"}\n')
     misspelled = finished + "x"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rows = [{"prompt": f"{i}+1=", "ground_truth": str(i + 1), "data_source": "openai/gsm8k"}
+            for i in range(12)]
+    same = _jsonl(tmp_path / "same.jsonl", rows + rows[:2])     # two rows repeat
     results = run_all(env, [
         ("brorl_jax.main", *TINY, f"--workdir={workdir}", "--config.train.steps=0",
-         "--config.sft.steps=0"),
+         "--config.sft.steps=0", f"--config.data.train={same}", f"--config.data.eval={same}"),
         ("brorl_jax.evaluate", *TINY, f"--workdir={misspelled}"),
         ("brorl_jax.export", *TINY, f"--workdir={misspelled}", f"--out={tmp_path / 'hf'}"),
+        ("brorl_jax.evaluate", *TINY, f"--workdir={empty}"),
     ])
+    assert "no complete checkpoint" in short_error(*results.pop()[::2])
+    assert os.listdir(empty) == []                  # not even logs/: readers write nothing
     rc, out, err = results[0]
     assert rc == 0, err[-3000:]
     assert (workdir / "metrics.jsonl.1").read_text() == '{"step": 0, "run": "first"}\n'
     assert (workdir / "metrics.jsonl.2").read_text() == '{"step": 0, "run": "second"}\n'
-    assert (workdir / "config.json.1").read_text() == '{"name": "old"}\n'
-    assert [r["step"] for r in read_metrics(str(workdir / "metrics.jsonl"))] == [0]
+    assert (workdir / "brorl_config.json.1").read_text() == '{"name": "old"}\n'
+    (first,) = read_metrics(str(workdir / "metrics.jsonl"))
+    assert first["step"] == 0
     assert f"earlier history kept in {workdir}/metrics.jsonl.2" in out
+    # data.eval = data.train with repeated rows: warned and counted in the first metrics row
+    assert (first["data/eval_in_train"], first["data/train_repeated_rows"],
+            first["data/eval_repeated_rows"]) == (14, 2, 2)
+    assert ("[data] warning: 14 of 14 held-out prompts are also training prompts (first: "
+            f"{same} row 0); the held-out score is then partly a training score") in out
+    assert f"[data] warning: 2 of 14 training rows repeat an earlier prompt (first: {same} " \
+        "row 12)" in out
     for rc, _, err in results[1:]:
         short_error(rc, err)
         assert f"--workdir '{misspelled}' does not exist. Did you mean '{finished}'?" in err
     assert not os.path.exists(misspelled) and not os.path.exists(tmp_path / "hf")
+
+
+# 9. One run per work directory (issue 26) --------------------------------------------------------
+HOLD = ("import sys, time\n"
+        "from brorl_jax.train import workdir\n"
+        "lock = workdir.acquire(sys.argv[1], command='holder')\n"
+        "print('held', flush=True)\n"
+        "time.sleep(600)\n")
+
+
+def all_files(workdir):
+    """{relative path: sha256} of every file in the directory (nothing added, nothing changed)."""
+    return hashes(workdir, sorted(os.listdir(workdir)))
+
+
+def wait_for_holder(workdir, pid, proc, timeout=300):
+    from brorl_jax.train.workdir import read_lock
+    deadline = time.time() + timeout
+    while (read_lock(workdir) or {}).get("pid") != pid:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+
+
+def test_a_work_directory_belongs_to_one_run_at_a_time(env, copy, tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, copy], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = all_files(copy)
+        (rc, out, err), (rc2, out2, err2), (rc3, out3, err3) = run_all(env, [
+            ("brorl_jax.main", *resume_args(copy, steps=3)),
+            ("brorl_jax.evaluate", *TINY, f"--workdir={copy}"),
+            ("brorl_jax.export", *TINY, f"--workdir={copy}", f"--out={tmp_path / 'hf'}"),
+        ])
+        short_error(rc, err)
+        assert (f"--workdir '{copy}' is in use by another run: pid {holder.pid} on host "
+                f"{os.uname().nodename}, started ") in err and "(holder)" in err
+        assert "give another --workdir" in err and "[resume]" not in out
+        # readers read a locked directory and write nothing into it
+        assert rc2 == 0, err2[-3000:]
+        assert f"[workdir] {copy} is in use by a run (pid {holder.pid}" in out2
+        assert rc3 == 0, err3[-3000:]
+        assert os.path.exists(tmp_path / "hf" / "model.safetensors")
+        assert all_files(copy) == before and not os.path.exists(os.path.join(copy, "logs"))
+    finally:
+        holder.kill()                                  # SIGKILL: its record stays behind
+        holder.wait()
+    # a lock left by a dead process is taken over; a second main stops at the door
+    first = start(env, "brorl_jax.main", *resume_args(copy, steps=3))
+    wait_for_holder(copy, first.pid, first)
+    rc, out, err = run(env, "brorl_jax.main", *resume_args(copy, steps=3))
+    short_error(rc, err)
+    assert f"is in use by another run: pid {first.pid} on host" in err
+    rc, out, err = finish(first)
+    assert rc == 0, err[-3000:]
+    assert (f"[workdir] taking over the lock of {copy}: the run that held it (pid {holder.pid} "
+            f"on host {os.uname().nodename}") in out and "(holder)) is no longer running" in out
+    assert [r["step"] for r in read_metrics(os.path.join(copy, "metrics.jsonl"))] == [0, 1, 2, 3]
+    assert {k: v for k, v in all_files(copy).items() if k.startswith("checkpoints/2/")} == \
+        {k: v for k, v in before.items() if k.startswith("checkpoints/2/")}
+    assert open(os.path.join(copy, ".brorl_lock")).read() == ""      # released cleanly
+
+
+# 10. Exports never overwrite ---------------------------------------------------------------------
+def test_exports_never_overwrite(env, copy, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"mine": true}\n')
+    replaced = tmp_path / "replaced"
+    replaced.mkdir()
+    (replaced / "old.txt").write_text("old\n")
+    (tmp_path / "a_file").write_text("x")
+    legacy = str(tmp_path / "legacy")            # a run from before brorl_config.json
+    shutil.copytree(copy, legacy)
+    os.replace(os.path.join(legacy, "brorl_config.json"), os.path.join(legacy, "config.json"))
+    before, legacy_before = all_files(copy), all_files(legacy)
+    export = ("brorl_jax.export", *TINY, f"--workdir={copy}")
+    results = run_all(env, [
+        (*export, f"--out={copy}"),
+        (*export, f"--out={os.path.join(copy, 'hf')}"),
+        (*export, f"--out={mine}"),
+        (*export, f"--out={tmp_path / 'a_file'}"),
+        (*export, f"--out={replaced}", "--overwrite"),
+        ("brorl_jax.main", *resume_args(legacy), "--config.algo.advantage=grpo"),
+    ])
+    for rc, _, err in results[:2]:
+        assert "is inside the run's work directory" in short_error(rc, err)
+    assert f"--out '{mine}' is not empty" in short_error(*results[2][::2])
+    assert "--overwrite to replace it" in results[2][2]
+    assert "is a file; give a directory" in short_error(*results[3][::2])
+    rc, out, err = results[4]
+    assert rc == 0, err[-3000:]
+    assert {"config.json", "generation_config.json", "model.safetensors"} <= \
+        set(os.listdir(replaced))
+    assert "model_type" in json.load(open(replaced / "config.json"))
+    assert not os.path.exists(replaced / "old.txt")
+    assert [n for n in os.listdir(tmp_path) if ".export-" in n or ".old-" in n] == []
+    # an old work directory's config.json is still its resume check
+    err = short_error(*results[5][::2])
+    assert "algo.advantage: 'reinforce_pp_baseline' -> 'grpo'" in err
+    assert (mine / "config.json").read_text() == '{"mine": true}\n'
+    assert all_files(copy) == before
+    assert {k: v for k, v in all_files(legacy).items() if not k.startswith("logs/")} == \
+        legacy_before                          # main logs its error in its own logs/ only
+
+
+# 11. Every value checked at the door (issue 26; the full table over the schema is
+# tests/test_door_checks.py) -------------------------------------------------------------------
+def test_values_the_plan_cannot_hold_are_refused_at_the_door(env, tmp_path):
+    w = lambda name: f"--workdir={tmp_path / name}"       # noqa: E731
+    results = run_all(env, [
+        ("brorl_jax.main", *TINY, w("a"), "--config.rollout.temperature=inf"),
+        ("brorl_jax.main", *TINY, w("b"), "--config.rollout.temperature=nan"),
+        ("brorl_jax.main", *TINY, w("c"), "--config.rollout.rollouts_per_prompt=100000000000"),
+        ("brorl_jax.main", *TINY, w("d"), "--config.mesh.data=4", "--config.mesh.fsdp=2"),
+        ("brorl_jax.main", *TINY, w("e"), "--config.rollout.rollouts_per_prompt=abc"),
+        ("brorl_jax.main", "--config=configs/brorl.py:n=abc", w("f")),
+        ("brorl_jax.main", *TINY, w("g"), "--config.data.max_prompt_len=8"),
+        ("brorl_jax.experiments.compare_n", *TINY, f"--out={tmp_path / 'h'}", "--seeds="),
+        ("brorl_jax.experiments.compare_n", *TINY, f"--out={tmp_path / 'i'}", "--n="),
+    ])
+    errs = [short_error(rc, err) for rc, _, err in results]
+    assert "config key 'rollout.temperature' must be finite, got inf" in errs[0]
+    assert "config key 'rollout.temperature' is nan" in errs[1]
+    assert ("config key 'rollout.rollouts_per_prompt' = 100000000000 does not fit in int32"
+            in errs[2])
+    assert ("config keys mesh.data=4, mesh.fsdp=2, mesh.tensor=1 do not match the 1 device JAX "
+            "sees") in errs[3]
+    assert ("config key 'rollout.rollouts_per_prompt' must be an integer (int), got 'abc'"
+            in errs[4])
+    assert "config preset argument 'n' must be int, got 'abc'" in errs[5]
+    assert "longer than data.max_prompt_len=8" in errs[6]
+    assert "raise data.max_prompt_len (now 8; the longest prompt has " in errs[6]
+    assert "--seeds is empty" in errs[7] and "--n is empty" in errs[8]
+    for name in "abcdef":                      # refused before the work directory was made
+        assert not os.path.exists(tmp_path / name)
+
+
+# 12. Signals during the warm start and an evaluation (issue 26) ---------------------------------
+def _wait_for_line(proc, text, timeout=600):
+    """Reads the process's stdout until a line contains `text`; returns the lines read."""
+    lines, deadline = [], time.time() + timeout
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if text in line:
+            return lines
+    raise AssertionError(f"{text!r} not printed: {''.join(lines)[-3000:]}"
+                         f"{proc.communicate()[1][-3000:]}")
+
+
+def test_a_signal_during_the_warm_start_or_an_evaluation_stops_within_seconds(env, tmp_path):
+    warm = ["--config=configs/tiny.py", "--config.train.steps=0",
+            "--config.train.tensorboard=False"]
+    sft_dir, eval_dir = tmp_path / "sft", tmp_path / "eval"
+    # 1. during the evaluation before RL (this run also puts the warm start's program into the
+    # shared compilation cache, so the second run's signal lands in SFT steps, not a compile)
+    in_eval = start(env, "brorl_jax.main", *warm, f"--workdir={eval_dir}",
+                    "--config.eval.num_prompts=16", "--config.eval.samples_per_prompt=32")
+    _wait_for_line(in_eval, "[sft] 60 supervised steps")     # the evaluation before RL follows
+    time.sleep(3.0)                                          # the warm start saved, in the eval
+    in_eval.send_signal(signal.SIGINT)
+    t0 = time.time()
+    rc, out, err = finish(in_eval)
+    assert rc == 130, err[-3000:]
+    assert time.time() - t0 < 60, "the evaluation did not stop within seconds"
+    assert "[signal] SIGINT during the evaluation at step 0: stopping now" in out
+    assert "stopped by SIGINT during the evaluation at step 0" in err
+    assert os.path.exists(eval_dir / "warm_start_model" / "brorl_warm_start.json")
+    kept = hashes(str(eval_dir), ("warm_start_model",))
+    # 2. during the warm start: stops within seconds, keeps nothing half-done
+    in_sft = start(env, "brorl_jax.main", *warm, f"--workdir={sft_dir}")
+    _wait_for_line(in_sft, "[config] lr =")           # the next thing is the warm start
+    time.sleep(3.0)
+    in_sft.send_signal(signal.SIGTERM)
+    t0 = time.time()
+    rc, out, err = finish(in_sft)
+    assert rc == 143, err[-3000:]
+    # within one SFT step (or the compile of the first one): a loose bound for a loaded machine;
+    # the warm start did not run to its end
+    assert time.time() - t0 < 60, "the warm start did not stop within seconds"
+    assert "[signal] SIGTERM during the warm start: stopping now" in out
+    assert "supervised steps in" not in out
+    assert err.strip().splitlines()[-1] == (
+        "stopped by SIGTERM during the warm start; a restart with the same --workdir starts "
+        "from the beginning (no checkpoint was written yet; a finished warm start is kept and "
+        "not run again).")
+    assert not os.path.exists(sft_dir / "warm_start_model")   # an unfinished one is not kept
+    # 3. the restart does not redo the finished warm start: it loads it and goes on
+    rc, out, err = run(env, "brorl_jax.main", *warm, f"--workdir={eval_dir}")
+    assert rc == 0, err[-3000:]
+    assert (f"[sft] warm start kept from an earlier start: {eval_dir}/warm_start_model") in out
+    assert "supervised steps in" not in out and "[eval] before RL: pass@1" in out
+    assert hashes(str(eval_dir), ("warm_start_model",)) == kept
