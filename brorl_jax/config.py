@@ -138,6 +138,19 @@ def default_config() -> ml_collections.ConfigDict:
     # by default (rewards/registry.py DEFAULT_REWARD_MAP). Keys: a data_source, its family
     # (the part before "/") or a shell pattern ("numina_*"). '{"my_set": "math"}'.
     c.rewards.map = "{}"
+    # A reward function from a file, veRL's compute_score convention (rewards/custom.py,
+    # docs/rewards.md): "path/to/file.py:fn" ("" = none); the data sources it scores (comma-
+    # separated shell patterns; rewards.map entries win); keyword arguments for it (JSON object,
+    # veRL's custom_reward_function.reward_kwargs); the batched form (lists in, list out) sent
+    # in chunks of custom_batch_size, at most custom_concurrency chunks at once, each under
+    # custom_batch_timeout_s.
+    c.rewards.custom = ""
+    c.rewards.custom_sources = "*"
+    c.rewards.custom_kwargs = "{}"
+    c.rewards.custom_batched = False
+    c.rewards.custom_batch_size = 64
+    c.rewards.custom_concurrency = 1
+    c.rewards.custom_batch_timeout_s = 60.0
 
     # --- supervised warm start (used by the demo; 0 steps = none) --------------------------
     c.sft = ml_collections.ConfigDict()
@@ -165,6 +178,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.log_every = 1
     c.train.plots = True
     c.train.tensorboard = True
+    # Where metrics go, comma-separated: jsonl (always, the public record) | tensorboard | wandb
+    # | mlflow (the last two: pip install 'brorl_jax[wandb]' / '[mlflow]'; train/logger.py).
+    c.train.loggers = "jsonl,tensorboard"
     c.train.mass_balance_diagnostics = False
 
     # --- parallelism -----------------------------------------------------------------------
@@ -210,6 +226,7 @@ POSITIVE = (
     "optim.base_batch", "rewards.num_workers", "rewards.timeout_s", "eval.samples_per_prompt",
     "eval.num_prompts", "train.keep_checkpoints", "train.checkpoint_every", "train.log_every",
     "rewards.batch_deadline_s", "rewards.recycle_after", "sft.batch_size", "sft.lr",
+    "rewards.custom_batch_size", "rewards.custom_concurrency", "rewards.custom_batch_timeout_s",
 )
 NON_NEGATIVE = (
     "algo.kl_coef", "algo.clip_eps_high", "algo.ref_reset_every", "algo.micro_batch_tokens",
@@ -220,7 +237,8 @@ NON_NEGATIVE = (
     "optim.grad_clip",
 )
 # JSON-object keys and what their values must be (checked by validate, read by json_option).
-JSON_OBJECT_KEYS = ("data.reasoning_gym_kwargs", "data.fields", "rewards.map")
+JSON_OBJECT_KEYS = ("data.reasoning_gym_kwargs", "data.fields", "rewards.map",
+                    "rewards.custom_kwargs")
 DATA_SPEC_SUFFIXES = (".jsonl", ".parquet", ".pq")
 
 
@@ -382,8 +400,9 @@ def _validate_io_keys(cfg: ml_collections.ConfigDict) -> list[str]:
             elif not isinstance(column, str) or not column:
                 errors.append(f"config key 'data.fields': {name!r} must map to a column name, "
                               f"got {column!r}.")
+    errors += _validate_custom_and_loggers(cfg)
     if "rewards.map" in parsed:
-        names = verifier_names()
+        names = verifier_names() + (("custom",) if cfg.rewards.custom else ())
         for source, verifier in parsed["rewards.map"].items():
             if not source or verifier not in names:
                 errors.append(f"config key 'rewards.map' sends {source!r} to {verifier!r}; "
@@ -403,6 +422,24 @@ def _validate_io_keys(cfg: ml_collections.ConfigDict) -> list[str]:
     for name in ("label_noise", "untagged_frac"):
         if not 0.0 <= cfg.sft[name] <= 1.0:
             errors.append(f"config key 'sft.{name}' must be in [0, 1], got {cfg.sft[name]}.")
+    return errors
+
+
+def _validate_custom_and_loggers(cfg: ml_collections.ConfigDict) -> list[str]:
+    """rewards.custom (the file exists; nothing is imported here) and train.loggers (known
+    names; an extra that is not installed is named with its pip command)."""
+    errors = []
+    if cfg.rewards.custom:
+        from brorl_jax.rewards.custom import CustomRewardError, check_file
+        try:
+            check_file(cfg.rewards.custom)
+        except CustomRewardError as e:
+            errors.append(f"config key {e}.")
+    from brorl_jax.train.logger import LoggerError, check_loggers
+    try:
+        check_loggers(cfg.train.loggers)
+    except LoggerError as e:
+        errors.append(f"config key 'train.loggers' = {cfg.train.loggers!r}: {e}")
     return errors
 
 

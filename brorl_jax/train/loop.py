@@ -37,11 +37,12 @@ from brorl_jax.config import (algo_config, derived_learning_rate, json_option, o
 from brorl_jax.errors import (CheckpointError, ConfigError, DataError, ModelError,
                               TrainingStopped, VerifierError)
 from brorl_jax.rewards import ScoringService
+from brorl_jax.rewards import custom as custom_reward
 from brorl_jax.rewards.health import VerifierFailure, VerifierHealth, check_records
 from brorl_jax.train import evaluation, run_config, workdir as workdir_lib
 from brorl_jax.train.checkpoint import Checkpointer
 from brorl_jax.train.collect import Collector
-from brorl_jax.train.logger import MetricsLogger, plot_metrics
+from brorl_jax.train.logger import MetricsLogger, plot_metrics, progress
 from brorl_jax.train.runtime import Runtime, make_runtime
 from brorl_jax.train.signals import GracefulStop
 
@@ -119,6 +120,8 @@ class Trainer:
         self.algo_cfg = algo_config(cfg)
         self.optimizer_cfg = optimizer_config(cfg)
         self.lr, self.lr_note = derived_learning_rate(cfg)
+        self.logger_args = dict(loggers=cfg.train.loggers, config=cfg, lr=self.lr,
+                                lr_note=self.lr_note)
         self.optimizer = algo.make_optimizer(self.optimizer_cfg)
         self.updates_per_step = cfg.algo.ppo_mini_batches * cfg.algo.ppo_epochs
         # Mass-balance diagnostics (BroRL Lemma 2) come from the update's pi_old pass over the
@@ -162,7 +165,8 @@ class Trainer:
                                      timeout_s=cfg.rewards.timeout_s,
                                      batch_deadline_s=cfg.rewards.batch_deadline_s,
                                      recycle_after=cfg.rewards.recycle_after,
-                                     reward_map=json_option(cfg, "rewards.map"))
+                                     reward_map=self.reward_map,
+                                     reward_options=self.reward_options)
 
     def load_records(self) -> tuple[list[dict], list[dict]]:
         """The training and held-out records, each data source mapped to a verifier and every
@@ -172,8 +176,14 @@ class Trainer:
                 _log(f"[data] {report.summary()}")
 
         train, held_out, _ = data.load_train_and_eval(self.cfg.data, on_report=show)
-        try:
-            verifiers, bad = check_records(train + held_out, json_option(self.cfg, "rewards.map"))
+        try:   # rewards.custom: the user's reward file, scored in the workers (rewards/custom.py)
+            self.reward_map, self.reward_options = custom_reward.setup(
+                self.cfg.rewards, json_option(self.cfg, "rewards.map"))
+            verifiers, bad = check_records(train + held_out, self.reward_map)
+            note = custom_reward.door_check(self.cfg.rewards, self.reward_map,
+                                            self.reward_options, train)
+            if note:
+                _log(note)
         except ValueError as e:
             raise ConfigError(str(e)) from e
         if bad:
@@ -264,6 +274,8 @@ class Trainer:
         rewards = []
         chunk = max(1, 4096 // k)
         step_health, self.health = self.health, VerifierHealth()    # the evaluation's own
+        bar = progress(total=len(prompts), desc=f"eval at step {step}: {k} samples per prompt",
+                       unit="prompt", enabled=self.runtime.process_index == 0)
         try:
             for start in range(0, len(prompts), chunk):
                 part = prompts[start:start + chunk]
@@ -272,8 +284,10 @@ class Trainer:
                                     max_new_tokens=c.max_new_tokens if c.max_new_tokens > 0
                                     else None, seed=10_000_019 + first + start)
                 rewards.append(self.score([r for _, r in part], res.tokens, res.lengths))
+                bar.update(len(part))
             self._check_health(self.health, f"the evaluation at step {step}")
         finally:
+            bar.close()
             self.health = step_health
         rewards = np.concatenate(rewards)
         reals = self.runtime.allgather_rows(np.asarray([real]))
@@ -309,12 +323,13 @@ class Trainer:
             _log(f"[resume] from checkpoint step {ckpt_step} in {self.workdir}")
             self._record_config(ckpt_step)
             logger = MetricsLogger(self.workdir, tensorboard=cfg.train.tensorboard,
-                                   enabled=enabled, resume_step=ckpt_step)
+                                   enabled=enabled, resume_step=ckpt_step, **self.logger_args)
             if logger.kept:
                 _log(f"[metrics] lines logged after step {ckpt_step} kept in {logger.kept}")
             return state, data_iter, meta["counters"], logger, None
         self._record_config(None)
-        logger = MetricsLogger(self.workdir, tensorboard=cfg.train.tensorboard, enabled=enabled)
+        logger = MetricsLogger(self.workdir, tensorboard=cfg.train.tensorboard, enabled=enabled,
+                               **self.logger_args)
         if logger.kept:
             _log(f"[metrics] fresh start: the earlier history kept in {logger.kept}")
         _log(f"[config] {self.lr_note}")
