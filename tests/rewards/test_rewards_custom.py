@@ -163,3 +163,30 @@ def test_example_file_is_a_plain_verl_scorer():
                                                                  "format_ok": 1.0}
     assert [r["score"] for r in mod.compute_score_batch(
         ["a", "b"], ["<answer>1</answer>", "none"], ["1", "1"])] == [1.0, 0.0]
+
+
+def test_a_verl_scorer_runs_unchanged_through_main(tmp_path, tiny_warm_start):
+    """issue 27's goal: a veRL-style file (float and dict returns, a raise every third call)
+    drives `main` on configs/tiny.py; the raises are counted per data source, not fatal."""
+    import json
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(HERE))
+    out = subprocess.run(
+        [sys.executable, "-m", "brorl_jax.main", "--config=configs/tiny.py",
+         f"--workdir={tmp_path / 'run'}", "--config.train.steps=1",
+         "--config.train.tensorboard=False",
+         "--config.rewards.custom=tests/rewards/verl_style_scorers.py:flaky_compute_score",
+         *tiny_warm_start], cwd=root, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "[rewards] rewards.custom tests/rewards/verl_style_scorers.py:flaky_compute_score " \
+           "scores *" in out.stdout
+    assert "-> custom" in out.stdout                     # the [data] verifiers line
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().split("\n")
+             if x.strip()]
+    step1 = [x for x in lines if x["step"] == 1][-1]
+    source = "reasoning_gym/basic_arithmetic"
+    assert 0 < step1[f"verifier/{source}/error_frac"] < 1
+    assert step1[f"verifier_cost/{source}/custom/failures"] > 0
+    assert step1[f"verifier_cost/{source}/custom/time_s_mean"] > 0
+    assert 0 <= step1[f"reward_extra/{source}/acc"] <= 1    # the dict rows' extra field
