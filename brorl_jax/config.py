@@ -400,7 +400,7 @@ def _validate_io_keys(cfg: ml_collections.ConfigDict) -> list[str]:
             elif not isinstance(column, str) or not column:
                 errors.append(f"config key 'data.fields': {name!r} must map to a column name, "
                               f"got {column!r}.")
-    errors += _validate_custom_and_loggers(cfg)
+    errors += _validate_custom_reward(cfg)
     if "rewards.map" in parsed:
         names = verifier_names() + (("custom",) if cfg.rewards.custom else ())
         for source, verifier in parsed["rewards.map"].items():
@@ -425,22 +425,17 @@ def _validate_io_keys(cfg: ml_collections.ConfigDict) -> list[str]:
     return errors
 
 
-def _validate_custom_and_loggers(cfg: ml_collections.ConfigDict) -> list[str]:
-    """rewards.custom (the file exists; nothing is imported here) and train.loggers (known
-    names; an extra that is not installed is named with its pip command)."""
-    errors = []
-    if cfg.rewards.custom:
-        from brorl_jax.rewards.custom import CustomRewardError, check_file
-        try:
-            check_file(cfg.rewards.custom)
-        except CustomRewardError as e:
-            errors.append(f"config key {e}.")
-    from brorl_jax.train.logger import LoggerError, check_loggers
+def _validate_custom_reward(cfg: ml_collections.ConfigDict) -> list[str]:
+    """rewards.custom: the file exists (nothing is imported here; the door check in a worker
+    does that, rewards/custom.py). train.loggers is checked by train/logger.check_config."""
+    if not cfg.rewards.custom:
+        return []
+    from brorl_jax.rewards.custom import CustomRewardError, check_file
     try:
-        check_loggers(cfg.train.loggers)
-    except LoggerError as e:
-        errors.append(f"config key 'train.loggers' = {cfg.train.loggers!r}: {e}")
-    return errors
+        check_file(cfg.rewards.custom)
+    except CustomRewardError as e:
+        return [f"config key {e}."]
+    return []
 
 
 def _validate_options(cfg: ml_collections.ConfigDict) -> list[str]:

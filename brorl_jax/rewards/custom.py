@@ -26,7 +26,6 @@ row (file, function, signature, one call) and stops with the reason if that fail
 """
 from __future__ import annotations
 
-import fnmatch
 import importlib.util
 import inspect
 import json

@@ -18,8 +18,9 @@ VerifierHealth accumulates verdicts per data source; `metrics()` gives, per sour
 kind that occurred; the cost of each (data source, verifier) pair,
 `verifier_cost/<source>/<verifier>/time_s_mean`, `time_s_max`, `time_s_total` (seconds a worker
 spent per verdict, from the verdict's details["seconds"]) and `failures` (count); and the mean of
-each extra numeric field a custom reward function returned, `reward_extra/<source>/<field>`. `check()` raises when every sample of a data source failed: a step trained on
-those zeros would be meaningless (and dynamic sampling would stop with a misleading message).
+each extra numeric field a custom reward function returned, `reward_extra/<source>/<field>`.
+`check()` raises when every sample of a data source failed: a step trained on those zeros
+would be meaningless (and dynamic sampling would stop with a misleading message).
 """
 from __future__ import annotations
 

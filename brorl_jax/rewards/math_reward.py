@@ -394,8 +394,9 @@ def check_ground_truth(truth: Any, *, timeout_s: float = 2.0) -> None:
         raise ValueError("empty list of ground-truth answers")
 
     def _any_parses():
-        return any(any(not isinstance(x, str) for x in parse(_as_latex(normalize_answer(gold_answer(g))),
-                                                             parsing_timeout=None))
+        return any(any(not isinstance(x, str)
+                       for x in parse(_as_latex(normalize_answer(gold_answer(g))),
+                                      parsing_timeout=None))
                    for g in golds)
 
     try:

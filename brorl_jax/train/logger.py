@@ -3,7 +3,8 @@
 
 train.loggers = "jsonl,tensorboard" by default; "wandb" and "mlflow" are optional extras
 (`pip install 'brorl_jax[wandb]'`, `'brorl_jax[mlflow]'`), refused at the door with that command
-when asked for and not installed (check_loggers, called by the config's validation). Every logger
+when asked for and not installed (check_config, called by the Trainer right after the config's
+validation, before anything loads). Every logger
 gets the same metric names and values at the same steps; at the start each also gets the run's
 config, the derived learning rate and the git revision once (W&B: the run config; MLflow: params;
 TensorBoard: a text summary). JSONL gets no such record: config.json in the work directory holds
@@ -12,8 +13,8 @@ later; project from WANDB_PROJECT, default "brorl_jax"); MLflow logs to MLFLOW_T
 default an SQLite store <workdir>/mlflow.db (MLflow 3 refuses its file store by default;
 experiment MLFLOW_EXPERIMENT_NAME, default "brorl_jax"). One name differs, forced by MLflow's
 rule for metric names (letters, digits, _ - . space : /): "@" is written "_at_" there
-("eval/pass@1" -> "eval/pass_at_1"; mlflow_name). A resumed run continues the same W&B / MLflow run (its id is kept in the work
-directory).
+("eval/pass@1" -> "eval/pass_at_1"; mlflow_name). A resumed run continues the same W&B /
+MLflow run (its id is kept in the work directory).
 
 Only process 0 writes (multi-host runs call `MetricsLogger(..., enabled=jax.process_index()==0)`).
 On resume the JSONL is appended to after dropping lines from steps beyond the restored checkpoint,
@@ -70,6 +71,16 @@ def check_loggers(value: str) -> list[str]:
             raise LoggerError(f"logger {name!r} needs the {module} package, which is not "
                               f"installed: {fix} (or drop {name!r} from train.loggers)")
     return names
+
+
+def check_config(cfg) -> list[str]:
+    """train.loggers of a run config at the door (before the model loads): ConfigError naming
+    the key and, for a missing optional logger, its extra."""
+    from brorl_jax.errors import ConfigError
+    try:
+        return check_loggers(cfg.train.loggers)
+    except LoggerError as e:
+        raise ConfigError(f"config key 'train.loggers' = {cfg.train.loggers!r}: {e}") from None
 
 
 def git_revision(path: str | None = None) -> str:

@@ -42,7 +42,7 @@ from brorl_jax.rewards.health import VerifierFailure, VerifierHealth, check_reco
 from brorl_jax.train import evaluation, run_config, workdir as workdir_lib
 from brorl_jax.train.checkpoint import Checkpointer
 from brorl_jax.train.collect import Collector
-from brorl_jax.train.logger import MetricsLogger, plot_metrics, progress
+from brorl_jax.train.logger import MetricsLogger, check_config, plot_metrics, progress
 from brorl_jax.train.runtime import Runtime, make_runtime
 from brorl_jax.train.signals import GracefulStop
 
@@ -97,6 +97,7 @@ class Trainer:
     def __init__(self, cfg, workdir: str, *, allow_config_change=()):
         # Checks first, cheapest first: nothing expensive starts before they pass.
         validate(cfg)
+        check_config(cfg)                 # train.loggers: a missing extra is named here
         self.cfg = cfg
         self.workdir = workdir
         workdir_lib.prepare(workdir)

@@ -32,7 +32,8 @@ def service_for():
 
     def make(cfg, **kw):
         reward_map, options = custom.setup(cfg, {})
-        svc = ScoringService(num_workers=kw.pop("num_workers", 1), timeout_s=kw.pop("timeout_s", 10),
+        svc = ScoringService(num_workers=kw.pop("num_workers", 1),
+                             timeout_s=kw.pop("timeout_s", 10),
                              rewards=[custom.NAME], reward_map=reward_map,
                              reward_options=options, **kw)
         made.append(svc)

@@ -13,7 +13,7 @@ import types
 
 import pytest
 
-from brorl_jax.config import default_config, validate
+from brorl_jax.config import default_config
 from brorl_jax.errors import ConfigError
 from brorl_jax.train import logger as logger_lib
 from brorl_jax.train.logger import LoggerError, MetricsLogger, check_loggers, read_metrics
@@ -73,7 +73,8 @@ def fakes(monkeypatch):
 
         def create_run(self, exp_id, run_name):
             seen["mlflow_runs"].append(run_name)
-            return types.SimpleNamespace(info=types.SimpleNamespace(run_id=f"r{len(seen['mlflow_runs'])}"))
+            run_id = f"r{len(seen['mlflow_runs'])}"
+            return types.SimpleNamespace(info=types.SimpleNamespace(run_id=run_id))
 
         def log_batch(self, run_id, metrics=(), params=()):
             seen["mlflow_params"].update({p.key: p.value for p in params})
@@ -155,7 +156,7 @@ def test_unknown_or_missing_logger_is_refused_at_the_door(monkeypatch):
         c = default_config()
         c.train.loggers = f"tensorboard,{name}"
         with pytest.raises(ConfigError, match=rf"train.loggers.*brorl_jax\[{name}\]"):
-            validate(c)
+            logger_lib.check_config(c)
     assert check_loggers("tensorboard") == ["jsonl", "tensorboard"]   # jsonl always
 
 
