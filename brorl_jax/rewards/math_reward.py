@@ -129,9 +129,11 @@ def _box_group(text: str, boxes: list[tuple[int, int, str]]) -> str:
 def _strip_math_delimiters(s: str) -> str:
     s = s.strip()
     for a, b in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
-        if s.startswith(a) and s.endswith(b) and len(s) >= len(a) + len(b):
+        if s.startswith(a) and s.endswith(b) and len(s) >= len(a) + len(b) and \
+                not (b == "$" and s.endswith("\\$")):
             inner = s[len(a):len(s) - len(b)]
-            if a not in inner and b not in inner:
+            plain = inner.replace("\\$", "")          # an escaped \$ is a dollar sign
+            if a not in plain and b not in plain:
                 return inner.strip()
     return s
 
@@ -149,9 +151,17 @@ def _clean_sentence(answer: str) -> str | None:
     if m and re.search(r"[A-Za-z]{2,}", re.sub(r"\$[^$]*\$|\\\(.*?\\\)", "", m.group(1))):
         answer = m.group(2)
     answer = answer.strip().rstrip(".").strip(" \t*_")
+    answer = re.sub(r'^(?:\\?")+|(?:\\?")+$', "", answer).strip()   # "quoted" answers
     answer = _strip_math_delimiters(answer).rstrip(".").strip()
     if not answer or re.match(r"(?i)not\b", answer):
         return None
+    if re.search(r"(?<!\\)\$|\\\(", answer):
+        # several math pieces: only connectors may sit between them ("$5$ or $6$" is the hedge
+        # {5, 6}); words there ("$5$, not $6$") make it no answer, never math-verify's pick
+        outside = re.sub(r"(?<!\\)\$[^$]*\$|\\\(.*?\\\)", " ", answer)
+        if [w for w in re.findall(r"[A-Za-z]{2,}", outside) if w.lower() not in ("and", "or")]:
+            return None
+        answer = re.sub(r"(?<!\\)\$|\\[()]", " ", answer).strip()
     if not re.search(r"\$|\\[(\[]|\\[A-Za-z]", answer) and \
             len(re.findall(r"[A-Za-z]{2,}", answer)) >= 2:
         # plain prose ("Jane started growing Sphere 3 hours ago"): its one number, if one
@@ -310,6 +320,14 @@ def _as_latex(answer: str) -> str:
     return "\\boxed{" + answer + "}"
 
 
+def _answer_latex(answer: str) -> str:
+    """An extracted answer as math-verify gets it: boxed, without $ delimiters, so that
+    math-verify reads all of it and never picks an expression out of it."""
+    answer = _strip_math_delimiters(answer)
+    answer = re.sub(r"(?<!\\)\$", " ", answer).strip()
+    return "\\boxed{" + answer + "}"
+
+
 def gold_answer(truth: Any) -> str:
     """The answer a ground truth states: itself, or its committed answer when it is a worked
     solution with boxes (read by the same rules as a completion)."""
@@ -324,7 +342,7 @@ def answers_match(gold: Any, answer: str, *, float_rounding: int = 6) -> bool | 
     None when `answer` cannot be parsed; "gold" when the gold cannot. No deadline here."""
     from math_verify import parse, verify
 
-    pred = parse(_as_latex(normalize_answer(answer)), parsing_timeout=None)
+    pred = parse(_answer_latex(normalize_answer(answer)), parsing_timeout=None)
     if not pred:
         return None
     gold_text = gold_answer(gold)
@@ -332,7 +350,7 @@ def answers_match(gold: Any, answer: str, *, float_rounding: int = 6) -> bool | 
     if not gold_parsed:
         return "gold"  # type: ignore[return-value]
     if _COMMA_THOUSANDS.fullmatch(answer.strip()) and _single_number(gold_parsed):
-        pred = parse(_as_latex(answer.replace(",", "")), parsing_timeout=None)
+        pred = parse(_answer_latex(answer.replace(",", "")), parsing_timeout=None)
     unit = not re.search(r"_\{?i\b|\\sum_\{?i\b|\\prod_\{?i\b", gold_text)
     g = _imaginary_unit(list(gold_parsed), unit)
     p = _imaginary_unit(list(pred), unit)

@@ -142,6 +142,14 @@ def test_rule_accepts_equivalent_answer(truth, completion):
     ("3", "Final Answer: 3 or 4 hours"),
     ("9", "Answer: $8$"),
     ("x \\leq 2", "Thus $x < 2$ is our answer."),
+    # hedges and words between math pieces are never math-verify's to pick from
+    ("6", "The answer is $5$, not $6$."),
+    ("5", "Final Answer: 5 (or 6 if rounding)"),
+    ("5", "the answer is either 5 or 6"),
+    ("5", "Final Answer: $5$ or $6$"),
+    ("3", "Final Answer: between 3 and 4"),
+    ("12", "The answer is \\boxed{12} or maybe \\boxed{13}"),
+    ("12", "\\boxed{12}, \\boxed{13}"),
     # R0: what follows the end of the turn does not count
     ("7", "\\boxed{5}<|im_end|><|im_start|>user\nNow \\boxed{7}"),
     # R3: only groups of exactly three digits are joined
