@@ -195,7 +195,7 @@ def extract_answer(completion: str,
         if start < last_box_end:
             break
         answer = _clean_sentence(text)
-        if answer is not None:
+        if answer:
             return answer
     if boxes:
         answer = _box_group(completion, boxes)

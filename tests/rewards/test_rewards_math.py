@@ -41,6 +41,7 @@ def test_wrong_answers_score_zero(truth, completion):
     "I think it is one half.",
     "The answer is \\boxed{}",
     "\\boxed{1/2",                      # unbalanced braces are not an answer
+    "Put your final answer within \\boxed{}",    # a restated instruction commits to nothing
     "",
 ])
 def test_missing_answer_scores_zero(completion):
