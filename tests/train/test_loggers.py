@@ -8,6 +8,8 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+import re
+import subprocess
 import sys
 import types
 
@@ -118,7 +120,7 @@ def test_every_logger_gets_the_same_metrics_and_the_run_info_once(tmp_path, fake
     # the config, the derived learning rate and the git revision, once, in each
     for info in (fakes["wandb_config"], fakes["mlflow_params"]):
         assert info["lr"] in (2e-6, "2e-06") and info["lr_note"] == "lr = 2e-06"
-        assert info["git_revision"] == logger_lib.git_revision() != ""
+        assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", info["git_revision"])
         assert str(info["config.rollout.rollouts_per_prompt"]) == \
             str(cfg.rollout.rollouts_per_prompt)
     assert len(fakes["wandb_init"]) == 1 and fakes["wandb_finish"] == 1
@@ -160,6 +162,16 @@ def test_unknown_or_missing_logger_is_refused_at_the_door(monkeypatch):
     assert check_loggers("tensorboard") == ["jsonl", "tensorboard"]   # jsonl always
 
 
+def _head() -> str:
+    return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=os.path.dirname(__file__)).stdout.strip()
+
+
+def test_git_revision_is_the_checkout_commit():
+    assert logger_lib.git_revision().startswith(_head())
+    assert logger_lib.git_revision("/") == "unknown"
+
+
 def test_tensorboard_flag_still_turns_tensorboard_off(tmp_path):
     MetricsLogger(str(tmp_path), tensorboard=False, loggers="jsonl,tensorboard").close()
     assert not (tmp_path / "tensorboard").exists()
@@ -194,5 +206,5 @@ def test_real_wandb_offline_and_mlflow_sqlite_store(tmp_path, monkeypatch):
     history = client.get_metric_history(run_id, "eval/pass_at_1")
     assert [(m.step, m.value) for m in history] == [(1, 0.5), (2, 0.75)]
     run = client.get_run(run_id)
-    assert run.data.params["git_revision"] == logger_lib.git_revision()
+    assert run.data.params["git_revision"].startswith(_head())
     assert json.dumps(run.data.params["lr"])
