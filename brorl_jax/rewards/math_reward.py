@@ -35,9 +35,11 @@ together, docs/rewards.md lists them):
      interval or union is compared as its solution set (x > 3 is (3, oo)), in both directions.
   R7 a bare comma list is a set of answers ("enter all solutions", MATH's convention; ordered
      answers are written as tuples "(a, b)"), as math-verify reads it: "4, 10, -2" = "10, 4, -2".
-  R8 (math-verify's own, kept and tested) exact rationals vs decimal expansions: equal when they
-     agree to float_rounding (6) decimals ("0.333333" is 1/3, "0.3333" is not); mixed numbers
-     (2\\frac{1}{2} = 5/2) with the whole part written against the fraction or after a space.
+  R8 exact rationals vs decimal expansions (math-verify's own, kept and tested): equal when they
+     agree to float_rounding (6) decimals ("0.333333" is 1/3, "0.3333" is not); mixed numbers:
+     2\\frac{1}{2} = 5/2 (math-verify's reading, with or without a space) and, added here, the
+     plain "3 1/2" = 7/2 (math-verify alone reads "a b/c" as (a + b)/c, so "3 1/2" would match
+     a gold of 2).
 """
 
 from __future__ import annotations
@@ -208,9 +210,18 @@ _TRIG = r"\\(?:sin|cos|tan|cot|sec|csc)"
 _DEGREE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree)")
 
 
+_MIXED_PLAIN = re.compile(r"(?<![\d.,/])(\d+)\s+(\d+)/(\d+)(?![\d./])")
+
+
+def _mixed(m: re.Match) -> str:
+    whole, num, den = m.groups()
+    return f"({whole} + \\frac{{{num}}}{{{den}}})"
+
+
 def normalize_answer(answer: str) -> str:
-    """String rules applied to both answers before math-verify parses them (R3, R5)."""
+    """String rules applied to both answers before math-verify parses them (R3, R5, R8)."""
     answer = _THOUSANDS.sub(lambda m: m.group(1) + re.sub(r"\D", "", m.group(2)), answer)
+    answer = _MIXED_PLAIN.sub(_mixed, answer)
     if re.search(_TRIG, answer):
         answer = _DEGREE.sub(r"(\1 \\cdot \\frac{\\pi}{180})", answer)
     return answer

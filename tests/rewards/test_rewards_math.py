@@ -120,6 +120,9 @@ def test_record_without_ground_truth_is_a_clear_error():
     ("\\frac{2}{3}", "\\boxed{0.6666666667}"),
     ("\\frac{5}{2}", "\\boxed{2\\frac{1}{2}}"),
     ("2\\frac{1}{2}", "\\boxed{\\frac{5}{2}}"),
+    ("\\frac{5}{2}", "\\boxed{2 \\frac{1}{2}}"),
+    ("\\frac{7}{2}", "\\boxed{3 1/2}"),
+    ("-\\frac{7}{2}", "\\boxed{-3 1/2}"),
     # a gold written as a worked solution with a box is read like a completion
     ("so $n = \\boxed{1,-2}$.", "\\boxed{-2} \\quad \\text{and} \\quad \\boxed{1}"),
 ])
@@ -179,6 +182,10 @@ def test_rule_accepts_equivalent_answer(truth, completion):
     ("\\frac{2}{3}", "\\boxed{0.667}"),
     ("\\frac{5}{2}", "\\boxed{2\\frac{1}{3}}"),
     ("1", "\\boxed{2\\frac{1}{2}}"),
+    ("\\frac{3}{2}", "\\boxed{3 1/2}"),
+    ("\\frac{7}{2}", "\\boxed{3 4/2}"),         # math-verify alone: (3 + 4)/2
+    ("2", "\\boxed{3 1/2}"),                     # math-verify alone: (3 + 1)/2 = 2
+    ("\\frac{7}{2}", "\\boxed{3 1/3}"),
 ])
 def test_rule_rejects_near_miss(truth, completion):
     result = _score(truth, completion)
