@@ -139,6 +139,19 @@ def default_config() -> ml_collections.ConfigDict:
     # by default (rewards/registry.py DEFAULT_REWARD_MAP). Keys: a data_source, its family
     # (the part before "/") or a shell pattern ("numina_*"). '{"my_set": "math"}'.
     c.rewards.map = "{}"
+    # A reward function from a file, veRL's compute_score convention (rewards/custom.py,
+    # docs/rewards.md): "path/to/file.py:fn" ("" = none); the data sources it scores (comma-
+    # separated shell patterns; rewards.map entries win); keyword arguments for it (JSON object,
+    # veRL's custom_reward_function.reward_kwargs); the batched form (lists in, list out) sent
+    # in chunks of custom_batch_size, at most custom_concurrency chunks at once, each under
+    # custom_batch_timeout_s.
+    c.rewards.custom = ""
+    c.rewards.custom_sources = "*"
+    c.rewards.custom_kwargs = "{}"
+    c.rewards.custom_batched = False
+    c.rewards.custom_batch_size = 64
+    c.rewards.custom_concurrency = 1
+    c.rewards.custom_batch_timeout_s = 60.0
 
     # --- supervised warm start (used by the demo; 0 steps = none) --------------------------
     c.sft = ml_collections.ConfigDict()
@@ -166,6 +179,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.log_every = 1                 # metrics written every k steps (+ evaluations, the end)
     c.train.plots = True
     c.train.tensorboard = True
+    # Where metrics go, comma-separated: jsonl (always, the public record) | tensorboard | wandb
+    # | mlflow (the last two: pip install 'brorl_jax[wandb]' / '[mlflow]'; train/logger.py).
+    c.train.loggers = "jsonl,tensorboard"
     c.train.mass_balance_diagnostics = False
 
     # --- parallelism -----------------------------------------------------------------------
@@ -213,6 +229,7 @@ POSITIVE = (
     "optim.base_batch", "rewards.num_workers", "rewards.timeout_s", "eval.samples_per_prompt",
     "eval.num_prompts", "train.keep_checkpoints", "train.checkpoint_every", "train.log_every",
     "rewards.batch_deadline_s", "rewards.recycle_after", "sft.batch_size", "sft.lr",
+    "rewards.custom_batch_size", "rewards.custom_concurrency", "rewards.custom_batch_timeout_s",
 )
 NON_NEGATIVE = (
     "algo.kl_coef", "algo.clip_eps_high", "algo.ref_reset_every", "algo.micro_batch_tokens",
@@ -229,7 +246,8 @@ INFINITE_OK = ("algo.reward_clip_low", "algo.reward_clip_high")
 # each must fit in int32, and so must the token counts they multiply into (validate).
 INT32_MAX = 2**31 - 1
 # JSON-object keys and what their values must be (checked by validate, read by json_option).
-JSON_OBJECT_KEYS = ("data.reasoning_gym_kwargs", "data.fields", "rewards.map")
+JSON_OBJECT_KEYS = ("data.reasoning_gym_kwargs", "data.fields", "rewards.map",
+                    "rewards.custom_kwargs")
 DATA_SPEC_SUFFIXES = (".jsonl", ".parquet", ".pq")
 
 
@@ -445,8 +463,9 @@ def _validate_io_keys(cfg: ml_collections.ConfigDict) -> list[str]:
             elif not isinstance(column, str) or not column:
                 errors.append(f"config key 'data.fields': {name!r} must map to a column name, "
                               f"got {column!r}.")
+    errors += _validate_custom_reward(cfg)
     if "rewards.map" in parsed:
-        names = verifier_names()
+        names = verifier_names() + (("custom",) if cfg.rewards.custom else ())
         for source, verifier in parsed["rewards.map"].items():
             if not source or verifier not in names:
                 errors.append(f"config key 'rewards.map' sends {source!r} to {verifier!r}; "
@@ -467,6 +486,19 @@ def _validate_io_keys(cfg: ml_collections.ConfigDict) -> list[str]:
         if not 0.0 <= cfg.sft[name] <= 1.0:
             errors.append(f"config key 'sft.{name}' must be in [0, 1], got {cfg.sft[name]}.")
     return errors
+
+
+def _validate_custom_reward(cfg: ml_collections.ConfigDict) -> list[str]:
+    """rewards.custom: the file exists (nothing is imported here; the door check in a worker
+    does that, rewards/custom.py). train.loggers is checked by train/logger.check_config."""
+    if not cfg.rewards.custom:
+        return []
+    from brorl_jax.rewards.custom import CustomRewardError, check_file
+    try:
+        check_file(cfg.rewards.custom)
+    except CustomRewardError as e:
+        return [f"config key {e}."]
+    return []
 
 
 def _validate_options(cfg: ml_collections.ConfigDict) -> list[str]:

@@ -5,6 +5,9 @@ Started by service.ScoringService; protocol over a multiprocessing Connection:
   worker -> parent: ("ready", pid, isolation report or None)
   parent -> worker: (key, verifier name, record, completion, time budget s) ... or None (stop)
   worker -> parent: (key, RewardResult) for each item, in order
+  A batched verifier (RewardSpec.batched) gets lists of records and completions in one message
+  and answers (key, list of RewardResult). Every verdict's details carry "verifier" and
+  "seconds" (the time its call took; a chunk's time is shared equally by its items).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from multiprocessing.connection import Connection
 
 logger = logging.getLogger("brorl_jax.rewards.worker")
@@ -52,15 +56,41 @@ def main(fd: int) -> None:
         if msg is None:
             return
         key, name, record, completion, budget = msg
-        try:
-            result = fns[name](record, completion, time_budget_s=budget, **options.get(name, {}))
-            if not isinstance(result, RewardResult):
-                raise TypeError(f"verifier {name!r} returned {type(result).__name__}, "
-                                "expected RewardResult")
-        except Exception as e:  # noqa: BLE001 - a verifier bug scores 0, the worker lives on
-            result = RewardResult(0.0, f"verifier error: {type(e).__name__}: {e}"[:500],
-                                  {"verifier": name})
+        start = time.perf_counter()
+        if specs[name].batched:
+            result = _call_batched(fns[name], name, record, completion, budget,
+                                   options.get(name, {}), RewardResult)
+            seconds = (time.perf_counter() - start) / max(1, len(result))
+            for r in result:
+                r.details.setdefault("verifier", name)
+                r.details["seconds"] = seconds
+        else:
+            try:
+                result = fns[name](record, completion, time_budget_s=budget,
+                                   **options.get(name, {}))
+                if not isinstance(result, RewardResult):
+                    raise TypeError(f"verifier {name!r} returned {type(result).__name__}, "
+                                    "expected RewardResult")
+            except Exception as e:  # noqa: BLE001 - a verifier bug scores 0, the worker lives on
+                result = RewardResult(0.0, f"verifier error: {type(e).__name__}: {e}"[:500])
+            result.details.setdefault("verifier", name)
+            result.details["seconds"] = time.perf_counter() - start
         conn.send((key, result))
+
+
+def _call_batched(fn, name, records, completions, budget, options, result_type) -> list:
+    """One call of a batched verifier; a raise or a wrong-length answer fails every item."""
+    try:
+        results = fn(records, completions, time_budget_s=budget, **options)
+        if not isinstance(results, list) or len(results) != len(records) or \
+                not all(isinstance(r, result_type) for r in results):
+            raise TypeError(f"batched verifier {name!r} must return a list of "
+                            f"{len(records)} RewardResult, got {type(results).__name__}"
+                            + (f" of length {len(results)}" if isinstance(results, list) else ""))
+        return results
+    except Exception as e:  # noqa: BLE001 - a verifier bug scores 0, the worker lives on
+        reason = f"verifier error: {type(e).__name__}: {e}"[:500]
+        return [result_type(0.0, reason) for _ in records]
 
 
 if __name__ == "__main__":

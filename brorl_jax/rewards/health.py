@@ -15,8 +15,12 @@ A verdict's `reason` (RewardResult.reason) falls in one of these kinds:
 
 VerifierHealth accumulates verdicts per data source; `metrics()` gives, per source,
 `verifier/<source>/failed_frac` and `no_answer_frac` every step, plus the fraction of each failure
-kind that occurred. `check()` raises when every sample of a data source failed: a step trained on
-those zeros would be meaningless (and dynamic sampling would stop with a misleading message).
+kind that occurred; the cost of each (data source, verifier) pair,
+`verifier_cost/<source>/<verifier>/time_s_mean`, `time_s_max`, `time_s_total` (seconds a worker
+spent per verdict, from the verdict's details["seconds"]) and `failures` (count); and the mean of
+each extra numeric field a custom reward function returned, `reward_extra/<source>/<field>`.
+`check()` raises when every sample of a data source failed: a step trained on those zeros
+would be meaningless (and dynamic sampling would stop with a misleading message).
 """
 from __future__ import annotations
 
@@ -63,6 +67,22 @@ class _Source:
     total: int = 0
     kinds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     first_failure: str = ""
+    # verifier -> [verdicts, seconds total, seconds max, failures]
+    cost: dict = dataclasses.field(default_factory=dict)
+    # extra field -> [sum, count]
+    extra: dict = dataclasses.field(default_factory=dict)
+
+    def merge_cost(self, verifier: str, n: int, total: float, top: float, failed: int) -> None:
+        c = self.cost.setdefault(verifier, [0, 0.0, 0.0, 0])
+        c[0] += n
+        c[1] += total
+        c[2] = max(c[2], top)
+        c[3] += failed
+
+    def merge_extra(self, field: str, total: float, n: int) -> None:
+        e = self.extra.setdefault(field, [0.0, 0])
+        e[0] += total
+        e[1] += n
 
 
 class VerifierHealth:
@@ -82,9 +102,15 @@ class VerifierHealth:
             src.kinds[kind] += 1
             if kind in FAILURE_KINDS and not src.first_failure:
                 src.first_failure = result.reason
+            details = getattr(result, "details", None) or {}
+            seconds = float(details.get("seconds", 0.0) or 0.0)
+            src.merge_cost(str(details.get("verifier", "?")), 1, seconds, seconds,
+                           int(kind in FAILURE_KINDS))
+            for field, value in (details.get("extra") or {}).items():
+                src.merge_extra(str(field), float(value), 1)
 
     def to_json(self) -> dict:
-        return {name: [src.total, dict(src.kinds), src.first_failure]
+        return {name: [src.total, dict(src.kinds), src.first_failure, src.cost, src.extra]
                 for name, src in self.sources.items()}
 
     @classmethod
@@ -92,15 +118,21 @@ class VerifierHealth:
         """One VerifierHealth from several processes' to_json() (their samples together)."""
         out = cls()
         for part in parts:
-            for name, (total, kinds, first) in part.items():
+            for name, (total, kinds, first, *more) in part.items():
                 src = out.sources.setdefault(name, _Source())
                 src.total += total
                 src.kinds.update(kinds)
                 src.first_failure = src.first_failure or first
+                cost, extra = (more + [{}, {}])[:2]
+                for verifier, c in cost.items():
+                    src.merge_cost(verifier, *c)
+                for field, (total_value, n) in extra.items():
+                    src.merge_extra(field, total_value, n)
         return out
 
     def metrics(self, prefix: str = "verifier/") -> dict[str, float]:
         out = {}
+        head = prefix[:-len("verifier/")] if prefix.endswith("verifier/") else prefix
         for name, src in sorted(self.sources.items()):
             failed = sum(src.kinds[k] for k in FAILURE_KINDS)
             out[f"{prefix}{name}/failed_frac"] = failed / src.total
@@ -108,7 +140,26 @@ class VerifierHealth:
             for kind in FAILURE_KINDS + ("unparseable",):
                 if src.kinds[kind]:
                     out[f"{prefix}{name}/{kind}_frac"] = src.kinds[kind] / src.total
+            for verifier, (n, total, top, failures) in sorted(src.cost.items()):
+                key = f"{head}verifier_cost/{name}/{verifier}"
+                out[f"{key}/time_s_mean"] = total / n if n else 0.0
+                out[f"{key}/time_s_max"] = top
+                out[f"{key}/time_s_total"] = total
+                out[f"{key}/failures"] = failures
+            for field, (total, n) in sorted(src.extra.items()):
+                out[f"{head}reward_extra/{name}/{field}"] = total / n
         return out
+
+    def failures(self) -> list[str]:
+        """One line per data source with failed verdicts: count, kinds and the first reason."""
+        lines = []
+        for name, src in sorted(self.sources.items()):
+            failed = {k: src.kinds[k] for k in FAILURE_KINDS if src.kinds[k]}
+            if failed:
+                kinds = ", ".join(f"{v} {k}" for k, v in failed.items())
+                lines.append(f"data source {name!r}: {sum(failed.values())} of {src.total} not "
+                             f"judged ({kinds}); first: {src.first_failure}")
+        return lines
 
     def check(self, where: str) -> None:
         """Raises VerifierFailure naming the first data source whose every sample failed."""

@@ -1,10 +1,45 @@
 """Math verifier: extract the final answer, check equivalence with math-verify (binary reward).
 
-Extraction is strict on purpose: the last \\boxed{...} (or \\fbox{...}) of the completion, else
-the last match of a configurable final-answer pattern, else nothing -> score 0. The completion
-itself is never handed to the checker: math-verify's own extraction would happily find an
-expression in a completion that merely restates the question ("compute $1/2+1/2$") and grade
-it, which is a known reward hack.
+Extraction is strict on purpose: the completion must commit to an answer (a \\boxed{...} /
+\\fbox{...}, or a final-answer line), else it scores 0. The completion itself is never handed
+to the checker: math-verify's own extraction would happily find an expression in a completion
+that merely restates the question ("compute $1/2+1/2$") and grade it, which is a known reward
+hack. The same extraction reads the ground truth when it is a worked solution (with a box).
+
+Rules around math-verify (each has positive and near-miss tests in
+tests/rewards/test_rewards_math.py; the graded public pairs in tests/rewards/data/ measure them
+together, docs/rewards.md lists them):
+
+  R1 multi-box: boxes separated only by connectors ("and", "or", commas, spacing, "x =") form
+     one answer, the list of their contents ("x = \\boxed{2} or x = \\boxed{3}" is "2, 3"); a box
+     after any other text ("first \\boxed{7}, corrected: \\boxed{10}") replaces the earlier ones.
+     A hedge ("\\boxed{7} or \\boxed{10}") is the set {7, 10}, which matches no single gold.
+  R2 final-answer lines: "Final Answer: ...", "The final answer is ...", a line starting with
+     "Answer", wherever they sit on the line; the last commitment wins, so a final-answer line
+     written after the last box replaces it. Sentences are cut to the answer: "The largest $n$
+     is 34." -> "34", Minerva's "... I hope it is correct." is dropped; an answer that starts
+     with "not" is no answer; a plain-prose sentence ("Jane started growing Sphere 3 hours ago")
+     gives its number when it holds exactly one, else no answer (a hedge "3 or 4 hours" is none).
+  R3 thousands separators written with spaces or thin spaces ("1 000", "1\\,000", "12 345 678":
+     groups of exactly three digits after a 1-3 digit head) are joined; "1 00" or "12 34" are not.
+     Commas ("10,455") are joined only when the gold is a single number: against a list gold
+     "10, 455" stays a list. A decimal comma ("1000,99") is never read as a decimal point: "2,5"
+     may be the list {2, 5}.
+  R0 a completion ends at the first chat-template token (<|im_start|>, <|im_end|>,
+     <|endoftext|>, <|eot_id|>): what follows is a turn the model was not asked for.
+  R4 the imaginary unit: a free symbol i in both answers is sympy's I (so i^2 = -1, sqrt(-4) = 2i)
+     unless the gold uses i as an index (a subscript _i, a sum over i).
+  R5 degrees inside trigonometric functions are converted to radians (\\sin(90^\\circ - x) is
+     \\cos x); a bare 30^\\circ stays 30 (math-verify drops the sign), so "30" still matches it.
+  R6 relations vs intervals: a one-variable inequality (or an "or"/"and" of them) compared with an
+     interval or union is compared as its solution set (x > 3 is (3, oo)), in both directions.
+  R7 a bare comma list is a set of answers ("enter all solutions", MATH's convention; ordered
+     answers are written as tuples "(a, b)"), as math-verify reads it: "4, 10, -2" = "10, 4, -2".
+  R8 exact rationals vs decimal expansions (math-verify's own, kept and tested): equal when they
+     agree to float_rounding (6) decimals ("0.333333" is 1/3, "0.3333" is not); mixed numbers:
+     2\\frac{1}{2} = 5/2 (math-verify's reading, with or without a space) and, added here, the
+     plain "3 1/2" = 7/2 (math-verify alone reads "a b/c" as (a + b)/c, so "3 1/2" would match
+     a gold of 2).
 """
 
 from __future__ import annotations
@@ -12,31 +47,24 @@ from __future__ import annotations
 import re
 import signal
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from brorl_jax.rewards.types import RewardResult, require_field
 
-# "Final Answer: 42" / "**Final answer:** $x=3$" on a line of its own (after the last box).
-DEFAULT_FINAL_ANSWER_PATTERN = r"(?im)^[ \t>*#_]*final answer[ \t*_]*[:：][ \t*_]*(.+?)[ \t*_.]*$"
-_BOX_COMMANDS = ("\\boxed", "\\fbox")
+# R2: a final-answer commitment; group 1 is the rest of the line. Several patterns may be given
+# (rewards option final_answer_pattern: one regex or a list); the last match in the text wins.
+DEFAULT_FINAL_ANSWER_PATTERN: tuple[str, ...] = (
+    r"(?i)\bfinal\s+answer\b[ \t*_]*(?:is\b)?[ \t*_]*[:：]?[ \t*_]*([^\n]*)",
+    r"(?im)^[ \t>*#_]*answer\b[ \t*_]*[:：]?[ \t*_]*([^\n]*)",
+    r"(?i)\b(?:the|our|my)\s+(?:final\s+)?(?:answer|solution)\s+is\b[ \t:]*([^\n]*)",
+    r"(?i)(\$[^$\n]+\$|\\\(.+?\\\))\s+is\s+(?:our|the|my)\s+(?:final\s+)?(?:answer|solution)\b",
+)
+_END_OF_TURN = re.compile(r"<\|(?:im_start|im_end|endoftext|eot_id)\|>")
 
 
-def extract_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} / \\fbox{...} (balanced braces), or of `\\boxed 5`."""
-    best_pos, best = -1, None
-    for command in _BOX_COMMANDS:
-        pos = text.rfind(command)
-        while pos != -1 and pos > best_pos:
-            content = _box_content(text, pos + len(command))
-            if content is not None:
-                best_pos, best = pos, content
-                break
-            pos = text.rfind(command, 0, pos)
-    return best
-
-
-def _box_content(text: str, i: int) -> str | None:
+def _box_content(text: str, i: int) -> tuple[str, int] | None:
+    """(content, end index) of the box argument starting at text[i], or None."""
     if text.startswith("{", i):
         depth = 0
         for j in range(i, len(text)):
@@ -46,28 +74,224 @@ def _box_content(text: str, i: int) -> str | None:
             elif c == "}":
                 depth -= 1
                 if depth == 0:
-                    return text[i + 1:j]
+                    return text[i + 1:j], j + 1
         return None  # unbalanced: not an answer
     m = re.match(r" +([^\s$]+)", text[i:])  # "\boxed 5"
-    return m.group(1) if m else None
+    return (m.group(1), i + m.end()) if m else None
+
+
+def _boxes(text: str) -> list[tuple[int, int, str]]:
+    """Every balanced \\boxed{...} / \\fbox{...} as (start, end, content), in order."""
+    out = []
+    for m in re.finditer(r"\\(?:boxed|fbox)(?![A-Za-z])", text):
+        got = _box_content(text, m.end())
+        if got is not None:
+            out.append((m.start(), got[1], got[0]))
+    # a box inside a box counts once (the outer one)
+    nested = [b for b in out if any(o[0] < b[0] and b[1] <= o[1] for o in out)]
+    return [b for b in out if b not in nested]
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} / \\fbox{...} (balanced braces), or of `\\boxed 5`."""
+    boxes = _boxes(text)
+    return boxes[-1][2] if boxes else None
+
+
+_ASSIGN = r"[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?\s*="
+_SPACING = re.compile(r"\\(?:quad|qquad|,|;|:|!| |enspace|hspace\{[^}]*\})|~|\$|\\[()\[\]]|&|\\\\")
+
+
+def _is_connector(gap: str) -> bool:
+    """R1: text between two boxes that joins them into one answer."""
+    gap = re.sub(r"\\(?:text|textbf|mathrm)\s*\{([^{}]*)\}", r" \1 ", gap)
+    gap = _SPACING.sub(" ", gap)
+    gap = re.sub(_ASSIGN, " ", gap)
+    gap = re.sub(r"(?i)\b(?:and|or)\b|[,;.]", " ", gap)
+    return not gap.strip()
+
+
+def _box_group(text: str, boxes: list[tuple[int, int, str]]) -> str:
+    """R1: the last box and the boxes before it that only connectors separate from it."""
+    group = [len(boxes) - 1]
+    while group[0] > 0 and _is_connector(text[boxes[group[0] - 1][1]:boxes[group[0]][0]]):
+        group.insert(0, group[0] - 1)
+    if len(group) == 1:
+        return boxes[group[0]][2].strip()
+    parts = []
+    for k in group:
+        start, _, content = boxes[k]
+        before = text[boxes[k - 1][1] if k > group[0] else max(0, start - 40):start]
+        name = re.search(r"(" + _ASSIGN + r")\s*\$?\s*(?:\\\(\s*)?$", before)
+        content = content.strip()
+        parts.append(f"{name.group(1)} {content}" if name and "=" not in content else content)
+    return ", ".join(parts)
+
+
+def _strip_math_delimiters(s: str) -> str:
+    s = s.strip()
+    for a, b in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+        if s.startswith(a) and s.endswith(b) and len(s) >= len(a) + len(b) and \
+                not (b == "$" and s.endswith("\\$")):
+            inner = s[len(a):len(s) - len(b)]
+            plain = inner.replace("\\$", "")          # an escaped \$ is a dollar sign
+            if a not in plain and b not in plain:
+                return inner.strip()
+    return s
+
+
+def _clean_sentence(answer: str) -> str | None:
+    """R2: the answer inside a final-answer sentence, or None when it commits to nothing."""
+    boxes = _boxes(answer)
+    if boxes:
+        return _box_group(answer, boxes)
+    answer = re.split(r"(?i)[.!]?\s*I hope it is correct", answer)[0]
+    answer = re.sub(r"(?i)^\s*(?:the\s+)?(?:final\s+)?answer\s+is\b\s*:?", "", answer)
+    answer = re.split(r"(?<![\d.])\.\s+(?=[A-Z])", answer)[0]  # the first sentence
+    # "The largest $n$ is 34" -> "34": words (outside math) before the last " is "
+    m = re.match(r"(?is)^(.*[A-Za-z].*?)\s\bis\b\s+(.+)$", answer)
+    if m and re.search(r"[A-Za-z]{2,}", re.sub(r"\$[^$]*\$|\\\(.*?\\\)", "", m.group(1))):
+        answer = m.group(2)
+    answer = answer.strip().rstrip(".").strip(" \t*_")
+    answer = re.sub(r'^(?:\\?")+|(?:\\?")+$', "", answer).strip()   # "quoted" answers
+    answer = _strip_math_delimiters(answer).rstrip(".").strip()
+    if not answer or re.match(r"(?i)not\b", answer):
+        return None
+    if re.search(r"(?<!\\)\$|\\\(", answer):
+        # several math pieces: only connectors may sit between them ("$5$ or $6$" is the hedge
+        # {5, 6}); words there ("$5$, not $6$") make it no answer, never math-verify's pick
+        outside = re.sub(r"(?<!\\)\$[^$]*\$|\\\(.*?\\\)", " ", answer)
+        if [w for w in re.findall(r"[A-Za-z]{2,}", outside) if w.lower() not in ("and", "or")]:
+            return None
+        answer = re.sub(r"(?<!\\)\$|\\[()]", " ", answer).strip()
+    if not re.search(r"\$|\\[(\[]|\\[A-Za-z]", answer) and \
+            len(re.findall(r"[A-Za-z]{2,}", answer)) >= 2:
+        # plain prose ("Jane started growing Sphere 3 hours ago"): its one number, if one
+        numbers = re.findall(r"[-+]?\d[\d,]*(?:\.\d+)?", answer)
+        return numbers[0] if len(numbers) == 1 else None
+    return answer
 
 
 def extract_answer(completion: str,
-                   final_answer_pattern: str | None = DEFAULT_FINAL_ANSWER_PATTERN) -> str | None:
-    """The answer the completion commits to, or None when it commits to none."""
-    boxed = extract_boxed(completion)
-    if boxed is not None and boxed.strip():
-        return boxed.strip()
-    if final_answer_pattern:
-        matches = list(re.finditer(final_answer_pattern, completion))
-        if matches:
-            answer = matches[-1].group(1).strip()
-            inner = extract_boxed(answer)
-            if inner is not None:
-                answer = inner.strip()
-            answer = answer.strip().strip("$").strip()
-            return answer or None
+                   final_answer_pattern: str | Sequence[str] | None = DEFAULT_FINAL_ANSWER_PATTERN
+                   ) -> str | None:
+    """The answer the completion commits to, or None when it commits to none (R0, R1, R2)."""
+    completion = _END_OF_TURN.split(completion, 1)[0]
+    boxes = _boxes(completion)
+    patterns = ([final_answer_pattern] if isinstance(final_answer_pattern, str)
+                else list(final_answer_pattern or ()))
+    lines = []
+    for pattern in patterns:
+        for m in re.finditer(pattern, completion):
+            text = m.group(1)
+            opened = text.strip()
+            if opened in ("\\(", "\\[", "$$"):   # "Answer \\(" + the answer on the next lines
+                close = {"\\(": "\\)", "\\[": "\\]", "$$": "$$"}[opened]
+                end = completion.find(close, m.end(1))
+                if end != -1:
+                    text = completion[m.start(1):end + len(close)]
+            lines.append((m.start(), text))
+    last_box_end = boxes[-1][1] if boxes else -1
+    # a final-answer line after the last box wins (R2), if it holds an answer
+    for start, text in sorted(lines, reverse=True):
+        if start < last_box_end:
+            break
+        answer = _clean_sentence(text)
+        if answer:
+            return answer
+    if boxes:
+        answer = _box_group(completion, boxes)
+        return answer or None
     return None
+
+
+_THOUSANDS = re.compile(r"(?<![\d.,])(\d{1,3})((?:(?:\s|\\,|\\ |\\;|~|\{\\,\}|\\!)\d{3})+)(?![\d])")
+_TRIG = r"\\(?:sin|cos|tan|cot|sec|csc)"
+_DEGREE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree)")
+
+
+_MIXED_PLAIN = re.compile(r"(?<![\d.,/])(\d+)\s+(\d+)/(\d+)(?![\d./])")
+
+
+def _mixed(m: re.Match) -> str:
+    whole, num, den = m.groups()
+    return f"({whole} + \\frac{{{num}}}{{{den}}})"
+
+
+def normalize_answer(answer: str) -> str:
+    """String rules applied to both answers before math-verify parses them (R3, R5, R8)."""
+    answer = _THOUSANDS.sub(lambda m: m.group(1) + re.sub(r"\D", "", m.group(2)), answer)
+    answer = _MIXED_PLAIN.sub(_mixed, answer)
+    if re.search(_TRIG, answer):
+        answer = _DEGREE.sub(r"(\1 \\cdot \\frac{\\pi}{180})", answer)
+    return answer
+
+
+_COMMA_THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+
+
+def _single_number(parsed: list) -> bool:
+    import sympy
+    return bool(parsed) and isinstance(parsed[0], sympy.Number)
+
+
+def _imaginary_unit(exprs: list, allowed: bool) -> list:
+    """R4: free symbol i -> sympy.I in parsed expressions."""
+    if not allowed:
+        return exprs
+    import sympy
+    out = []
+    for e in exprs:
+        if isinstance(e, sympy.Basic):
+            i = [s for s in e.free_symbols if getattr(s, "name", None) == "i"]
+            if i:
+                try:
+                    e = e.subs(i[0], sympy.I)
+                except Exception:  # noqa: BLE001 - keep math-verify's reading
+                    pass
+        out.append(e)
+    return out
+
+
+def _as_solution_set(e):
+    """R6: a one-variable inequality (or and/or/set of them) as its solution set, else None."""
+    import sympy
+    from sympy.core.relational import Relational
+
+    def one(x):
+        if isinstance(x, Relational) and not isinstance(x, (sympy.Eq, sympy.Ne)):
+            return x
+        if isinstance(x, (sympy.And, sympy.Or)) and all(one(a) is not None for a in x.args):
+            return x
+        return None
+
+    parts = list(e.args) if isinstance(e, sympy.FiniteSet) else [e]
+    if not parts or any(one(p) is None for p in parts):
+        return None
+    symbols = set().union(*(p.free_symbols for p in parts))
+    if len(symbols) != 1:
+        return None
+    (x,) = symbols
+    try:
+        return sympy.Union(*(p.as_set() for p in parts)) if x.is_real is not False else None
+    except Exception:  # noqa: BLE001 - not a solvable inequality: leave it
+        return None
+
+
+def _relations_vs_sets(gold: list, pred: list) -> tuple[list, list]:
+    import sympy
+
+    def convert(side, other):
+        if not any(isinstance(o, sympy.Set) and not isinstance(o, sympy.FiniteSet)
+                   for o in other):
+            return side
+        out = []
+        for e in side:
+            s = _as_solution_set(e) if isinstance(e, sympy.Basic) else None
+            out.append(e if s is None else s)
+        return out
+
+    return convert(gold, pred), convert(pred, gold)
 
 
 class VerifyTimeout(BaseException):  # BaseException: math-verify swallows Exception
@@ -107,18 +331,56 @@ def _as_latex(answer: str) -> str:
     return "\\boxed{" + answer + "}"
 
 
+def _answer_latex(answer: str) -> str:
+    """An extracted answer as math-verify gets it: boxed, without $ delimiters, so that
+    math-verify reads all of it and never picks an expression out of it."""
+    answer = _strip_math_delimiters(answer)
+    answer = re.sub(r"(?<!\\)\$", " ", answer).strip()
+    return "\\boxed{" + answer + "}"
+
+
+def gold_answer(truth: Any) -> str:
+    """The answer a ground truth states: itself, or its committed answer when it is a worked
+    solution with boxes (read by the same rules as a completion)."""
+    text = str(truth)
+    if _boxes(text):
+        return extract_answer(text) or text
+    return text
+
+
+def answers_match(gold: Any, answer: str, *, float_rounding: int = 6) -> bool | None:
+    """True/False when math-verify (with R3-R8 around it) judges `answer` equal to `gold`;
+    None when `answer` cannot be parsed; "gold" when the gold cannot. No deadline here."""
+    from math_verify import parse, verify
+
+    pred = parse(_answer_latex(normalize_answer(answer)), parsing_timeout=None)
+    if not pred:
+        return None
+    gold_text = gold_answer(gold)
+    gold_parsed = parse(_as_latex(normalize_answer(gold_text)), parsing_timeout=None)
+    if not gold_parsed:
+        return "gold"  # type: ignore[return-value]
+    if _COMMA_THOUSANDS.fullmatch(answer.strip()) and _single_number(gold_parsed):
+        pred = parse(_answer_latex(answer.replace(",", "")), parsing_timeout=None)
+    unit = not re.search(r"_\{?i\b|\\sum_\{?i\b|\\prod_\{?i\b", gold_text)
+    g = _imaginary_unit(list(gold_parsed), unit)
+    p = _imaginary_unit(list(pred), unit)
+    g, p = _relations_vs_sets(g, p)
+    return bool(verify(g, p, float_rounding=float_rounding, timeout_seconds=None))
+
+
 def math_reward(record: Mapping[str, Any], completion: str, *,
-                final_answer_pattern: str | None = DEFAULT_FINAL_ANSWER_PATTERN,
+                final_answer_pattern: str | Sequence[str] | None = DEFAULT_FINAL_ANSWER_PATTERN,
                 verify_timeout_s: float | None = 5.0, float_rounding: int = 6,
                 time_budget_s: float | None = None) -> RewardResult:
-    """1.0 when the extracted answer is equivalent to ground_truth under math-verify, else 0.0.
+    """1.0 when the extracted answer is equivalent to ground_truth under math-verify (with the
+    rules of the module docstring), else 0.0.
 
-    ground_truth: a string (LaTeX or plain), a number, or a list of acceptable answers.
+    ground_truth: a string (LaTeX or plain; a worked solution with a box is read like a
+    completion), a number, or a list of acceptable answers.
     verify_timeout_s: in-process deadline for parse+verify (None: rely on the scoring
     service's per-item timeout, which kills the worker).
     """
-    from math_verify import parse, verify  # heavy import: only in workers that score math
-
     _silence_math_verify_timeout_warning()
 
     truth = require_field(record, "ground_truth", "math")
@@ -131,17 +393,12 @@ def math_reward(record: Mapping[str, Any], completion: str, *,
     details: dict[str, Any] = {"extracted": answer}
 
     def _check():
-        pred = parse(_as_latex(answer), parsing_timeout=None)
-        if not pred:
+        verdicts = [answers_match(gold, answer, float_rounding=float_rounding) for gold in golds]
+        if any(v is True for v in verdicts):
+            return True
+        if all(v is None for v in verdicts):
             return None
-        parsed_any = False
-        for gold in golds:
-            gold_parsed = parse(_as_latex(str(gold)), parsing_timeout=None)
-            parsed_any = parsed_any or bool(gold_parsed)
-            if gold_parsed and verify(gold_parsed, pred, float_rounding=float_rounding,
-                                      timeout_seconds=None):
-                return True
-        return False if parsed_any else "gold"
+        return False if any(v is False for v in verdicts) else "gold"
 
     try:
         ok = _with_deadline(verify_timeout_s, _check)
@@ -166,8 +423,9 @@ def check_ground_truth(truth: Any, *, timeout_s: float = 2.0) -> None:
         raise ValueError("empty list of ground-truth answers")
 
     def _any_parses():
-        return any(any(not isinstance(x, str) for x in parse(_as_latex(str(g)),
-                                                             parsing_timeout=None))
+        return any(any(not isinstance(x, str)
+                       for x in parse(_as_latex(normalize_answer(gold_answer(g))),
+                                      parsing_timeout=None))
                    for g in golds)
 
     try:

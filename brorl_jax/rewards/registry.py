@@ -40,6 +40,13 @@ class RewardSpec:
     # "package.module:function" taking a ground truth; raises ValueError when this verifier can
     # never score it (run on the data at load time, in the trainer process). None: no check.
     check: str | None = None
+    # True: fn takes lists (records, completions) and returns a list of RewardResult; the
+    # service sends it chunks of `batch_size` items, at most `concurrency` chunks at once, each
+    # under `batch_timeout_s` (rewards.custom_batched; for model judges and remote services).
+    batched: bool = False
+    batch_size: int = 64
+    concurrency: int = 1
+    batch_timeout_s: float = 60.0
 
 
 REWARDS: dict[str, RewardSpec] = {}
@@ -70,7 +77,9 @@ NO_VERIFIER: dict[str, str] = {
 
 
 def register_reward(name: str, fn: RewardFn | str, *, preload: tuple[str, ...] = (),
-                    check: str | None = None, replace: bool = False) -> RewardSpec:
+                    check: str | None = None, replace: bool = False, batched: bool = False,
+                    batch_size: int = 64, concurrency: int = 1,
+                    batch_timeout_s: float = 60.0) -> RewardSpec:
     """Registers a verifier under `name` (services created afterwards can use it)."""
     if not name or "/" in name:
         raise ValueError(f"reward name must be non-empty and contain no '/', got {name!r}")
@@ -82,7 +91,12 @@ def register_reward(name: str, fn: RewardFn | str, *, preload: tuple[str, ...] =
         raise ValueError(f"reward {name!r}: fn must be callable or an import path")
     if name in REWARDS and not replace:
         raise ValueError(f"reward {name!r} is already registered; pass replace=True to override")
-    spec = RewardSpec(name, fn, tuple(preload), check)
+    if batched and (batch_size < 1 or concurrency < 1 or not batch_timeout_s > 0):
+        raise ValueError(f"reward {name!r}: batch_size and concurrency must be >= 1 and "
+                         f"batch_timeout_s > 0, got {batch_size}, {concurrency}, "
+                         f"{batch_timeout_s}")
+    spec = RewardSpec(name, fn, tuple(preload), check, batched, batch_size, concurrency,
+                      float(batch_timeout_s))
     REWARDS[name] = spec
     return spec
 

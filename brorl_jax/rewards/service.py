@@ -231,28 +231,65 @@ class ScoringService:
         with self._lock:
             return self._score(records, completions, names)
 
+    def _units(self, names: list[str]) -> list[list[int]]:
+        """Items grouped into what one worker message carries: one item, or for a batched
+        verifier a chunk of up to its batch_size items."""
+        units, chunks = [], {}
+        for i, name in enumerate(names):
+            spec = self._specs[name]
+            if not spec.batched:
+                units.append([i])
+                continue
+            chunk = chunks.get(name)
+            if chunk is None or len(chunk) >= spec.batch_size:
+                chunk = chunks[name] = []
+                units.append(chunk)
+            chunk.append(i)
+        return units
+
     def _score(self, records, completions, names) -> list[RewardResult]:
         self._batch_id += 1
         batch = self._batch_id
         n = len(records)
         results: list[RewardResult | None] = [None] * n
-        pending = collections.deque(range(n))
+        units = self._units(names)
+        batched = [self._specs[names[u[0]]].batched for u in units]
+        pending = collections.deque(range(len(units)))
         remaining = n
         start = time.monotonic()
         deadline = None if self.batch_deadline_s is None else start + self.batch_deadline_s
-        timeouts = [self.timeout_overrides.get(name, self.timeout_s) for name in names]
+        timeouts = [self._specs[names[u[0]]].batch_timeout_s if batched[k]
+                    else self.timeout_overrides.get(names[u[0]], self.timeout_s)
+                    for k, u in enumerate(units)]
+        chunks_inflight = collections.Counter()   # batched verifier -> chunks being scored
 
-        def finish(i: int, res: RewardResult) -> None:
+        def finish(k: int, res) -> None:
             nonlocal remaining
-            if results[i] is None:
-                results[i] = res
-                remaining -= 1
+            for j, i in enumerate(units[k]):
+                if results[i] is None:
+                    one = res[j] if isinstance(res, list) else res
+                    if isinstance(res, list) or j == 0:
+                        results[i] = one
+                    else:   # a failure blamed on a whole chunk: each item gets its own copy
+                        results[i] = RewardResult(0.0, one.reason, dict(one.details))
+                    remaining -= 1
+            if batched[k]:
+                chunks_inflight[names[units[k][0]]] -= 1
+
+        def failure(k: int, reason: str, seconds: float | None = None) -> RewardResult:
+            details = {"verifier": names[units[k][0]]}
+            if seconds is not None:
+                details["seconds"] = seconds / len(units[k])
+            return RewardResult(0.0, reason + (" (batch)" if batched[k] else ""), details)
 
         def fail_worker(w: _Worker, reason: str) -> None:
-            # Blame the item being scored; send the ones queued behind it elsewhere.
+            # Blame the unit being scored; send the ones queued behind it elsewhere.
             if w.inflight:
                 head = w.inflight.popleft()
-                finish(head, RewardResult(0.0, reason, {"verifier": names[head]}))
+                finish(head, failure(head, reason, time.monotonic() - w.head_started))
+                for k in w.inflight:
+                    if batched[k]:
+                        chunks_inflight[names[units[k][0]]] -= 1
                 pending.extendleft(reversed(w.inflight))
                 w.inflight.clear()
             self._retire(w, graceful=False)
@@ -263,9 +300,10 @@ class ScoringService:
                 for w in [w for w in self._workers if w.inflight]:
                     w.inflight.clear()
                     self._retire(w, graceful=False)
-                for i in range(n):
-                    finish(i, RewardResult(0.0, "batch deadline exceeded",
-                                           {"verifier": names[i]}))
+                for k in range(len(units)):
+                    if any(results[i] is None for i in units[k]):
+                        finish(k, RewardResult(0.0, "batch deadline exceeded",
+                                               {"verifier": names[units[k][0]]}))
                 self.stats["batch_deadline_hits"] += 1
                 break
             self._ensure_workers()
@@ -274,17 +312,29 @@ class ScoringService:
                     continue
                 if not w.ready or w.draining:
                     continue
+                held = []   # chunks of a batched verifier already at its concurrency limit
                 while pending and len(w.inflight) < self.max_inflight:
-                    i = pending.popleft()
+                    k = pending.popleft()
+                    name = names[units[k][0]]
+                    if batched[k]:
+                        if chunks_inflight[name] >= self._specs[name].concurrency:
+                            held.append(k)
+                            continue
+                        payload = ([records[i] for i in units[k]],
+                                   [completions[i] for i in units[k]])
+                    else:
+                        payload = (records[units[k][0]], completions[units[k][0]])
                     if not w.inflight:
                         w.head_started = time.monotonic()
                     try:
-                        w.conn.send(((batch, i), names[i], records[i], completions[i],
-                                     timeouts[i]))
+                        w.conn.send(((batch, k), name, *payload, timeouts[k]))
                     except (OSError, ValueError):
-                        pending.appendleft(i)
+                        pending.appendleft(k)
                         break
-                    w.inflight.append(i)
+                    w.inflight.append(k)
+                    if batched[k]:
+                        chunks_inflight[name] += 1
+                pending.extendleft(reversed(held))
             # Sleep until a message, a death, the earliest item timeout or the deadline.
             wake = [deadline] if deadline is not None else []
             wake += [w.head_started + timeouts[w.inflight[0]] for w in self._workers
@@ -303,13 +353,13 @@ class ScoringService:
                             if msg[0] == "ready":
                                 self._on_ready(w, msg)
                                 continue
-                            (b, i), res = msg
-                            if b != batch or not w.inflight or w.inflight[0] != i:
+                            (b, k), res = msg
+                            if b != batch or not w.inflight or w.inflight[0] != k:
                                 continue  # stale (cannot happen with in-order workers)
                             w.inflight.popleft()
                             w.head_started = time.monotonic()
-                            w.done += 1
-                            finish(i, res)
+                            w.done += len(units[k])
+                            finish(k, res)
                     except (EOFError, OSError):
                         dead = True
                     if dead:
@@ -370,23 +420,67 @@ def _shutdown(workers: list[_Worker]) -> None:
     workers.clear()
 
 
-def score(records: Sequence[Mapping[str, Any]], completions: Sequence[str],
-          timeout_s: float | None = None, *, service: ScoringService | None = None,
-          **service_kwargs: Any) -> list[float]:
-    """Scores a batch and returns the scores only (the public one-call surface).
+class ScoringError(RuntimeError):
+    """Raised by score(..., raise_on_error=True) when a verifier could not judge some records.
 
-    With `service` (e.g. a long-lived pool the caller owns) it scores there; otherwise it starts
-    a temporary service for this call (`service_kwargs` are its settings).
-    """
+    failures: [(index, data_source, reason)]; results: every record's RewardResult."""
+
+    def __init__(self, message: str, failures: list[tuple[int, str, str]],
+                 results: list[RewardResult]):
+        super().__init__(message)
+        self.failures = failures
+        self.results = results
+
+
+def score_results(records: Sequence[Mapping[str, Any]], completions: Sequence[str],
+                  timeout_s: float | None = None, *, service: ScoringService | None = None,
+                  **service_kwargs: Any) -> list[RewardResult]:
+    """Scores a batch and returns every verdict: score, reason ("correct", "wrong answer",
+    "no answer extracted", "verifier error: ValueError: math record is missing
+    'ground_truth' ...", "timeout after 10s", ...) and details. Arguments as score()."""
     if len(records) != len(completions):
         raise ValueError(f"records ({len(records)}) and completions ({len(completions)}) "
                          "must have the same length")
     if not records:
         return []
     if service is not None:
-        return [r.score for r in service.score_batch(records, completions)]
+        return service.score_batch(records, completions)
     service_kwargs.setdefault("num_workers", max(1, min(len(records), len(
         os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)))
     with ScoringService(timeout_s=10.0 if timeout_s is None else timeout_s,
                         **service_kwargs) as service:
-        return [r.score for r in service.score_batch(records, completions)]
+        return service.score_batch(records, completions)
+
+
+def score(records: Sequence[Mapping[str, Any]], completions: Sequence[str],
+          timeout_s: float | None = None, *, service: ScoringService | None = None,
+          raise_on_error: bool = False, **service_kwargs: Any) -> list[float]:
+    """Scores a batch and returns the scores only (the public one-call surface).
+
+    With `service` (e.g. a long-lived pool the caller owns) it scores there; otherwise it starts
+    a temporary service for this call (`service_kwargs` are its settings).
+
+    A record the verifier could not judge (it raised, e.g. on a record without a ground truth;
+    it timed out; its worker died: rewards/health.py's failure kinds) scores 0, and is never
+    hidden: the records and reasons, counted per data source by the health check, go to this
+    module's logger as a warning, or with raise_on_error=True raise ScoringError (its
+    .failures lists (index, data_source, reason), its .results every verdict). For every
+    record's reason use score_results().
+    """
+    from brorl_jax.rewards.health import FAILURE_KINDS, VerifierHealth, reason_kind
+
+    results = score_results(records, completions, timeout_s, service=service, **service_kwargs)
+    failures = [(i, str(rec.get("data_source")), res.reason)
+                for i, (rec, res) in enumerate(zip(records, results))
+                if reason_kind(res.reason) in FAILURE_KINDS]
+    if failures:
+        health = VerifierHealth()
+        health.add(records, results)
+        first = ", ".join(f"records[{i}]: {reason}" for i, _, reason in failures[:3])
+        message = (f"rewards.score: {len(failures)} of {len(records)} records could not be "
+                   f"judged and scored 0 ({'; '.join(health.failures())}); {first}"
+                   + (" ..." if len(failures) > 3 else ""))
+        if raise_on_error:
+            raise ScoringError(message, failures, results)
+        logger.warning("%s", message)
+    return [r.score for r in results]

@@ -45,3 +45,16 @@ def require_field(record: Mapping[str, Any], name: str, verifier: str) -> Any:
         raise ValueError(f"{verifier} record is missing {name!r}; veRL-style records carry "
                          f"'data_source' and 'ground_truth' (got keys {sorted(record)})")
     return record[name]
+
+
+@dataclasses.dataclass
+class UnboundedRewardResult(RewardResult):
+    """A verdict whose score is any finite number: a user's reward function (rewards.custom)
+    keeps its own scale (veRL's math_dapo, for one, scores -1 / 1)."""
+
+    def __post_init__(self):
+        score = float(self.score)
+        if not math.isfinite(score):
+            raise ValueError(f"reward score must be a finite number, got {self.score!r} "
+                             f"(reason {self.reason!r})")
+        self.score = score

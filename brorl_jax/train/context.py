@@ -21,7 +21,7 @@ import numpy as np
 from brorl_jax import algo, data, models
 from brorl_jax.config import algo_config, collect_config, json_option, optimizer_config
 from brorl_jax.errors import ConfigError, DataError, ModelError, VerifierError
-from brorl_jax.rewards import ScoringService
+from brorl_jax.rewards import ScoringService, custom as custom_reward
 from brorl_jax.rewards.health import VerifierFailure, VerifierHealth, check_records
 from brorl_jax.train.runtime import Runtime, make_runtime
 
@@ -62,6 +62,12 @@ def load_model(cfg) -> models.Model:
     return models.Model(mcfg, model.params, model.tokenizer, model.generation_eos_ids)
 
 
+def reward_routing(cfg) -> tuple[dict, dict]:
+    """(reward_map, reward_options): rewards.map with the user's rewards.custom function routed
+    to its data sources (rewards/custom.py; the file is imported only in the workers)."""
+    return custom_reward.setup(cfg.rewards, json_option(cfg, "rewards.map"))
+
+
 def load_records(cfg) -> tuple[list[dict], list[dict]]:
     """The training and held-out records, each data source mapped to a verifier and every
     ground truth checked by it; bad rows skipped and reported with file and line."""
@@ -70,8 +76,12 @@ def load_records(cfg) -> tuple[list[dict], list[dict]]:
             log(f"[data] {report.summary()}")
 
     train, held_out, _ = data.load_train_and_eval(cfg.data, on_report=show)
-    try:
-        verifiers, bad = check_records(train + held_out, json_option(cfg, "rewards.map"))
+    try:   # rewards.custom: the user's reward file, tried on the first training row here
+        reward_map, reward_options = reward_routing(cfg)
+        verifiers, bad = check_records(train + held_out, reward_map)
+        note = custom_reward.door_check(cfg.rewards, reward_map, reward_options, train)
+        if note:
+            log(note)
     except ValueError as e:
         raise ConfigError(str(e)) from e
     if bad:
@@ -256,10 +266,11 @@ def build_context(cfg, eval_records: Sequence[dict], *, model: models.Model | No
     # vocabulary, at the run's N; no extra pass.
     diag_n = cfg.rollout.rollouts_per_prompt if cfg.train.mass_balance_diagnostics else None
     runtime = make_runtime(cfg, model.config, optimizer, diagnostics_n=diag_n)
+    reward_map, reward_options = reward_routing(cfg)
     service = ScoringService(num_workers=cfg.rewards.num_workers, timeout_s=cfg.rewards.timeout_s,
                              batch_deadline_s=cfg.rewards.batch_deadline_s,
                              recycle_after=cfg.rewards.recycle_after,
-                             reward_map=json_option(cfg, "rewards.map"))
+                             reward_map=reward_map, reward_options=reward_options)
     return RunContext(
         cfg=cfg, model=model, tokenizer=tok, prompt_tokenizer=prompt_tokenizer,
         eos_ids=tuple(model.generation_eos_ids),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from brorl_jax.train.context import EVAL_SEED, merge_health
+from brorl_jax.train.logger import progress
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -53,15 +54,21 @@ def evaluate(ctx, params, step: int) -> dict:
     sampling = ctx.eval_sampling()
     rewards, healths = [], []
     chunk = max(1, 4096 // k)
-    for start in range(0, len(prompts), chunk):
-        part = prompts[start:start + chunk]
-        res = ctx.rollouts(params, [ids for ids, _ in part], n=k, sampling=sampling,
-                           seed=EVAL_SEED + first + start)
-        g, n, s = res.tokens.shape
-        scored = ctx.scorer.score([r for _, r in part for _ in range(n)],
-                                  res.tokens.reshape(g * n, s), res.lengths.reshape(g * n))
-        rewards.append(scored.rewards.reshape(g, n))
-        healths.append(scored.health)
+    bar = progress(total=len(prompts), desc=f"eval at step {step}: {k} samples per prompt",
+                   unit="prompt", enabled=runtime.process_index == 0)
+    try:
+        for start in range(0, len(prompts), chunk):
+            part = prompts[start:start + chunk]
+            res = ctx.rollouts(params, [ids for ids, _ in part], n=k, sampling=sampling,
+                               seed=EVAL_SEED + first + start)
+            g, n, s = res.tokens.shape
+            scored = ctx.scorer.score([r for _, r in part for _ in range(n)],
+                                      res.tokens.reshape(g * n, s), res.lengths.reshape(g * n))
+            rewards.append(scored.rewards.reshape(g, n))
+            healths.append(scored.health)
+            bar.update(len(part))
+    finally:
+        bar.close()
     ctx.check_health(merge_health(healths), f"the evaluation at step {step}")
     rewards = np.concatenate(rewards)
     reals = runtime.allgather_rows(np.asarray([real]))

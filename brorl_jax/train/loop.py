@@ -46,7 +46,7 @@ from brorl_jax.train.context import (
     load_records,
     log as _log,
 )
-from brorl_jax.train.logger import MetricsLogger, plot_metrics
+from brorl_jax.train.logger import MetricsLogger, check_config, plot_metrics
 from brorl_jax.train.sft import run_warm_start
 from brorl_jax.train.signals import GracefulStop
 from brorl_jax.train.step import LOSS_KEYS, SUMMED_METRICS, rl_step  # noqa: F401 - re-exported
@@ -70,6 +70,7 @@ class Trainer:
         # Checks first, cheapest first: nothing expensive starts before they pass.
         validate(cfg)
         check_mesh(cfg, jax.device_count())
+        check_config(cfg)                 # train.loggers: a missing extra is named here
         self.cfg = cfg
         self.workdir = workdir
         workdir_lib.prepare(workdir)
@@ -88,6 +89,8 @@ class Trainer:
         train_records, eval_records = load_records(cfg)
         self.data_metrics = data.check_overlap(train_records, eval_records, log=_log)  # step 0
         self.lr, self.lr_note = derived_learning_rate(cfg)
+        self.logger_args = dict(loggers=cfg.train.loggers, config=cfg, lr=self.lr,
+                                lr_note=self.lr_note)
         self.ctx: RunContext = build_context(cfg, eval_records)
         try:                            # the scoring workers run from here: stop them on error
             workdir_lib.check_lock(self.lock, self.runtime.allgather_json)
@@ -168,12 +171,13 @@ class Trainer:
             _log(f"[resume] from checkpoint step {ckpt_step} in {self.workdir}")
             self._record_config(ckpt_step)
             logger = MetricsLogger(self.workdir, tensorboard=cfg.train.tensorboard,
-                                   enabled=enabled, resume_step=ckpt_step)
+                                   enabled=enabled, resume_step=ckpt_step, **self.logger_args)
             if logger.kept:
                 _log(f"[metrics] lines logged after step {ckpt_step} kept in {logger.kept}")
             return state, collect_state, data_iter, meta["counters"], logger, None
         self._record_config(None)
-        logger = MetricsLogger(self.workdir, tensorboard=cfg.train.tensorboard, enabled=enabled)
+        logger = MetricsLogger(self.workdir, tensorboard=cfg.train.tensorboard, enabled=enabled,
+                               **self.logger_args)
         if logger.kept:
             _log(f"[metrics] fresh start: the earlier history kept in {logger.kept}")
         _log(f"[config] {self.lr_note}")

@@ -79,6 +79,7 @@ CHANGE_POLICY: dict[str, tuple[bool, str]] = {
     "train.log_every": (ALLOWED, "logging"),
     "train.plots": (ALLOWED, "logging"),
     "train.tensorboard": (ALLOWED, "logging"),
+    "train.loggers": (ALLOWED, "logging"),
     "train.mass_balance_diagnostics": (ALLOWED, "extra diagnostic metrics only"),
     "train.seed": (REFUSED, "every random draw of step s derives from (seed, s)"),
 }

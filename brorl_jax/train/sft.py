@@ -19,6 +19,7 @@ import numpy as np
 import optax
 
 from brorl_jax import models
+from brorl_jax.train.logger import progress
 from pallas_kernels import fused_logprob
 
 
@@ -104,7 +105,8 @@ def warm_start(ctx, params, prompts: Sequence) -> tuple[dict, dict]:
     # the exact verifier then has something to correct; 0 (the default) is plain SFT.
     noise_rng = np.random.default_rng(cfg.train.seed + 23)
     losses = []
-    for _ in range(cfg.sft.steps):
+    for _ in progress(range(cfg.sft.steps), desc=f"warm start: SFT, batch {cfg.sft.batch_size}",
+                      unit="step", enabled=ctx.runtime.process_index == 0):
         idx = rng.integers(0, len(prompts), cfg.sft.batch_size)
         p_ids, a_ids = [], []
         for i in idx:

@@ -41,6 +41,7 @@ def test_wrong_answers_score_zero(truth, completion):
     "I think it is one half.",
     "The answer is \\boxed{}",
     "\\boxed{1/2",                      # unbalanced braces are not an answer
+    "Put your final answer within \\boxed{}",    # a restated instruction commits to nothing
     "",
 ])
 def test_missing_answer_scores_zero(completion):
@@ -74,3 +75,118 @@ def test_pathological_expression_times_out_in_process():
 def test_record_without_ground_truth_is_a_clear_error():
     with pytest.raises(ValueError, match="ground_truth"):
         math_reward({"data_source": "math"}, "\\boxed{1}")
+
+
+# ----- the rules around math-verify (math_reward's docstring, R0-R8): each with near misses ---
+
+@pytest.mark.parametrize("truth, completion", [
+    # R1 multi-box
+    ("2, 3", "So x = \\boxed{2} or x = \\boxed{3}."),
+    ("\\{2, 3\\}", "$x = \\boxed{2}$ and $x = \\boxed{3}$"),
+    ("k = 45, n = 2", "$\\boxed{k = 45} \\quad \\text{and} \\quad \\boxed{n = 2}$"),
+    ("1, 2, 3", "\\boxed{1}, \\boxed{2}, \\boxed{3}"),
+    # R2 final-answer sentences and their precedence
+    ("34", "Final Answer: The largest $n$ is 34."),
+    ("34", "We guessed \\boxed{30} first.\n\nFinal Answer: The final answer is $34$. I hope it "
+           "is correct."),
+    ("(-6, 10)", "The interval is \\( (-6, 10) \\). Final Answer: The final answer is "
+                 "\\((-6, 10)\\). I hope it is correct."),
+    ("9", "Answer: $9$"),
+    ("9", "Answer \\(\n9\n\\)"),
+    ("x \\leq 2", "Thus $x <= 2$ is our answer."),
+    ("3", "Final Answer: Jane started growing Sphere 3 hours ago."),
+    # R0 the turn ends at a chat-template token
+    ("5", "\\boxed{5}<|im_end|><|im_start|>user\nNow \\boxed{7}"),
+    # R3 thousands separators
+    ("1000", "\\boxed{1 000}"),
+    ("1234567", "\\boxed{1\\,234\\,567}"),
+    ("10455", "\\boxed{10,455}"),
+    # R4 the imaginary unit
+    ("-1", "\\boxed{i^2}"),
+    ("2i", "\\boxed{\\sqrt{-4}}"),
+    ("1+2i", "\\boxed{2i+1}"),
+    # R5 degrees inside trigonometric functions
+    ("\\cos x", "\\boxed{\\sin(90^\\circ - x)}"),
+    ("\\frac{1}{2}", "\\boxed{\\sin 30^{\\circ}}"),
+    ("30", "\\boxed{30^\\circ}"),
+    # R6 relations vs intervals, both directions
+    ("(3, \\infty)", "\\boxed{x > 3}"),
+    ("x > 3", "\\boxed{(3, \\infty)}"),
+    ("(-\\infty, 2] \\cup [5, \\infty)", "\\boxed{x \\le 2 \\text{ or } x \\ge 5}"),
+    # R7 a bare list is a set
+    ("10, 4, -2", "\\boxed{4, 10, -2}"),
+    # R8 rationals vs decimals, mixed numbers
+    ("\\frac{1}{3}", "\\boxed{0.333333}"),
+    ("\\frac{2}{3}", "\\boxed{0.6666666667}"),
+    ("\\frac{5}{2}", "\\boxed{2\\frac{1}{2}}"),
+    ("2\\frac{1}{2}", "\\boxed{\\frac{5}{2}}"),
+    ("\\frac{5}{2}", "\\boxed{2 \\frac{1}{2}}"),
+    ("\\frac{7}{2}", "\\boxed{3 1/2}"),
+    ("-\\frac{7}{2}", "\\boxed{-3 1/2}"),
+    # a gold written as a worked solution with a box is read like a completion
+    ("so $n = \\boxed{1,-2}$.", "\\boxed{-2} \\quad \\text{and} \\quad \\boxed{1}"),
+])
+def test_rule_accepts_equivalent_answer(truth, completion):
+    result = _score(truth, completion)
+    assert result.score == 1.0, result
+
+
+@pytest.mark.parametrize("truth, completion", [
+    # R1: a box after other text replaces earlier ones; a hedge is a set, matching no single gold
+    ("10", "first \\boxed{10}, then I rechecked: \\boxed{11}"),
+    ("10", "\\boxed{7} or \\boxed{10}"),
+    ("2, 3", "x = \\boxed{2} or x = \\boxed{4}"),
+    ("2, 3", "\\boxed{2}"),
+    ("2, 3", "\\boxed{2}, \\boxed{3}, \\boxed{5}"),
+    ("k = 45, n = 2", "$\\boxed{k = 45} \\quad \\text{and} \\quad \\boxed{n = 3}$"),
+    # R2: the last commitment wins; "not" and a prose hedge are no answer
+    ("30", "We guessed \\boxed{30} first.\n\nFinal Answer: The final answer is $34$."),
+    ("34", "Final Answer: The largest $n$ is 35."),
+    ("34", "Final Answer: the answer is not 34"),
+    ("3", "Final Answer: 3 or 4 hours"),
+    ("9", "Answer: $8$"),
+    ("x \\leq 2", "Thus $x < 2$ is our answer."),
+    # hedges and words between math pieces are never math-verify's to pick from
+    ("6", "The answer is $5$, not $6$."),
+    ("5", "Final Answer: 5 (or 6 if rounding)"),
+    ("5", "the answer is either 5 or 6"),
+    ("5", "Final Answer: $5$ or $6$"),
+    ("3", "Final Answer: between 3 and 4"),
+    ("12", "The answer is \\boxed{12} or maybe \\boxed{13}"),
+    ("12", "\\boxed{12}, \\boxed{13}"),
+    # R0: what follows the end of the turn does not count
+    ("7", "\\boxed{5}<|im_end|><|im_start|>user\nNow \\boxed{7}"),
+    # R3: only groups of exactly three digits are joined
+    ("100", "\\boxed{1 00}"),
+    ("1234", "\\boxed{12 34}"),
+    ("1000", "\\boxed{1 0000}"),
+    ("1000.99", "\\boxed{1000,99}"),        # a decimal comma is never read (it may be a list)
+    ("10, 455", "\\boxed{10455}"),           # a list gold keeps commas as separators
+    # R4
+    ("1", "\\boxed{i^2}"),
+    ("2i", "\\boxed{\\sqrt{4}}"),
+    ("1-2i", "\\boxed{1+2i}"),
+    # R5
+    ("\\sin x", "\\boxed{\\sin(90^\\circ - x)}"),
+    ("\\frac{\\sqrt{3}}{2}", "\\boxed{\\sin 30^{\\circ}}"),
+    ("31", "\\boxed{30^\\circ}"),
+    # R6
+    ("[3, \\infty)", "\\boxed{x > 3}"),
+    ("x \\geq 3", "\\boxed{(3, \\infty)}"),
+    ("(-\\infty, 2] \\cup [5, \\infty)", "\\boxed{x < 2 \\text{ or } x \\ge 5}"),
+    # R7
+    ("10, 4, -2", "\\boxed{4, 10, 2}"),
+    ("10, 4, -2", "\\boxed{4, 10}"),
+    # R8
+    ("\\frac{1}{3}", "\\boxed{0.3333}"),
+    ("\\frac{2}{3}", "\\boxed{0.667}"),
+    ("\\frac{5}{2}", "\\boxed{2\\frac{1}{3}}"),
+    ("1", "\\boxed{2\\frac{1}{2}}"),
+    ("\\frac{3}{2}", "\\boxed{3 1/2}"),
+    ("\\frac{7}{2}", "\\boxed{3 4/2}"),         # math-verify alone: (3 + 4)/2
+    ("2", "\\boxed{3 1/2}"),                     # math-verify alone: (3 + 1)/2 = 2
+    ("\\frac{7}{2}", "\\boxed{3 1/3}"),
+])
+def test_rule_rejects_near_miss(truth, completion):
+    result = _score(truth, completion)
+    assert result.score == 0.0, result

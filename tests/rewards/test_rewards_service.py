@@ -121,3 +121,26 @@ def test_public_score_with_a_mixed_batch():
                    reward_options={"math": {"final_answer_pattern": r"####\s*(\S+)"}},
                    num_workers=2)
     assert scores == [1.0, 0.0, 1.0, 1.0]
+
+
+def test_score_never_hides_a_verifier_error(caplog):
+    """issue 26.5: a record without a ground truth scores 0 and says why (a warning counted per
+    data source, ScoringError with raise_on_error, every reason from score_results)."""
+    from brorl_jax.rewards import ScoringError, score_results
+    records = [{"data_source": "math", "ground_truth": "1"}, {"data_source": "math"}]
+    completions = ["\\boxed{1}", "\\boxed{1}"]
+    with ScoringService(num_workers=1, timeout_s=20.0, rewards=["math"]) as svc:
+        with caplog.at_level("WARNING", logger="brorl_jax.rewards.service"):
+            assert score(records, completions, service=svc) == [1.0, 0.0]
+        assert "1 of 2 records could not be judged" in caplog.text
+        assert "data source 'math': 1 of 2 not judged (1 error)" in caplog.text
+        assert "records[1]: verifier error: ValueError: math record is missing " \
+               "'ground_truth'" in caplog.text
+        with pytest.raises(ScoringError) as err:
+            score(records, completions, service=svc, raise_on_error=True)
+        assert err.value.failures[0][:2] == (1, "math")
+        assert [r.score for r in err.value.results] == [1.0, 0.0]
+        results = score_results(records, completions, service=svc)
+        assert results[0].reason == "correct"
+        assert results[1].reason.startswith("verifier error: ValueError")
+        assert results[1].details["verifier"] == "math" and results[1].details["seconds"] >= 0
