@@ -48,6 +48,10 @@ ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2
             "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5,
             "u4": 0.5, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1,
             "f8e5m2fnuz": 1, "token": 0}
+# HLO element type -> numpy dtype name (for declarations written against jnp dtypes)
+NUMPY_NAME = {"pred": "bool", "s8": "int8", "u8": "uint8", "s16": "int16", "u16": "uint16",
+              "f16": "float16", "bf16": "bfloat16", "s32": "int32", "u32": "uint32",
+              "f32": "float32", "s64": "int64", "u64": "uint64", "f64": "float64"}
 _SHAPE = re.compile(r"\b(" + "|".join(sorted(ITEMSIZE, key=len, reverse=True)) +
                     r")\[([0-9,]*)\]")
 FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all",
@@ -462,6 +466,12 @@ def walk(text_or_module, custom: dict[str, Callable] | None = None) -> Cost:
     """The entry computation's Cost (see the module docstring)."""
     module = parse(text_or_module) if isinstance(text_or_module, str) else text_or_module
     return _Walker(module, custom).computation(module.entry)
+
+
+def operands_of(ins: Instr) -> list[tuple[str, tuple[int, ...]]]:
+    """A custom call's operands as [(numpy dtype name, shape)], in order."""
+    return [(NUMPY_NAME.get(d, d), s) for d, s in
+            (shapes_of(t)[0] for t in operand_types(ins))]
 
 
 def operand_types(ins: Instr) -> list[str]:

@@ -48,6 +48,7 @@ Three implementations of :func:`slot_decode_attention`:
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -337,6 +338,54 @@ def slot_decode_attention_reference(
     out = _merge(o_p, lse_p, o_s, lse_s)
     out = jnp.where((prefix_index >= 0)[:, None, None, None], out, 0.0)
     return out.reshape(b, h, dh).astype(q.dtype)
+
+
+def slot_decode_attention_traffic(kernel: str, operands, *, group: int,
+                                  slots_per_prompt, prompt_len: int, own_len: float,
+                                  family: str = "triton") -> tuple[float, float]:
+    """(HBM bytes, flops) of ONE call of a Pallas kernel of :func:`slot_decode_attention_pallas`
+    (the traffic declaration bench/roofline.py adds to its walk of the compiled program, where
+    the kernel is opaque), from its operands as compiled and the lengths it runs at.
+
+    ``kernel``: "slot_decode_attention_prefix" or "slot_decode_attention_own"; ``operands``:
+    [(dtype name, shape)] of the custom call in order; ``group``: query heads per KV head;
+    ``slots_per_prompt``: live slots of each prompt in the pool; ``prompt_len``: valid prompt
+    positions; ``own_len``: mean own KV positions of a live slot. What each program moves:
+
+    * prefix (grid tile x KV head; tiles past the ones in use return at once): its q rows, the
+      prompt's K and V up to ``prompt_len`` in whole blocks (Triton: blocks of <= 64 positions;
+      Mosaic: the whole padded prompt is one VMEM block), its f32 outputs (o and lse);
+    * own (grid slot x KV head): its q rows, its pages up to its length, K and V, its page-table
+      entries, its f32 outputs.
+    Flops: 2 x rows x positions x Dh for QK^T and again for PV, padded rows included.
+    """
+    itemsize = lambda d: jnp.dtype(d).itemsize
+    if kernel == "slot_decode_attention_prefix":
+        (q_dt, q_shape), (kv_dt, kv_shape) = operands[4], operands[5]
+        n_tiles, hkv, rows, dh = q_shape
+        p_pad = kv_shape[3]
+        gp = max(16 if family == "triton" else 8, _pow2(group))
+        tile = rows // gp
+        in_use = min(n_tiles, sum(-(-int(c) // tile) for c in slots_per_prompt if c > 0))
+        if family == "triton":
+            block_p = min(64, max(16, _pow2(p_pad)))
+            positions = min(p_pad, _round_up(int(prompt_len), block_p))
+        else:
+            positions = p_pad
+        per = (rows * dh * itemsize(q_dt) + 2 * positions * dh * itemsize(kv_dt)
+               + rows * (dh + 1) * 4)
+        return float(in_use * hkv * per), float(in_use * hkv * 4 * rows * positions * dh)
+    if kernel == "slot_decode_attention_own":
+        (q_dt, q_shape), (kv_dt, kv_shape) = operands[-3], operands[-2]
+        b, hkv, gp, dh = q_shape
+        page = kv_shape[3]
+        live = min(b, sum(int(c) for c in slots_per_prompt))
+        positions = _round_up(int(math.ceil(own_len)), page) if own_len > 0 else 0
+        per_slot = gp * dh * itemsize(q_dt) + gp * (dh + 1) * 4
+        kv = live * (2 * positions * dh * itemsize(kv_dt) + 4 * positions // page)
+        return (float(hkv * (b * per_slot + kv)),
+                float(hkv * live * 4 * gp * positions * dh))
+    raise ValueError(f"unknown slot decode attention kernel {kernel!r}")
 
 
 # ----------------------------------------------------------------------------------------------

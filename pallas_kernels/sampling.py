@@ -121,6 +121,18 @@ def sample_tokens_reference(
     return tokens, logp
 
 
+def sample_tokens_traffic(operands, *, vocab: int, temperature: float = 1.0, top_k: int = 0,
+                          top_p: float = 1.0) -> tuple[float, float]:
+    """(HBM bytes, flops) of ONE call of the Pallas sampling kernel (the traffic declaration
+    bench/roofline.py adds to its walk of the compiled program): ``operands`` [(dtype, shape)] of
+    the custom call (logits [rows, width], uniforms [rows, 1]). Each pass of
+    :func:`_plan_passes` (plain sampling: stats + cdf) sweeps every row's logits once; outputs are
+    a token and a log-prob per row. Flops: a few per logit per pass (not counted as GEMM flops)."""
+    (x_dt, (rows, width)) = operands[0]
+    passes = len(_plan_passes(int(vocab), float(temperature), int(top_k), float(top_p)))
+    return float(passes * rows * width * jnp.dtype(x_dt).itemsize + rows * 12), 0.0
+
+
 def _inverse_cdf(weights: jax.Array, uniforms: jax.Array, block: int = 128) -> jax.Array:
     """``min{j : sum_{i<=j} w_i > u * sum_i w_i}`` per row of ``weights[S, V] >= 0``, always an
     index with ``w_j > 0``.
