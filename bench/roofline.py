@@ -166,6 +166,7 @@ def compile_case(target: str, model: str, case: str) -> dict:
             fn, args = engine.decode_program(rparams, rollouts_per_prompt=n,
                                              num_prompts=c["prompts"], slots=c["slots"],
                                              sharding=NamedSharding(mesh, P()), **call)
+        check_every = engine.check_every          # the target's, as the program was built
         with jax.set_mesh(mesh):
             lowered = fn.trace(*args).lower()
             t1 = time.perf_counter()
@@ -176,7 +177,7 @@ def compile_case(target: str, model: str, case: str) -> dict:
     return dict(
         hlo=compiled.as_text(), lower_s=round(t1 - t0, 1), compile_s=round(t2 - t1, 1),
         slots=c["slots"], prompts=c["prompts"], devices=n_dev,
-        check_every=int(getattr(engine, "check_every", 1)),
+        check_every=int(check_every),
         param_dtypes=sorted({str(x.dtype) for x in leaves}),
         n_params=int(sum(math.prod(x.shape) for x in leaves)),
         temp_bytes=int(getattr(mem, "temp_size_in_bytes", 0) or 0),
