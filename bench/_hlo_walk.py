@@ -90,6 +90,13 @@ class Instr:
         m = re.search(r'op_name="([^"]*)"', self.attrs)
         return m.group(1) if m else ""
 
+    @property
+    def kernel_name(self) -> str:
+        """A Pallas/Triton custom call's kernel name (``name = "..."`` of its backend config),
+        else its op_name."""
+        m = re.search(r'\bname = \\?"([A-Za-z0-9_.\-]+)', self.attrs)
+        return m.group(1) if m else self.op_name
+
     def backend_config(self) -> dict:
         m = re.search(r"backend_config=(\{.*\})", self.attrs)
         if not m:
@@ -152,6 +159,23 @@ def _match_paren(s: str, start: int) -> int:
 _HEAD = re.compile(r"^\s*(ROOT\s+)?%?([A-Za-z0-9_.\-]+)\s*=\s*")
 
 
+def _split_top(text: str) -> list[str]:
+    """Split at the commas outside brackets."""
+    out, depth, cur = [], 0, []
+    for ch in text:
+        if ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    out.append("".join(cur))
+    return out
+
+
 def _parse_instr(line: str) -> Instr | None:
     m = _HEAD.match(line)
     if not m:
@@ -169,7 +193,11 @@ def _parse_instr(line: str) -> Instr | None:
     opcode = rest[:p].strip()
     end = _match_paren(rest, p)
     ops_text = re.sub(r"/\*.*?\*/", "", rest[p + 1: end])
-    operands = re.findall(r"%([A-Za-z0-9_.\-]+)", ops_text)
+    if "%" in ops_text:
+        operands = re.findall(r"%([A-Za-z0-9_.\-]+)", ops_text)
+    else:   # unoptimized HLO (Lowered.as_text(dialect="hlo")): bare names, maybe typed
+        operands = [t.split()[-1] for t in _split_top(ops_text)
+                    if t.strip() and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.\-]*", t.split()[-1])]
     return Instr(m.group(2), type_text, opcode, operands, rest[end + 1:], bool(m.group(1)),
                  ops_text.strip())
 
@@ -180,8 +208,8 @@ def parse(text: str) -> Module:
     cur_name, cur = None, None
     for line in text.splitlines():
         if cur is None:
-            m = re.match(r"^(ENTRY\s+)?%?([A-Za-z0-9_.\-]+)\s*\(.*\{\s*$", line)
-            if m and not line.startswith(" "):
+            m = re.match(r"^(ENTRY\s+)?%?([A-Za-z0-9_.\-]+)\s*(\(.*)?\{\s*$", line)
+            if m and not line.startswith((" ", "HloModule")):
                 cur_name, cur = m.group(2), []
                 if m.group(1):
                     entry = cur_name

@@ -264,6 +264,48 @@ def decode_report(target: str, model: str, case: str, built: dict) -> dict:
         compile_s=built["compile_s"], temp_bytes=built["temp_bytes"])
 
 
+def measure_device(model: str, slots: int, prompt_len: int, own_len: int) -> dict:
+    """On a real GPU (bench/device_check.sh): the decode loop at ``slots`` slots on the model's
+    shapes (random bf16 weights, one random prompt, no stop token, max_new_tokens = 2 x own_len,
+    so the mean own length over the run is ``own_len``), timed; next to the bytes per step this
+    walker predicts for the same program compiled for this device."""
+    import jax
+    import numpy as np
+    from brorl_jax.models import init_params
+    from brorl_jax.rollout import Engine
+
+    cfg, mc = model_config(model)
+    if jax.default_backend() != "gpu":
+        raise SystemExit(f"--measure-device needs a GPU backend, not {jax.default_backend()!r}")
+    new = 2 * own_len
+    engine = Engine(mc, impl="auto")
+    params = engine.rollout_params(init_params(mc, jax.random.PRNGKey(0)))
+    prompt = [int(t) for t in np.random.default_rng(0).integers(10, mc.vocab_size, prompt_len)]
+    call = dict(rollouts_per_prompt=slots, max_new_tokens=new, temperature=1.0, eos_ids=())
+    t0 = time.perf_counter()
+    engine.generate(params, [prompt], **dict(call, max_new_tokens=32))   # compile the programs
+    t_compile = time.perf_counter() - t0
+    res = engine.generate(params, [prompt], **call)
+    st = res.stats
+    fn, args = engine.decode_program(params, prompt_len=prompt_len, num_prompts=1, slots=slots,
+                                     rollouts_per_prompt=slots, max_new_tokens=new)
+    text = fn.trace(*args).lower().compile().as_text()
+    built = dict(hlo=text, slots=slots, prompts=1, devices=1, check_every=engine.check_every,
+                 param_dtypes=sorted({str(x.dtype) for x in jax.tree.leaves(params)}),
+                 n_params=int(sum(x.size for x in jax.tree.leaves(params))), compile_s=None,
+                 temp_bytes=0)
+    CASES["device"] = dict(slots=slots, prompts=1, prompt_len=prompt_len, own_len=own_len)
+    pred = decode_report("h100", model, "device", built)
+    steps, secs = st["decode_steps"], st["decode_seconds"]
+    return dict(slots=slots, context=prompt_len + own_len, decode_steps=steps,
+                decode_seconds=secs, tokens_per_s=st["useful_tokens"] / max(secs, 1e-9),
+                step_ms=1e3 * secs / max(steps, 1),
+                predicted_bytes_per_step=pred["bytes_per_step"],
+                floor_bytes_per_step=pred["floor_bytes_per_step"],
+                achieved_bytes_per_s=pred["bytes_per_step"] * steps / max(secs, 1e-9),
+                compile_and_warm_s=t_compile, device=str(jax.devices()[0]))
+
+
 def update_section(target: str, model: str):
     if importlib.util.find_spec("_roofline_update") is None:
         print("update: bench/_roofline_update.py is absent (the update half of the roofline): "
@@ -298,9 +340,25 @@ def main(argv=None) -> int:
                     help="read a case compiled earlier into --hlo-dir instead of compiling")
     ap.add_argument("--no-update", action="store_true", help="decode cases only")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per compile")
+    ap.add_argument("--measure-device", action="store_true",
+                    help="on a GPU: time the decode loop (random weights) next to the walk of "
+                         "the same program compiled for that GPU (bench/device_check.sh)")
+    ap.add_argument("--slots", type=int, default=256, help="--measure-device: decode slots")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
+    if args.measure_device:      # on the GPU itself: no compile extra, no topology
+        r = measure_device(args.model, args.slots, 1024, 3072)
+        print(json.dumps(r, indent=1))
+        print(f"decode on {r['device']}: {r['slots']} slots, mean context {r['context']}: "
+              f"{r['step_ms']:.2f} ms/step, {r['tokens_per_s']:,.0f} tokens/s; achieved "
+              f"{r['achieved_bytes_per_s'] / 1e12:.2f} TB/s of the walker's "
+              f"{r['predicted_bytes_per_step'] / GB:.2f} GB/step (floor "
+              f"{r['floor_bytes_per_step'] / GB:.2f} GB/step)")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(r, f, indent=1)
+        return 0
     why = missing_extra(args.target)
     if why:
         print(why, file=sys.stderr)
