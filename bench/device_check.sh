@@ -47,7 +47,7 @@ fi
 log "devices: $($PY -c 'import jax; print(jax.devices())' 2>&1 | tail -n 1)"
 
 # 0. The decode loop at the floor (issue 25): 256 slots of one 1024-token prompt on Qwen2.5-1.5B
-#    shapes (random bf16 weights, no stop token, 6144 new tokens: a 4k mean context), timed, next
+#    shapes (random bf16 weights, no stop token, 3072 new tokens: mean context 2560), timed, next
 #    to the bytes per step bench/roofline.py's walker predicts for the same program compiled for
 #    this GPU: achieved bytes/s against the HBM bandwidth, tokens/s against the roofline's.
 #    (two compiles + ~1 min of decoding; first. The step timeouts add up to 8 minutes.)

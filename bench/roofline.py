@@ -267,8 +267,9 @@ def decode_report(target: str, model: str, case: str, built: dict) -> dict:
 def measure_device(model: str, slots: int, prompt_len: int, own_len: int) -> dict:
     """On a real GPU (bench/device_check.sh): the decode loop at ``slots`` slots on the model's
     shapes (random bf16 weights, one random prompt, no stop token, max_new_tokens = 2 x own_len,
-    so the mean own length over the run is ``own_len``), timed; next to the bytes per step this
-    walker predicts for the same program compiled for this device."""
+    so the mean own length over the run is ``own_len``), run once to compile and once timed; next
+    to the bytes per step this walker predicts for the same program compiled for this device at
+    the same lengths."""
     import jax
     import numpy as np
     from brorl_jax.models import init_params
@@ -283,7 +284,7 @@ def measure_device(model: str, slots: int, prompt_len: int, own_len: int) -> dic
     prompt = [int(t) for t in np.random.default_rng(0).integers(10, mc.vocab_size, prompt_len)]
     call = dict(rollouts_per_prompt=slots, max_new_tokens=new, temperature=1.0, eos_ids=())
     t0 = time.perf_counter()
-    engine.generate(params, [prompt], **dict(call, max_new_tokens=32))   # compile the programs
+    engine.generate(params, [prompt], **call)   # compiles every program of this call
     t_compile = time.perf_counter() - t0
     res = engine.generate(params, [prompt], **call)
     st = res.stats
@@ -344,11 +345,13 @@ def main(argv=None) -> int:
                     help="on a GPU: time the decode loop (random weights) next to the walk of "
                          "the same program compiled for that GPU (bench/device_check.sh)")
     ap.add_argument("--slots", type=int, default=256, help="--measure-device: decode slots")
+    ap.add_argument("--own-len", type=int, default=1536,
+                    help="--measure-device: mean own positions (2x new tokens, run twice)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args.measure_device:      # on the GPU itself: no compile extra, no topology
-        r = measure_device(args.model, args.slots, 1024, 3072)
+        r = measure_device(args.model, args.slots, 1024, args.own_len)
         print(json.dumps(r, indent=1))
         print(f"decode on {r['device']}: {r['slots']} slots, mean context {r['context']}: "
               f"{r['step_ms']:.2f} ms/step, {r['tokens_per_s']:,.0f} tokens/s; achieved "
