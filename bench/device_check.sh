@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One prepared GPU check (issue 19): the compiled kernels against their references, and their
-# speed against the XLA paths, in one short run (< 5 min on an H100/H200). Run it on a lent GPU
+# One prepared GPU check (issues 19, 25): the decode loop against its roofline, the compiled
+# kernels against their references, and their speed against the XLA paths, in one short run
+# (< 8 min on an H100/H200). Run it on a lent GPU
 # through the device tool:
 #   run(command="bash bench/device_check.sh", timeout_s=480)
 # It uses the device image's python3 (jax with CUDA, triton, flax, optax, ...). Packages the
@@ -8,8 +9,8 @@
 #   here: pip download --no-deps -d .wheels jax-triton==0.3.1 grain ml-collections math-verify \
 #         latex2sympy2_extended antlr4-python3-runtime==4.13.2 reasoning-gym array-record
 #   and pass carry=[".wheels"] (keep it under 64 MiB).
-# Writes under $OUT (at most 8 files come back): summary.txt, env.txt, kernel_tests.txt,
-# kernel_check.md/.json, logprob.txt. FULL=1 also runs the update and rollout benches.
+# Writes under $OUT (at most 8 files come back): summary.txt, env.txt, decode_roofline.txt/.json,
+# kernel_tests.txt, kernel_check.md, logprob.txt. FULL=1 also runs the update and rollout benches.
 # Each step is logged before it runs; a failing step is recorded and the next one still runs;
 # the exit status is non-zero if any step failed.
 set -euo pipefail
@@ -45,20 +46,30 @@ if [ -d .wheels ]; then
 fi
 log "devices: $($PY -c 'import jax; print(jax.devices())' 2>&1 | tail -n 1)"
 
+# 0. The decode loop at the floor (issue 25): 256 slots of one 1024-token prompt on Qwen2.5-1.5B
+#    shapes (random bf16 weights, no stop token, 3072 new tokens: mean context 2560), timed, next
+#    to the bytes per step bench/roofline.py's walker predicts for the same program compiled for
+#    this GPU: achieved bytes/s against the HBM bandwidth, tokens/s against the roofline's.
+#    (two compiles + ~1 min of decoding; first. The step timeouts add up to 8 minutes.)
+step decode_roofline 240 decode_roofline.txt $PY bench/roofline.py --measure-device --slots 256 \
+  --json "$OUT/decode_roofline.json"
+# 0b. THE UPDATE HALF (issue 25 item 4, owned by the update's roofline, bench/_roofline_update.py):
+#    the update at 8 x 2048 packed, achieved MFU next to the roofline's ceiling, goes here.
 # 1. The kernel tests, now compiled for the GPU (interpret mode follows the backend; the Mosaic
 #    family's tests skip there; the jax_triton numerics test runs if jax_triton imports).
-step kernel_tests 200 kernel_tests.txt $PY -m pytest -q -o addopts="" -rs tests/kernels
+step kernel_tests 100 kernel_tests.txt $PY -m pytest -q -o addopts="" -rs tests/kernels
 # 2. Numerics and speed at the paper's shapes: sampling [512, 151936] (reference / pallas /
 #    jax_triton), fused log-prob fwd+bwd (naive / chunked / pallas) at 1.5B and 8B widths.
-step kernel_check 180 kernel_check.log $PY bench/kernel_check.py --out "$OUT/kernel_check.md"
+step kernel_check 90 kernel_check.log $PY bench/kernel_check.py --out "$OUT/kernel_check.md"
 # 3. The log-prob bench (separate processes, peak memory) at vocab 151,936, bf16.
-step logprob_bench 150 logprob.txt $PY bench/logprob.py --tokens 4096 16384 --dtype bfloat16 \
+step logprob_bench 50 logprob.txt $PY bench/logprob.py --tokens 4096 16384 --dtype bfloat16 \
   --impls naive chunked pallas
 if [ "${FULL:-0}" = "1" ]; then
   step update_bench 100 update.txt $PY bench/update.py --ns 16 512 --hidden 1536 --layers 4 \
     --vocab 151936 --seq 256 --micro 16
   step rollout_bench 100 rollout.txt $PY bench/rollout.py --quick
 fi
+tail -n 1 "$OUT/decode_roofline.txt" 2>/dev/null || true
 cat "$OUT/kernel_check.md" 2>/dev/null || true
 cat "$OUT/summary.txt"
 exit $FAILED

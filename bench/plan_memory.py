@@ -11,7 +11,9 @@ and prints compiled.memory_analysis() per device next to the hand calculation of
   logprob        reference / pi_old log-probs of the whole step's batch
   decode         the rollout's decode program (rollout.Engine on the mesh, under shard_map):
                  the decode slots the memory budget gives each device, its prompt pool and
-                 results, 15,360 new tokens, bf16 params replicated
+                 results, 15,360 new tokens, bf16 params replicated (Runtime.rollout_params'
+                 copy, one buffer per layer; held across the step, so the hand calculation
+                 counts it beside the update's state too)
 
 Each update/log-prob step is compiled with the model's plain [B, H, T, T] attention and with
 query-chunked attention (brorl_jax/models/chunked_attention.py) to show what the T x T scores cost,
@@ -49,6 +51,7 @@ from brorl_jax.algo.optimizer import make_optimizer  # noqa: E402
 from brorl_jax.config import algo_config, optimizer_config  # noqa: E402
 from brorl_jax.models import init_params  # noqa: E402
 from brorl_jax.parallel.mesh import make_mesh  # noqa: E402
+from brorl_jax.rollout.plan import rollout_params_bytes  # noqa: E402
 from configs import brorl_64gpu  # noqa: E402
 
 GIB = 2**30
@@ -91,6 +94,9 @@ def hand_calculation(mc, *, fsdp: int, devices: int, seq: int, rows_per_step: in
         "gathered_embedding_f32_and_bf16": v * d * (4 + 2),
         "fused_logprob_tiles_and_dlm_head": 4096 * 16384 * 4 * 3 + v * d * 4,
         "batch_per_device_full_step": rows_per_step / devices * seq * (4 + 4 + 1 + 4 + 4 + 4 + 4),
+        # Runtime.rollout_params' copy (compute dtype, replicated, one buffer per layer), held
+        # from one update to the next: it sits beside the update's state during the update too
+        "rollout_params_copy_held": rollout_params_bytes(mc, n_params),
     }
     return out
 
@@ -101,7 +107,7 @@ def rollout_hand(mc, *, slots: int, pool: int, prompt_len: int, new_tokens: int)
     n_params = sum(x.size for x in jax.tree.leaves(
         jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0)))))
     return {
-        "rollout_params_bf16_replicated": n_params * 2,
+        "rollout_params_bf16_replicated": rollout_params_bytes(mc, n_params),
         "rollout_prompt_kv (pool prompts)": pool * prompt_len * kv_per_token,
         "rollout_slot_kv (slots/device)": slots * new_tokens * kv_per_token,
         "rollout_logits_f32 (x4 sampling temps)": slots * mc.vocab_size * 4 * 4,

@@ -121,6 +121,18 @@ def sample_tokens_reference(
     return tokens, logp
 
 
+def sample_tokens_traffic(operands, *, vocab: int, temperature: float = 1.0, top_k: int = 0,
+                          top_p: float = 1.0) -> tuple[float, float]:
+    """(HBM bytes, flops) of ONE call of the Pallas sampling kernel (the traffic declaration
+    bench/roofline.py adds to its walk of the compiled program): ``operands`` [(dtype, shape)] of
+    the custom call (logits [rows, width], uniforms [rows, 1]). Each pass of
+    :func:`_plan_passes` (plain sampling: stats + cdf) sweeps every row's logits once; outputs are
+    a token and a log-prob per row. Flops: a few per logit per pass (not counted as GEMM flops)."""
+    (x_dt, (rows, width)) = operands[0]
+    passes = len(_plan_passes(int(vocab), float(temperature), int(top_k), float(top_p)))
+    return float(passes * rows * width * jnp.dtype(x_dt).itemsize + rows * 12), 0.0
+
+
 def _inverse_cdf(weights: jax.Array, uniforms: jax.Array, block: int = 128) -> jax.Array:
     """``min{j : sum_{i<=j} w_i > u * sum_i w_i}`` per row of ``weights[S, V] >= 0``, always an
     index with ``w_j > 0``.
@@ -232,13 +244,16 @@ def _in_tile_prefix_count(e, shifted_target, family):
     return cnt, run
 
 
-def _tile_step(kind, st, x, col0, u, shift, *, vocab, temperature, top_k, top_p, family):
-    """Fold one tile x [rows, bv] (f32, columns col0..col0+bv) into state st for pass `kind`.
+def _tile_step(kind, st, x, col0, u, shift, *, vocab, temperature, top_k, top_p, family,
+               lo=None):
+    """Fold one tile x [rows, bv] (f32, columns col0..col0+bv) into state st for pass `kind`;
+    only columns in [lo, vocab) count (lo default col0: the last tile of an unpadded row is read
+    ending at the row's end, overlapping columns an earlier tile already counted).
     shift: the radix position of a search pass (traced int32 scalar)."""
     rows, bv = x.shape
     lcol = lax.broadcasted_iota(jnp.int32, (rows, bv), 1)
     col = col0 + lcol
-    valid = col < vocab
+    valid = col < vocab if lo is None else (col >= lo) & (col < vocab)
     x = jnp.where(valid, x, -jnp.inf)
     st = dict(st)
     if kind == "stats":
@@ -348,7 +363,11 @@ def _pass_groups(passes):
 
 
 def _triton_sampling_kernel(x_ref, u_ref, tok_ref, logp_ref, *, passes, bv, n_v, cfg):
+    """One row block; each pass sweeps the row's ``n_v`` whole tiles of ``bv`` columns, then (a
+    row whose width is not a multiple of bv, read unpadded) one more tile ending at the row's
+    end, counting only its columns past the whole tiles."""
     rows = tok_ref.shape[0]
+    width = x_ref.shape[1]
     u = u_ref[...]
     st = _all_state(rows)
 
@@ -357,7 +376,11 @@ def _triton_sampling_kernel(x_ref, u_ref, tok_ref, logp_ref, *, passes, bv, n_v,
             col0 = pl.multiple_of(j * bv, bv)
             x = x_ref[:, pl.ds(col0, bv)].astype(jnp.float32)
             return _tile_step(kind, st, x, col0, u, shift, **cfg)
-        return lax.fori_loop(0, n_v, body, st)
+        st = lax.fori_loop(0, n_v, body, st)
+        if n_v * bv < width:
+            x = x_ref[:, pl.ds(width - bv, bv)].astype(jnp.float32)
+            st = _tile_step(kind, st, x, width - bv, u, shift, lo=n_v * bv, **cfg)
+        return st
 
     for kind, _, count in _pass_groups(passes):
         if kind in ("topk", "topp"):
@@ -446,6 +469,8 @@ def _sample_tokens_pallas(logits, uniforms, *, temperature, top_k, top_p, block_
         bv = min(bv, -(-vocab // _CHUNK) * _CHUNK)
         rows = -(-rows // 8) * 8
     vpad = -(-vocab // bv) * bv
+    if family == "triton" and vocab >= bv:
+        vpad = vocab     # no padded copy of the logits: the last tile is read ending at the row end
     spad = -(-s // rows) * rows
     x = logits
     if (spad, vpad) != (s, vocab):
@@ -456,7 +481,7 @@ def _sample_tokens_pallas(logits, uniforms, *, temperature, top_k, top_p, block_
                family=family)
     out_shape = [jax.ShapeDtypeStruct((spad, 1), jnp.int32),
                  jax.ShapeDtypeStruct((spad, 1), jnp.float32)]
-    n_v = vpad // bv
+    n_v = vpad // bv     # whole tiles (Triton, unpadded: + one tile ending at the row's end)
     if family == "triton":
         tok, logp = pl.pallas_call(
             functools.partial(_triton_sampling_kernel, passes=passes, bv=bv, n_v=n_v, cfg=cfg),

@@ -54,6 +54,7 @@ from brorl_jax.rollout.plan import (
     SCHEDULES,
     SlotPlan,
     bucket_prompt_length,
+    default_check_every,
     default_min_slots,
     pages_for,
     plan_slots,
@@ -463,11 +464,15 @@ class Engine:
       page_size: positions per KV page (default: 128 when tracing for TPU, else 16).
       kv_fraction: with a memory budget, the share of the slots' full length their pages cover
         (``plan.KV_FRACTION``; 1 = never wait for a page).
+      check_every: decode steps between two checks of the loop's stop condition (default
+        ``plan.default_check_every()`` of the platform traced for; the samples do not depend
+        on it).
     """
 
     def __init__(self, model_cfg: ModelConfig, *, mesh: Any = None, impl: str = "auto",
                  schedule: str = "continuous", min_slots: int | None = None,
-                 page_size: int | None = None, kv_fraction: float = KV_FRACTION):
+                 page_size: int | None = None, kv_fraction: float = KV_FRACTION,
+                 check_every: int | None = None):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if min_slots is not None and (not isinstance(min_slots, int) or min_slots < 1):
@@ -481,6 +486,9 @@ class Engine:
         if not 0 < kv_fraction <= 1:
             raise ValueError(f"kv_fraction must be in (0, 1], got {kv_fraction!r}")
         self.kv_fraction = kv_fraction
+        if check_every is not None and (not isinstance(check_every, int) or check_every < 1):
+            raise ValueError(f"check_every must be a positive int, got {check_every!r}")
+        self._check_every = check_every
         if isinstance(mesh, Mesh) and jax.process_count() > 1:
             local = set(jax.local_devices())
             if not all(d in local for d in mesh.devices.flat):
@@ -497,6 +505,11 @@ class Engine:
         built, so it follows the compile target)."""
         return default_min_slots() if self._min_slots is None else self._min_slots
 
+    @property
+    def check_every(self) -> int:
+        """Decode steps between stop checks: as given, else the platform's."""
+        return default_check_every() if self._check_every is None else self._check_every
+
     # ------------------------------------------------------------------ programs
     def _spec(self, *, prompt_len, max_new_tokens, plan: SlotPlan, rollouts_per_prompt,
               temperature, top_k, top_p) -> programs.Spec:
@@ -510,7 +523,8 @@ class Engine:
                 self._kernel_impls()[0], dtype_of(self.cfg.dtype), plan.page_size,
                 in_shard_map=True),     # a mesh's programs run under shard_map
             sampling_impl=_resolve_sampling_impl(self._kernel_impls()[1]),
-            lockstep=self.schedule == "lockstep", min_slots=self.min_slots, axes=self.axes)
+            lockstep=self.schedule == "lockstep", min_slots=self.min_slots, axes=self.axes,
+            check_every=self.check_every)
 
     def _kernel_impls(self) -> tuple[str, str]:
         """(attention impl, sampling impl) from ``impl`` (resolved when a program is built, so
@@ -580,6 +594,18 @@ class Engine:
         self._programs[key] = fn
         return fn
 
+    def rollout_params(self, params: Any) -> Any:
+        """``params`` in the programs' layout (``programs.rollout_layout``: compute dtype, one
+        buffer per layer), converted on device once per call unless already in it (the trainer
+        passes ``Runtime.rollout_params``' copy, made once per update)."""
+        if programs.in_rollout_layout(params, self.cfg):
+            return params
+        if getattr(self, "_layout", None) is None:
+            self._layout = jax.jit(lambda p: programs.rollout_layout(p, self.cfg))
+        if isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct):
+            return jax.eval_shape(self._layout, params)
+        return self._layout(params)
+
     def num_compiled(self) -> dict[str, int]:
         """Compiled executables per program kind ("decode", "compact", "admit", ...)."""
         out: dict[str, int] = {}
@@ -604,6 +630,7 @@ class Engine:
         shapes, nothing allocated: ``params`` may be ShapeDtypeStructs; ``slots`` overrides the
         budget's slot count (with its pool and ``kv_fraction`` of pages); ``sharding`` is put on
         every argument (e.g. a device of a compile-only topology)."""
+        params = self.rollout_params(params)     # as stream() runs it
         plan = self.plan(num_prompts, prompt_len, rollouts_per_prompt, max_new_tokens,
                          memory_budget_bytes)
         if slots is not None:   # that many slots, their pool and kv_fraction of their length
@@ -664,6 +691,7 @@ class Engine:
         spec = self._spec(prompt_len=p, max_new_tokens=max_new_tokens, plan=plan,
                           rollouts_per_prompt=rollouts_per_prompt, temperature=temperature,
                           top_k=top_k, top_p=top_p)
+        params = self.rollout_params(params)     # a no-op on Runtime.rollout_params' copy
         if self.mesh is not None:       # replicated on the mesh once per call
             params = jax.device_put(params, NamedSharding(self.mesh, P()))
         scheduler = Scheduler(self, params, prompts, spec, plan, stop,

@@ -38,6 +38,14 @@ MIN_SLOTS = {"cpu": 8, "gpu": 32, "tpu": 32}
 # uniform rate 0.71-0.76 against 0.53 / 0.61); compiled decode programs grow as
 # 4 log2(slots / min_slots).
 BUCKET_STEPS = (4, 5, 6, 7)
+# Decode steps between two checks of the decode loop's stop condition, per platform. On GPU a
+# while_loop whose trip count XLA cannot see copies its predicate to the host and waits on every
+# iteration (and under a mesh the condition reduces over all devices): checking every 16 steps
+# (an inner loop of known trip count) makes that one host round trip and one cross-device
+# reduction per 16 tokens (`python bench/roofline.py`: host syncs per decode step). Steps past a
+# stop are harmless (draws are keyed by sample and token index: the same samples) but are
+# wasted work at the very end of a call (< 16 steps); on CPU a check costs nothing, so 1.
+CHECK_EVERY = {"cpu": 1, "gpu": 16, "tpu": 16}
 # First tokens are drawn for at most this many samples per sampling call at admission.
 FIRST_TOKEN_ROWS = 256
 SCHEDULES = ("continuous", "lockstep")
@@ -146,6 +154,20 @@ class SlotPlan:
 def default_min_slots(platform: str | None = None) -> int:
     """The smallest slot bucket on ``platform`` (default: the compile target or JAX's backend)."""
     return MIN_SLOTS.get(platform or _backend.backend(), max(MIN_SLOTS.values()))
+
+
+def default_check_every(platform: str | None = None) -> int:
+    """Decode steps between stop checks on ``platform`` (default: the compile target or JAX's
+    backend); see ``CHECK_EVERY``."""
+    return CHECK_EVERY.get(platform or _backend.backend(), max(CHECK_EVERY.values()))
+
+
+def rollout_params_bytes(cfg: ModelConfig, num_params: int) -> int:
+    """Device memory of the rollout's copy of the parameters (``Runtime.rollout_params``: the
+    compute dtype, one buffer per layer, replicated on every rollout device). It is held by the
+    runtime from one update to the next, beside the trainer's master weights, and is not part of
+    a rollout memory budget (which covers the working memory only)."""
+    return int(num_params) * _itemsize(cfg)
 
 
 def slot_buckets(slots: int, min_slots: int | None = None) -> tuple[int, ...]:

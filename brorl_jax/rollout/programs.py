@@ -67,6 +67,43 @@ class Spec:
     lockstep: bool
     min_slots: int
     axes: tuple[str, ...]      # mesh axes the devices span (collectives); () on one device
+    check_every: int = 1       # decode steps between two stop checks (plan.default_check_every)
+
+
+# ----------------------------------------------------------------------------------------------
+# The rollout's parameter layout
+# ----------------------------------------------------------------------------------------------
+
+
+def rollout_layout(params: dict, cfg: ModelConfig) -> dict:
+    """The parameters as the rollout's programs read them: floating leaves in the compute dtype
+    (cast once, not inside every decode step) and the layer stack ``[L, ...]`` split into one
+    buffer per layer (a tuple of L per-layer dicts), so each layer's weights are read in place:
+    slicing layer l out of a stacked weight inside the decode loop (a ``lax.scan`` over layers)
+    is a copy of every layer's weights on every step. Already in this layout: unchanged.
+    Run it under jit (``Runtime.rollout_params``, ``Engine.stream``): the outputs are separate
+    buffers."""
+    dt = dtype_of(cfg.dtype)
+    cast = lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    params = jax.tree.map(cast, params)
+    return dict(params, layers=layer_list(params, cfg))
+
+
+def in_rollout_layout(params: dict, cfg: ModelConfig) -> bool:
+    """True when ``params`` is in :func:`rollout_layout`'s layout (no conversion needed)."""
+    dt = jnp.dtype(dtype_of(cfg.dtype))
+    return isinstance(params.get("layers"), (tuple, list)) and all(
+        jnp.dtype(x.dtype) == dt for x in jax.tree.leaves(params)
+        if jnp.issubdtype(x.dtype, jnp.floating))
+
+
+def layer_list(params: dict, cfg: ModelConfig) -> tuple:
+    """The per-layer parameter dicts: the tuple of the rollout layout, or static slices of a
+    stacked ``[L, ...]`` layer tree."""
+    layers = params["layers"]
+    if isinstance(layers, (tuple, list)):
+        return tuple(layers)
+    return tuple(jax.tree.map(lambda x, i=i: x[i], layers) for i in range(cfg.num_hidden_layers))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -95,7 +132,15 @@ def prefill_prompts_fn(
         attn = jax.nn.dot_product_attention(q, k, v, mask=allowed, implementation="xla")
         return layer_finish(layer_params, cfg, x, attn.astype(x.dtype)), (k, v)
 
-    x, (prefix_k, prefix_v) = jax.lax.scan(layer, embed(params, cfg, tokens), params["layers"])
+    if isinstance(params["layers"], (tuple, list)):   # the rollout layout: layer by layer
+        x, kvs = embed(params, cfg, tokens), []
+        for layer_params in params["layers"]:
+            x, kv = layer(x, layer_params)
+            kvs.append(kv)
+        prefix_k, prefix_v = (jnp.stack([kv[i] for kv in kvs]) for i in (0, 1))
+    else:
+        x, (prefix_k, prefix_v) = jax.lax.scan(layer, embed(params, cfg, tokens),
+                                               params["layers"])
     x_last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [G, 1, D]
     logits = lm_logits(params, cfg, final_norm(params, cfg, x_last))[:, 0]
     return prefix_k, prefix_v, logits
@@ -330,9 +375,10 @@ def _forward(params, pool, slots, kv, go, spec: Spec):
     page = jnp.where(go, slots["table"][jnp.arange(b), col], spec.num_pages)
     offset = jnp.where(go, t % ps, 0)
 
-    def layer(carry, xs):
-        x, gk, gv = carry
-        layer_params, li = xs
+    # Layer by layer, each layer's weights read in place from its own buffers (the rollout
+    # layout); the KV pools are one buffer each, updated in place at (layer, page, offset).
+    x, gk, gv = embed(params, c, slots["cur"][:, None]), kv["pages_k"], kv["pages_v"]
+    for li, layer_params in enumerate(layer_list(params, c)):
         q, k_new, v_new = layer_qkv(layer_params, c, x, positions)
         gk = _write_kv(gk, li, page, offset, k_new[:, 0])
         gv = _write_kv(gv, li, page, offset, v_new[:, 0])
@@ -340,12 +386,6 @@ def _forward(params, pool, slots, kv, go, spec: Spec):
                                      prefix_index, gk, gv, slots["table"], own_len, layer=li,
                                      impl=spec.attention_impl)
         x = layer_finish(layer_params, c, x, attn.reshape(b, 1, h, dh).astype(x.dtype))
-        return (x, gk, gv), None
-
-    x0 = embed(params, c, slots["cur"][:, None])
-    (x, gk, gv), _ = jax.lax.scan(
-        layer, (x0, kv["pages_k"], kv["pages_v"]),
-        (params["layers"], jnp.arange(c.num_hidden_layers, dtype=jnp.int32)))
     logits = lm_logits(params, c, final_norm(params, c, x))[:, 0]
     return logits, dict(kv, pages_k=gk, pages_v=gv)
 
@@ -440,7 +480,8 @@ def decode_step(params, pool, slots, kv, stats, stop, seed_key, *, spec: Spec, d
 
 def decode(params, pool, slots, kv, stats, stop, seed_key, final, *, spec: Spec, dev):
     """Decode steps until a group completes, the tail can shrink to the next slot bucket
-    (``final``: no prompt is left to admit, nothing pending, live slots fit), or nothing is left.
+    (``final``: no prompt is left to admit, nothing pending, live slots fit), or nothing is left;
+    the stop is checked every ``spec.check_every`` steps.
 
     Returns (pool, slots, kv, stats, summary)."""
     num_slots = slots["entry"].shape[0]
@@ -453,8 +494,17 @@ def decode(params, pool, slots, kv, stats, stop, seed_key, final, *, spec: Spec,
             halt |= final & (sm["pending"] == 0) & (sm["live"] <= target)
         return halt
 
-    def body(carry):
+    def step(_, carry):
         return decode_step(params, *carry, stop, seed_key, spec=spec, dev=dev)
+
+    def body(carry):
+        # check_every steps between two stop checks: a loop of known trip count (no host round
+        # trip per token on GPU, no cross-device reduction per token on a mesh). Steps past a
+        # stop are harmless: every draw is keyed by (sample, token index), so the samples are
+        # the same; a complete group's slots have moved on to pending samples.
+        if spec.check_every == 1:
+            return step(0, carry)
+        return jax.lax.fori_loop(0, spec.check_every, step, carry)
 
     pool, slots, kv, stats = jax.lax.while_loop(lambda c: ~stop_now(c[0], c[1]), body,
                                                 (pool, slots, kv, stats))

@@ -4,7 +4,9 @@ The RL step (train/step.py), the evaluation and the warm start talk to one inter
 (held by the run context, train/context.py), and never ask which one they have:
 
   place_state(state)            the train state laid out for the update
-  rollout_params(params)        parameters in the form the rollout takes
+  rollout_params(params)        the rollout's copy of the parameters: compute dtype, one buffer
+                                per layer (rollout.programs.rollout_layout), made once per update
+                                on device and held until the next (never through the host)
   generate(model, params, prompts, **rollout_kwargs) -> rollout.RolloutResult
   stream(model, params, prompts, **rollout_kwargs) -> rollout.RolloutStream (groups as they finish)
   rollout_engine(model_cfg)     the rollout.Engine held for the run (its compiled programs)
@@ -25,8 +27,10 @@ The RL step (train/step.py), the evaluation and the warm start talk to one inter
                  samples in its own slots).
                  With several processes (jax.distributed) each process feeds only its rows of the
                  update (distributed.global_batch); rollouts are local: every process reads its
-                 own prompt shard, generates on its own devices with a host copy of the current
-                 parameters (gathered once per step), scores its own samples and fills its share
+                 own prompt shard, generates on its own devices with a replicated copy of the
+                 current parameters (all-gathered on device once per step, cast to the compute
+                 dtype; each process keeps its own devices' replicas), scores its own samples and
+                 fills its share
                  of the update batch. Only the update and small gathers (advantage normalisation,
                  metrics, evaluation rewards, data-iterator states) cross processes.
 
@@ -47,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from brorl_jax import algo, rollout
 from brorl_jax.algo import sharded as algo_sharded
@@ -77,6 +82,8 @@ class Runtime:
         self.memory_budget_bytes = int(cfg.rollout.memory_budget_gb * 2**30) or None
         self._steps: dict[Any, Any] = {}
         self._rollout: rollout.Engine | None = None
+        self._rollout_copy: tuple | None = None     # (source params, the rollout's copy)
+        self._layout_fns: dict[Any, Callable] = {}
 
     # -- cross-process helpers ------------------------------------------------------------------
     def allgather_rows(self, x: np.ndarray) -> np.ndarray:
@@ -126,7 +133,25 @@ class Runtime:
         raise NotImplementedError
 
     def rollout_params(self, params):
+        """The rollout's copy of ``params`` (see the module docstring)."""
         raise NotImplementedError
+
+    def _rollout_layout(self, params, sharding=None):
+        """``rollout.programs.rollout_layout`` of ``params`` under jit (``sharding``: its
+        output sharding), made once per distinct ``params`` object and held (the one copy the
+        memory plan counts: rollout.plan.rollout_params_bytes); the previous copy is dropped
+        before the next is made."""
+        held = self._rollout_copy
+        if held is not None and held[0] is params:
+            return held[1]
+        self._rollout_copy = None
+        if sharding not in self._layout_fns:
+            from brorl_jax.rollout.programs import rollout_layout
+            self._layout_fns[sharding] = jax.jit(
+                lambda p: rollout_layout(p, self.model_cfg), out_shardings=sharding)
+        out = self._layout_fns[sharding](params)
+        self._rollout_copy = (params, out)
+        return out
 
     rollout_mesh = None             # None: one device (LocalRuntime)
 
@@ -169,7 +194,7 @@ class LocalRuntime(Runtime):
         return state
 
     def rollout_params(self, params):
-        return params
+        return self._rollout_layout(params)
 
     def _compiled(self, algo_cfg) -> _LocalSteps:
         if algo_cfg not in self._steps:
@@ -240,10 +265,16 @@ class MeshRuntime(Runtime):
         return sharded.place(state, self.state_sharding(state))
 
     def rollout_params(self, params):
-        """A full host copy of (possibly cross-process sharded) parameters."""
+        """The rollout's copy, replicated on the rollout mesh. With several processes the
+        all-gather runs on device over the global mesh, and each process's replicas become
+        arrays of its own rollout mesh (its local devices) without a copy."""
+        local = NamedSharding(self.rollout_mesh, P())
         if self.num_processes == 1:
-            return params
-        return multihost_utils.process_allgather(params, tiled=True)
+            return self._rollout_layout(params, local)
+        full = self._rollout_layout(params, NamedSharding(self.mesh, P()))
+        return jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
+            x.shape, local, [s.data for s in x.addressable_shards
+                             if s.device in local.device_set]), full)
 
     # -- update ---------------------------------------------------------------------------------
     def _compile(self, algo_cfg, state, local_batch: dict) -> _MeshSteps:

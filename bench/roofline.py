@@ -1,0 +1,435 @@
+"""Roofline of the compiled GPU programs, without a GPU (issue 25): bytes per decode step vs the
+floor, host syncs and collectives per decode step; the update's flops vs needed and MFU ceiling.
+
+    python bench/roofline.py --target h100 --model qwen2.5-1.5b --json FILE
+    python bench/roofline.py --target h200 --cases slots256_ctx4k --hlo-dir /tmp/hlo
+
+Needs the ``compile`` extra (jax-cuda12-plugin + jax-cuda12-pjrt of the installed jax; TPU:
+libtpu): without it, it says so and exits 2. Keep the extra out of the project venv if you like:
+``pip install --target DIR ...`` and ``PYTHONPATH=DIR``.
+
+What it does, per decode case: builds the rollout's decode program AS THE TRAINER RUNS IT
+(``configs/brorl.py``'s model and rollout settings, float32 master weights passed through
+``Runtime.rollout_params``, the engine's decode program of ``rollout/programs.py`` with the
+kernels ``impl="auto"`` picks on the target), compiles it for a topology description of the card
+(no device), and walks the optimized HLO kernel by kernel (``bench/_hlo_walk.py``): while-loop
+bodies multiplied by their trip counts, each Pallas kernel's traffic from the declaration beside
+it (``pallas_kernels.decode_attention.slot_decode_attention_traffic``,
+``pallas_kernels.sampling.sample_tokens_traffic``) at the case's lengths. One decode step is one
+iteration of the decode loop divided by the steps it runs between two stop checks.
+
+The floor of a decode step (bytes that any implementation must move):
+  weights   every parameter once, in the compute dtype (the tied embedding once: the LM head)
+  KV        the live KV once: each live prompt's KV (shared by its slots) + every live slot's own
+  new K/V   one position per slot per layer, written
+  logits    [slots, V] float32, written once and read once
+Predicted step time = max(bytes / HBM bandwidth, flops / peak bf16 tensor flops); tokens/s =
+live slots / step time. A deviceless compile has no GEMM autotuning: its default split-K float32
+partial sums are reported beside the bytes, not counted (issue 25's definition).
+
+Cases (per device): ``slots256_ctx4k`` (256 slots of one 1024-token prompt, 3072 own positions
+on average: a 4k context), ``tail32_ctx8k`` (a 32-slot tail, 8k context), ``mesh64_plan``
+(configs/brorl_64gpu.py on 64 devices: the plan's slots per device, 4k context).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for p in (ROOT, os.path.join(ROOT, "bench")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+# name -> (platform, HBM bytes/s, dense bf16 tensor flops/s, GpuTargetConfig device string)
+TARGETS = {
+    "h100": dict(platform="cuda", bandwidth=3.35e12, flops=989e12, memory=80e9,
+                 desc="NVIDIA H100 80GB HBM3 (SXM: 3.35 TB/s, 989 TFLOP/s bf16 dense)"),
+    "h200": dict(platform="cuda", bandwidth=4.8e12, flops=989e12, memory=141e9,
+                 desc="NVIDIA H200 (141 GB HBM3e: 4.8 TB/s, 989 TFLOP/s bf16 dense)"),
+    "v5e": dict(platform="tpu", bandwidth=8.19e11, flops=197e12, memory=16e9,
+                desc="TPU v5e (819 GB/s, 197 TFLOP/s bf16; report only)"),
+}
+CASES = {
+    # slots per device, prompts in flight, prompt positions, mean own positions
+    "slots256_ctx4k": dict(slots=256, prompts=1, prompt_len=1024, own_len=3072),
+    "tail32_ctx8k": dict(slots=32, prompts=1, prompt_len=1024, own_len=7168),
+    "mesh64_plan": dict(slots=None, prompts=None, prompt_len=1024, own_len=3072),
+}
+MODELS = ("qwen2.5-1.5b",)
+GB = 1e9
+
+
+def _target_config(target: str) -> str:
+    from compile_check import H100_TARGET_CONFIG
+    if target == "h100":
+        return H100_TARGET_CONFIG
+    # H200: the H100's SM (sm_90, same shared memory and cores), 141 GB at 4.8 TB/s
+    return (H100_TARGET_CONFIG.replace("memory_bandwidth: 3352320000000",
+                                       "memory_bandwidth: 4800000000000")
+            .replace("device_memory_size: 84929347584", "device_memory_size: 150754820096")
+            .replace("NVIDIA H100 80GB HBM3", "NVIDIA H200"))
+
+
+def missing_extra(target: str) -> str | None:
+    """Why the compile extra for ``target`` is missing (None: present)."""
+    cuda = ("jax_cuda12_plugin", "jax_plugins.xla_cuda12")
+    need = cuda if TARGETS[target]["platform"] == "cuda" else ("libtpu",)
+    gone = [m for m in need if importlib.util.find_spec(m) is None]
+    if gone:
+        return (f"bench/roofline.py needs the 'compile' extra for --target {target} (missing: "
+                f"{', '.join(gone)}): pip install -e '.[compile]' (or pip install --target DIR "
+                "the pyproject's compile pins and set PYTHONPATH=DIR)")
+    return None
+
+
+def model_config(model: str):
+    """The model as configs/brorl.py trains it: bf16 compute, float32 master weights."""
+    from configs import brorl, brorl_64gpu
+    if model != "qwen2.5-1.5b":
+        raise SystemExit(f"--model {model!r}: choose from {MODELS}")
+    cfg = brorl.get_config()
+    # Qwen2.5-1.5B has Qwen2-1.5B's architecture (28 layers, 1536 wide, 12/2 heads, tied 151936)
+    return cfg, brorl_64gpu.qwen2_1p5b(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# one case (in a subprocess): build, compile, save the optimized HLO
+# ------------------------------------------------------------------------------------------------
+
+def _rollout_params(cfg, mc, abstract):
+    """What the trainer hands the rollout: Runtime.rollout_params of the master weights."""
+    import jax
+
+    from brorl_jax.train.runtime import LocalRuntime
+    runtime = LocalRuntime(cfg, mc, None, diagnostics_n=None)
+    return jax.eval_shape(runtime.rollout_params, abstract), runtime
+
+
+def compile_case(target: str, model: str, case: str) -> dict:
+    import jax
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import pallas_kernels as pk
+    from brorl_jax.models import init_params
+    from brorl_jax.rollout import Engine
+
+    platform = TARGETS[target]["platform"]
+    cfg, mc = model_config(model)
+    c = dict(CASES[case])
+    n_dev = 64 if case == "mesh64_plan" else 1
+    if platform == "cuda":
+        topo = topologies.get_topology_desc(platform="cuda", target_config=_target_config(target),
+                                            topology="1x8x8" if n_dev == 64 else "1x1x1")
+    else:
+        topo = topologies.get_topology_desc(topology_name="v5e:8x8" if n_dev == 64 else "v5e:2x2",
+                                            platform="tpu")
+    import numpy as np
+    t0 = time.perf_counter()
+    abstract = jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0)))
+    with pk.compile_target(platform):
+        rparams, runtime = _rollout_params(cfg, mc, abstract)
+        n = cfg.rollout.rollouts_per_prompt
+        call = dict(prompt_len=c["prompt_len"], max_new_tokens=cfg.rollout.max_new_tokens,
+                    temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
+                    top_p=cfg.rollout.top_p)
+        if n_dev == 64:
+            from brorl_jax.rollout.plan import bucket_num_prompts
+            from configs import brorl_64gpu
+            pcfg = brorl_64gpu.get_config()
+            mesh = jax.sharding.Mesh(np.asarray(topo.devices).reshape(8, 8, 1),
+                                     ("data", "fsdp", "tensor"))
+            n = pcfg.rollout.rollouts_per_prompt
+            g = bucket_num_prompts(math.ceil(pcfg.algo.prompts_per_step
+                                             * pcfg.algo.generation_batch_multiplier))
+            budget = int(pcfg.rollout.memory_budget_gb * 2**30)
+            engine = Engine(mc, mesh=mesh, impl=pcfg.rollout.impl)
+            plan = engine.plan(g, c["prompt_len"], n, pcfg.rollout.max_new_tokens, budget)
+            c["slots"], c["prompts"] = plan.slots, -(-plan.slots // plan.share)
+            fn, args = engine.decode_program(rparams, rollouts_per_prompt=n, num_prompts=g,
+                                             memory_budget_bytes=budget, **call)
+            rep, dev = NamedSharding(mesh, P()), NamedSharding(mesh, P(engine.axes))
+            n_rep = len(jax.tree.leaves(args[:4]))
+            leaves, tree = jax.tree.flatten(args)
+            args = jax.tree.unflatten(tree, [
+                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep if i < n_rep else dev)
+                for i, x in enumerate(leaves)])
+        else:
+            mesh = jax.sharding.Mesh(topo.devices[:1], ("x",))
+            engine = runtime.rollout_engine(mc)
+            fn, args = engine.decode_program(rparams, rollouts_per_prompt=n,
+                                             num_prompts=c["prompts"], slots=c["slots"],
+                                             sharding=NamedSharding(mesh, P()), **call)
+        check_every = engine.check_every          # the target's, as the program was built
+        with jax.set_mesh(mesh):
+            lowered = fn.trace(*args).lower()
+            t1 = time.perf_counter()
+            compiled = lowered.compile()
+    t2 = time.perf_counter()
+    leaves = jax.tree.leaves(rparams)
+    mem = compiled.memory_analysis()
+    return dict(
+        hlo=compiled.as_text(), lower_s=round(t1 - t0, 1), compile_s=round(t2 - t1, 1),
+        slots=c["slots"], prompts=c["prompts"], devices=n_dev,
+        check_every=int(check_every),
+        param_dtypes=sorted({str(x.dtype) for x in leaves}),
+        n_params=int(sum(math.prod(x.shape) for x in leaves)),
+        temp_bytes=int(getattr(mem, "temp_size_in_bytes", 0) or 0),
+        argument_bytes=int(getattr(mem, "argument_size_in_bytes", 0) or 0))
+
+
+# ------------------------------------------------------------------------------------------------
+# the report of one case
+# ------------------------------------------------------------------------------------------------
+
+def floor_bytes(mc, *, slots: int, prompts: int, prompt_len: int, own_len: float,
+                n_params: int) -> dict:
+    """The floor of one decode step (module docstring), term by term."""
+    import jax.numpy as jnp
+    item = jnp.dtype(mc.dtype).itemsize
+    kv_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * item
+    return dict(weights=n_params * item,
+                kv=prompts * prompt_len * kv_token + slots * own_len * kv_token,
+                new_kv=slots * kv_token,
+                logits=2 * slots * mc.vocab_size * 4)
+
+
+def decode_report(target: str, model: str, case: str, built: dict) -> dict:
+    import _hlo_walk as hw
+
+    from pallas_kernels.decode_attention import slot_decode_attention_traffic
+    from pallas_kernels.sampling import sample_tokens_traffic
+
+    cfg, mc = model_config(model)
+    c = dict(CASES[case], slots=built["slots"], prompts=built["prompts"])
+    family = "triton" if TARGETS[target]["platform"] == "cuda" else "mosaic"
+    per_prompt = [c["slots"] // c["prompts"]] * c["prompts"]
+    per_prompt[-1] += c["slots"] - sum(per_prompt)
+    ops = hw.operands_of
+    attn = lambda kernel: lambda ins: slot_decode_attention_traffic(
+        kernel, ops(ins), group=mc.num_attention_heads // mc.num_key_value_heads,
+        slots_per_prompt=per_prompt, prompt_len=c["prompt_len"], own_len=c["own_len"],
+        family=family)
+    custom = {
+        "slot_decode_attention_prefix": attn("slot_decode_attention_prefix"),
+        "slot_decode_attention_own": attn("slot_decode_attention_own"),
+        "sample_tokens": lambda ins: sample_tokens_traffic(
+            ops(ins), vocab=mc.vocab_size, temperature=cfg.rollout.temperature,
+            top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p),
+    }
+    module = hw.parse(built["hlo"])
+    entry = hw.walk(module, custom)
+    decode_loops = [lp for lp in entry.loops if lp.trip_count is None and lp.depth == 0]
+    if not decode_loops:
+        raise RuntimeError("no decode while_loop of unknown trip count in the entry computation")
+    outer = max(decode_loops, key=lambda lp: lp.body.bytes)
+    k = built["check_every"]
+    inner = [lp for lp in outer.body.loops if lp.trip_count == k and lp.depth == 1]
+    step_loop = inner[0] if (k > 1 and inner) else outer
+    if k > 1 and not inner:
+        raise RuntimeError(f"check_every={k} but no inner loop of {k} steps in the decode loop")
+    it = outer.per_iteration()
+    per_step = lambda x: x / k
+    floor = floor_bytes(mc, slots=c["slots"], prompts=c["prompts"], prompt_len=c["prompt_len"],
+                        own_len=c["own_len"], n_params=built["n_params"])
+    fl = sum(floor.values())
+    tgt = TARGETS[target]
+    b, f = per_step(it.bytes), per_step(it.flops)
+    step_s = max(b / tgt["bandwidth"], f / tgt["flops"])
+    step_it = step_loop.per_iteration() if step_loop is not outer else it
+    return dict(
+        case=case, slots=int(c["slots"]), context=int(c["prompt_len"] + c["own_len"]),
+        bytes_per_step=b, floor_bytes_per_step=fl,
+        host_syncs_per_step=per_step(it.host_syncs),
+        collectives_per_step=int(round(step_it.collectives)) if step_loop is not outer
+        else int(round(it.collectives)),
+        collectives_per_check=int(round(it.collectives - (k * step_it.collectives
+                                                           if step_loop is not outer else 0))),
+        check_every=k, ratio=b / fl, floor_terms=floor, flops_per_step=f,
+        split_k_bytes_per_step=per_step(it.split_k_bytes),
+        kernels_per_step=per_step(it.kernels),
+        predicted_step_ms=1e3 * step_s, predicted_tokens_per_s=c["slots"] / step_s,
+        floor_tokens_per_s=c["slots"] / (fl / tgt["bandwidth"]),
+        devices=built["devices"], param_dtypes=built["param_dtypes"],
+        largest_copies=[dict(bytes=per_step(x), shape=s, op=o[-90:])
+                        for x, s, o in it.largest_copies(5)],
+        largest_kernels=[dict(bytes=per_step(x), name=n, type=t, op=o[-90:])
+                         for x, n, t, o in it.largest(8)],
+        undeclared_custom_calls=sorted(set(it.undeclared)),
+        compile_s=built["compile_s"], temp_bytes=built["temp_bytes"])
+
+
+def measure_device(model: str, slots: int, prompt_len: int, own_len: int) -> dict:
+    """On a real GPU (bench/device_check.sh): the decode loop at ``slots`` slots on the model's
+    shapes (random bf16 weights, one random prompt, no stop token, max_new_tokens = 2 x own_len,
+    so the mean own length over the run is ``own_len``), run once to compile and once timed; next
+    to the bytes per step this walker predicts for the same program compiled for this device at
+    the same lengths."""
+    import jax
+    import numpy as np
+
+    from brorl_jax.models import init_params
+    from brorl_jax.rollout import Engine
+
+    cfg, mc = model_config(model)
+    if jax.default_backend() != "gpu":
+        raise SystemExit(f"--measure-device needs a GPU backend, not {jax.default_backend()!r}")
+    new = 2 * own_len
+    engine = Engine(mc, impl="auto")
+    params = engine.rollout_params(init_params(mc, jax.random.PRNGKey(0)))
+    prompt = [int(t) for t in np.random.default_rng(0).integers(10, mc.vocab_size, prompt_len)]
+    call = dict(rollouts_per_prompt=slots, max_new_tokens=new, temperature=1.0, eos_ids=())
+    t0 = time.perf_counter()
+    engine.generate(params, [prompt], **call)   # compiles every program of this call
+    t_compile = time.perf_counter() - t0
+    res = engine.generate(params, [prompt], **call)
+    st = res.stats
+    fn, args = engine.decode_program(params, prompt_len=prompt_len, num_prompts=1, slots=slots,
+                                     rollouts_per_prompt=slots, max_new_tokens=new)
+    text = fn.trace(*args).lower().compile().as_text()
+    built = dict(hlo=text, slots=slots, prompts=1, devices=1, check_every=engine.check_every,
+                 param_dtypes=sorted({str(x.dtype) for x in jax.tree.leaves(params)}),
+                 n_params=int(sum(x.size for x in jax.tree.leaves(params))), compile_s=None,
+                 temp_bytes=0)
+    CASES["device"] = dict(slots=slots, prompts=1, prompt_len=prompt_len, own_len=own_len)
+    pred = decode_report("h100", model, "device", built)
+    steps, secs = st["decode_steps"], st["decode_seconds"]
+    return dict(slots=slots, context=prompt_len + own_len, decode_steps=steps,
+                decode_seconds=secs, tokens_per_s=st["useful_tokens"] / max(secs, 1e-9),
+                step_ms=1e3 * secs / max(steps, 1),
+                predicted_bytes_per_step=pred["bytes_per_step"],
+                floor_bytes_per_step=pred["floor_bytes_per_step"],
+                achieved_bytes_per_s=pred["bytes_per_step"] * steps / max(secs, 1e-9),
+                compile_and_warm_s=t_compile, device=str(jax.devices()[0]))
+
+
+def update_section(target: str, model: str):
+    if importlib.util.find_spec("_roofline_update") is None:
+        print("update: bench/_roofline_update.py is absent (the update half of the roofline): "
+              '"update": null', flush=True)
+        return None
+    from _roofline_update import update_report
+    return update_report(target, model)
+
+
+def _fmt_case(r: dict) -> str:
+    return (f"| {r['case']} | {r['slots']} | {r['context']} | {r['bytes_per_step'] / GB:.2f} | "
+            f"{r['floor_bytes_per_step'] / GB:.2f} | {r['ratio']:.2f} | "
+            f"{r['split_k_bytes_per_step'] / GB:.2f} | {r['predicted_step_ms']:.2f} | "
+            f"{r['predicted_tokens_per_s']:,.0f} | {r['host_syncs_per_step']:.3f} | "
+            f"{r['collectives_per_step']} ({r['collectives_per_check']} per check of "
+            f"{r['check_every']}) |")
+
+
+HEADER = ("| case | slots | context | GB/step | floor GB | x floor | split-K GB (apart) | "
+          "step ms | tokens/s | host syncs/step | collectives/step |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="h100", choices=list(TARGETS))
+    ap.add_argument("--model", default="qwen2.5-1.5b", choices=list(MODELS))
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--json", default="", help="write the report here")
+    ap.add_argument("--hlo-dir", default="", help="save each case's optimized HLO here")
+    ap.add_argument("--reuse", action="store_true",
+                    help="read a case compiled earlier into --hlo-dir instead of compiling")
+    ap.add_argument("--no-update", action="store_true", help="decode cases only")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per compile")
+    ap.add_argument("--measure-device", action="store_true",
+                    help="on a GPU: time the decode loop (random weights) next to the walk of "
+                         "the same program compiled for that GPU (bench/device_check.sh)")
+    ap.add_argument("--slots", type=int, default=256, help="--measure-device: decode slots")
+    ap.add_argument("--own-len", type=int, default=1536,
+                    help="--measure-device: mean own positions (2x new tokens, run twice)")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.measure_device:      # on the GPU itself: no compile extra, no topology
+        r = measure_device(args.model, args.slots, 1024, args.own_len)
+        print(json.dumps(r, indent=1))
+        print(f"decode on {r['device']}: {r['slots']} slots, mean context {r['context']}: "
+              f"{r['step_ms']:.2f} ms/step, {r['tokens_per_s']:,.0f} tokens/s; achieved "
+              f"{r['achieved_bytes_per_s'] / 1e12:.2f} TB/s of the walker's "
+              f"{r['predicted_bytes_per_step'] / GB:.2f} GB/step (floor "
+              f"{r['floor_bytes_per_step'] / GB:.2f} GB/step)")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(r, f, indent=1)
+        return 0
+    why = missing_extra(args.target)
+    if why:
+        print(why, file=sys.stderr)
+        return 2
+    if args.one:
+        target, model, case, out = json.loads(args.one)
+        built = compile_case(target, model, case)
+        with open(out, "w") as f:
+            json.dump(built, f)
+        return 0
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1",
+               TPU_ACCELERATOR_TYPE="v5litepod-4", TPU_WORKER_HOSTNAMES="localhost")
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    print(f"target: {TARGETS[args.target]['desc']}; model {args.model} as configs/brorl.py runs "
+          "it (bf16 compute, float32 master weights through Runtime.rollout_params)", flush=True)
+    rows = []
+    import tempfile
+    for case in args.cases:
+        out = os.path.join(args.hlo_dir or tempfile.mkdtemp(prefix="roofline_"),
+                           f"{args.target}_{case}.json")
+        t0 = time.perf_counter()
+        if args.reuse and os.path.exists(out):
+            proc = subprocess.CompletedProcess([], 0)
+        else:
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--target",
+                                   args.target, "--one",
+                                   json.dumps([args.target, args.model, case, out])],
+                                  env=env, capture_output=True, text=True,
+                                  timeout=args.timeout)
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
+            print(f"{case}: compile FAILED ({proc.returncode}):\n{tail}", flush=True)
+            return 1
+        with open(out) as f:
+            built = json.load(f)
+        r = decode_report(args.target, args.model, case, built)
+        rows.append(r)
+        ft = {k: v / GB for k, v in r["floor_terms"].items()}
+        print(f"{case}: {time.perf_counter() - t0:.0f} s (compile {built['compile_s']} s); "
+              f"weights {'/'.join(r['param_dtypes'])}; floor = weights {ft['weights']:.2f} + KV "
+              f"{ft['kv']:.2f} + new K/V {ft['new_kv']:.3f} + logits {ft['logits']:.3f} GB; "
+              "largest kernels: " + "; ".join(
+                  f"{k['bytes'] / GB:.2f} GB {k['type']} ({k['op'].split('/')[-2:][0]})"
+                  for k in r["largest_kernels"][:4]) + "; largest copies: " + (
+                  "; ".join(f"{x['bytes'] / GB:.3f} GB {x['shape']}"
+                            for x in r["largest_copies"][:3]) or "none"), flush=True)
+        if r["undeclared_custom_calls"]:
+            print(f"  undeclared custom calls (operands + outputs counted): "
+                  f"{r['undeclared_custom_calls']}", flush=True)
+    print("\n" + HEADER)
+    for r in rows:
+        print(_fmt_case(r))
+    report = {"target": args.target, "model": args.model, "decode": rows,
+              "update": None if args.no_update else update_section(args.target, args.model)}
+    if report["update"]:
+        u = report["update"]
+        print(f"\nupdate: {u['rows']} x {u['seq']}: flops executed / needed "
+              f"{u['flops_executed'] / max(u['flops_needed'], 1):.2f}, MFU ceiling "
+              f"{u['mfu_ceiling']:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"written {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
