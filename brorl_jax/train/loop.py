@@ -31,13 +31,15 @@ import sys
 import time
 from typing import Any
 
+import jax
+
 from brorl_jax import algo, data, models
 from brorl_jax.config import derived_learning_rate, optimizer_config, validate
 from brorl_jax.errors import CheckpointError, DataError
 from brorl_jax.train import evaluation, run_config, workdir as workdir_lib
 from brorl_jax.train.checkpoint import Checkpointer
 from brorl_jax.train.context import (RunContext, build_context, check_model_path, load_model,
-                                     load_records, log as _log)
+                                     load_records, log as _log, make_prompt_tokenizer)
 from brorl_jax.train.logger import MetricsLogger, plot_metrics
 from brorl_jax.train.signals import GracefulStop
 from brorl_jax.train.sft import run_warm_start
@@ -70,9 +72,11 @@ class Trainer:
         self.config_changes = run_config.check_resume(cfg, workdir, allow) if self.resuming else []
         train_records, eval_records = load_records(cfg)
         self.lr, self.lr_note = derived_learning_rate(cfg)
-        self.ctx: RunContext = build_context(cfg, eval_records)
+        model = load_model(cfg)
+        # the training data's checks before the context's (evaluation prompts, runtime, scorer)
+        self.loader = self._make_loader(train_records, make_prompt_tokenizer(cfg, model))
+        self.ctx: RunContext = build_context(cfg, eval_records, model=model)
         try:                            # the scoring workers run from here: stop them on error
-            self.loader = self._make_loader(train_records)
             self.checkpointer = Checkpointer(
                 os.path.join(workdir, workdir_lib.CHECKPOINTS), keep=cfg.train.keep_checkpoints,
                 log=_log, agree=lambda ok: all(self.runtime.allgather_json(bool(ok))))
@@ -82,15 +86,16 @@ class Trainer:
         self.updates_per_step = cfg.algo.ppo_mini_batches * cfg.algo.ppo_epochs
         self.stopping = GracefulStop(_log)
 
-    def _make_loader(self, train_records):
+    def _make_loader(self, train_records, prompt_tokenizer):
         cfg = self.cfg
-        # Several processes: each takes an equal share of every generation round.
-        procs = self.runtime.num_processes
+        # Several processes: each takes an equal share of every generation round (the runtime
+        # spans jax.process_count() processes).
+        procs = jax.process_count()
         gen_batch = algo.generation_batch_size(cfg.algo.prompts_per_step,
                                                cfg.algo.generation_batch_multiplier)
         try:
             loader = data.make_prompt_loader(
-                train_records, self.ctx.prompt_tokenizer,
+                train_records, prompt_tokenizer,
                 batch_size=-(-gen_batch // procs) * procs, seed=cfg.data.seed)
         except ValueError as e:      # too few usable prompts for one generation batch
             raise DataError(f"data.train = {cfg.data.train!r}: {e}") from e
