@@ -247,18 +247,24 @@ def held_out_prompts(cfg, prompt_tokenizer, eval_records: Sequence[dict]) -> lis
     return prompts
 
 
+def make_prompt_tokenizer(cfg, model: models.Model) -> data.PromptTokenizer:
+    """Records -> prompt token ids (chat template, system prompt, data.max_prompt_len) with the
+    model's tokenizer; ModelError when the model has none."""
+    if model.tokenizer is None:
+        raise ModelError(f"model directory {cfg.model.path!r} has no tokenizer files; RL "
+                         "needs one to turn completions into text for the verifiers.")
+    return data.PromptTokenizer(
+        model.tokenizer, cfg.data.max_prompt_len, system_prompt=cfg.data.system_prompt or None,
+        use_chat_template=cfg.data.use_chat_template)
+
+
 def build_context(cfg, eval_records: Sequence[dict], *, model: models.Model | None = None
                   ) -> RunContext:
     """The run's context from a validated config and its held-out records: the model (loaded
     here unless given), the runtime, the scoring pool and the evaluation prompts."""
     model = load_model(cfg) if model is None else model
+    prompt_tokenizer = make_prompt_tokenizer(cfg, model)
     tok = model.tokenizer
-    if tok is None:
-        raise ModelError(f"model directory {cfg.model.path!r} has no tokenizer files; RL "
-                         "needs one to turn completions into text for the verifiers.")
-    prompt_tokenizer = data.PromptTokenizer(
-        tok, cfg.data.max_prompt_len, system_prompt=cfg.data.system_prompt or None,
-        use_chat_template=cfg.data.use_chat_template)
     eval_prompts = held_out_prompts(cfg, prompt_tokenizer, eval_records)
     optimizer_cfg = optimizer_config(cfg)
     optimizer = algo.make_optimizer(optimizer_cfg)

@@ -45,6 +45,7 @@ from brorl_jax.train.context import (
     load_model,
     load_records,
     log as _log,
+    make_prompt_tokenizer,
 )
 from brorl_jax.train.logger import MetricsLogger, check_config, plot_metrics
 from brorl_jax.train.sft import run_warm_start
@@ -89,12 +90,14 @@ class Trainer:
         train_records, eval_records = load_records(cfg)
         self.data_metrics = data.check_overlap(train_records, eval_records, log=_log)  # step 0
         self.lr, self.lr_note = derived_learning_rate(cfg)
+        model = load_model(cfg)
+        # the training data's checks before the context's (evaluation prompts, runtime, scorer)
+        self.loader = self._make_loader(train_records, make_prompt_tokenizer(cfg, model))
         self.logger_args = dict(loggers=cfg.train.loggers, config=cfg, lr=self.lr,
                                 lr_note=self.lr_note)
-        self.ctx: RunContext = build_context(cfg, eval_records)
+        self.ctx: RunContext = build_context(cfg, eval_records, model=model)
         try:                            # the scoring workers run from here: stop them on error
             workdir_lib.check_lock(self.lock, self.runtime.allgather_json)
-            self.loader = self._make_loader(train_records)
             self.checkpointer = Checkpointer(
                 os.path.join(workdir, workdir_lib.CHECKPOINTS), keep=cfg.train.keep_checkpoints,
                 log=_log, agree=lambda ok: all(self.runtime.allgather_json(bool(ok))))
@@ -104,15 +107,16 @@ class Trainer:
         self.updates_per_step = cfg.algo.ppo_mini_batches * cfg.algo.ppo_epochs
         self.stopping = GracefulStop(_log)
 
-    def _make_loader(self, train_records):
+    def _make_loader(self, train_records, prompt_tokenizer):
         cfg = self.cfg
-        # Several processes: each takes an equal share of every generation round.
-        procs = self.runtime.num_processes
+        # Several processes: each takes an equal share of every generation round (the runtime
+        # spans jax.process_count() processes).
+        procs = jax.process_count()
         gen_batch = algo.generation_batch_size(cfg.algo.prompts_per_step,
                                                cfg.algo.generation_batch_multiplier)
         try:
             loader = data.make_prompt_loader(
-                train_records, self.ctx.prompt_tokenizer,
+                train_records, prompt_tokenizer,
                 batch_size=-(-gen_batch // procs) * procs, seed=cfg.data.seed)
         except ValueError as e:      # too few usable prompts for one generation batch
             raise DataError(f"data.train = {cfg.data.train!r}: {e}") from e
