@@ -24,7 +24,8 @@ from jax import lax
 
 from brorl_jax.models.config import ModelConfig
 from brorl_jax.models.transformer import (attention, default_positions, embed, final_norm,
-                                          layer_finish, layer_qkv, segment_positions)
+                                          layer_finish, layer_qkv, remat_layer,
+                                          segment_positions)
 
 
 def chunked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_mask: jax.Array,
@@ -63,7 +64,7 @@ def chunked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_mask:
 
 def forward_hidden(params: dict, cfg: ModelConfig, tokens: jax.Array, *,
                    positions: jax.Array | None = None, attention_mask: jax.Array | None = None,
-                   segment_ids: jax.Array | None = None, remat: bool = False,
+                   segment_ids: jax.Array | None = None, remat: bool | str = False,
                    q_chunk: int = 512,
                    constrain: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
     """transformer.forward(..., return_hidden=True) with chunked_causal_attention.
@@ -90,7 +91,5 @@ def forward_hidden(params: dict, cfg: ModelConfig, tokens: jax.Array, *,
         x = layer_finish(layer_params, cfg, x, attn)
         return fix(x), None
 
-    if remat:
-        layer = jax.checkpoint(layer)
-    x, _ = lax.scan(layer, fix(embed(params, cfg, tokens)), params["layers"])
+    x, _ = lax.scan(remat_layer(layer, remat), fix(embed(params, cfg, tokens)), params["layers"])
     return final_norm(params, cfg, x)
