@@ -48,7 +48,7 @@ GPU_BLOCK_BWD = 64
 # TPU tiles (the library's defaults; 128 lanes).
 TPU_BLOCK = 128
 # The kernels' names in the lowered/optimized program (the roofline matches them).
-KERNEL_NAMES = {"triton": ("mha_forward", "mha_backward"),
+KERNEL_NAMES = {"triton": ("mha_forward", "mha_preprocess_backward", "mha_backward"),
                 "mosaic": ("flash_attention",)}
 _MASK_VALUE = float(np.finfo(np.float32).min)
 
@@ -214,13 +214,17 @@ def _causal_block_pairs(n_rows: int, row_blk: int, n_cols: int, col_blk: int) ->
 def packed_attention_cost(batch: int, seq: int, heads: int, head_dim: int, itemsize: int,
                           *, family: str = "triton") -> dict:
     """Flops and bytes of one forward and one backward call at [batch, seq, heads, head_dim]
-    (heads after the K/V repeat), from the kernels' tiling. Bytes count every tile a program
-    loads (K/V tiles are re-read by each query block: an upper bound on DRAM traffic, L2 serves
-    part of it) plus its outputs; flops count the block pairs visited (the causal half plus the
-    diagonal blocks), 2 * blk_q * blk_k * Dh per tile matmul.
+    (heads after the K/V repeat), from the kernels' tiling. Flops count the tile pairs the
+    kernels visit (the causal half plus the diagonal tiles), 2 * blk_q * blk_k * Dh per tile
+    matmul. Bytes: every operand read and every output written once per kernel: the tiles a
+    program re-reads (K/V by each query tile, Q/dO by each key tile) belong to one (row, head),
+    1 MiB at T = 2048, Dh = 128, and the programs running at once share them in L2 (grid order
+    puts one head's tiles side by side). ``tile_loads`` gives the bytes if every tile load came
+    from memory, an upper bound.
 
-    -> {"forward": {"flops", "bytes"}, "backward": {"flops", "bytes"}}; the backward includes
-    its preprocessing kernel (delta = rowsum(dO * O))."""
+    -> {"forward": {"flops", "bytes"}, "backward": {"flops", "bytes"}} (the backward includes
+    its preprocessing kernel, delta = rowsum(dO * O)), per kernel name (bytes, flops), and
+    "tile_loads". `seq` is the width the kernels run at (padded_seq of the row width)."""
     tp = padded_seq(seq, family)
     if family == "mosaic":
         blk_f = blk_b = min(TPU_BLOCK, tp)
@@ -233,22 +237,37 @@ def packed_attention_cost(batch: int, seq: int, heads: int, head_dim: int, items
     pairs_f = _causal_block_pairs(nf, blk_f, nf, blk_f)
     mm = 2 * blk_f * blk_f * head_dim
     fwd_flops = bh * pairs_f * 2 * mm
-    # each query block: its q tile, K and V tiles up to the diagonal, the output and lse rows
-    fwd_bytes = bh * (nf * (2 * tile(blk_f) + blk_f * 4) + pairs_f * 2 * tile(blk_f)) + batch * tp * 4
+    row = tile(tp)                      # one [T, Dh] operand of one (row, head)
+    fwd_bytes = bh * (4 * row + tp * 4) + batch * tp * 4          # q, k, v, out, lse; seg
+    fwd_loads = bh * (nf * (2 * tile(blk_f) + blk_f * 4) + pairs_f * 2 * tile(blk_f))
     nb = tp // blk_b
     pairs_b = _causal_block_pairs(nb, blk_b, nb, blk_b)
     mmb = 2 * blk_b * blk_b * head_dim
     # dK/dV loop: QK^T, dO V^T, P^T dO, dS^T Q (4 matmuls); dQ loop: QK^T, dO V^T, dS K (3)
     bwd_flops = bh * pairs_b * 7 * mmb
-    # dK/dV loop reads q, dO tiles (+ lse, delta rows) per pair; dQ loop reads k, v per pair;
-    # each program reads its own K/V (and Q/dO) tile once and writes dq, dk, dv tiles
-    per_pair = 2 * tile(blk_b) + 2 * blk_b * 4 + 2 * tile(blk_b)
-    bwd_bytes = bh * (pairs_b * per_pair + nb * (4 * tile(blk_b) + 3 * tile(blk_b)))
-    # preprocessing: reads O and dO, writes delta
-    bwd_bytes += bh * tp * (2 * head_dim * itemsize + 4)
-    bwd_flops += bh * tp * 2 * head_dim
+    # reads q, k, v, out, dO, lse, delta; writes dq, dk, dv
+    bwd_bytes = bh * (8 * row + 2 * tp * 4) + batch * tp * 4
+    bwd_loads = bh * (pairs_b * (4 * tile(blk_b) + 2 * blk_b * 4) + nb * 7 * tile(blk_b))
+    pre_bytes = bh * tp * (2 * head_dim * itemsize + 4)        # reads O and dO, writes delta
+    pre_flops = bh * tp * 2 * head_dim
     return {"forward": {"flops": float(fwd_flops), "bytes": float(fwd_bytes)},
-            "backward": {"flops": float(bwd_flops), "bytes": float(bwd_bytes)}}
+            "backward": {"flops": float(bwd_flops + pre_flops), "bytes": float(bwd_bytes + pre_bytes)},
+            "mha_forward": (float(fwd_bytes), float(fwd_flops)),
+            "mha_preprocess_backward": (float(pre_bytes), float(pre_flops)),
+            "mha_backward": (float(bwd_bytes), float(bwd_flops)),
+            "tile_loads": {"forward": float(fwd_loads), "backward": float(bwd_loads + pre_bytes)}}
+
+
+_ITEMSIZE = {"bf16": 2, "f16": 2, "f32": 4}
+
+
+def packed_attention_kernel_cost(kernel: str, operands, outputs=None) -> tuple[float, float]:
+    """(bytes, flops) of one launch of a GPU kernel of this module, named as in the compiled
+    program ("mha_forward", "mha_preprocess_backward", "mha_backward"), from its operand shapes
+    [(dtype, dims), ...] as the program passes them (q [B, T, H, Dh] first for the forward and
+    the backward, O [B, T, H, Dh] first for the preprocessing)."""
+    dtype, (b, t, h, dh) = operands[0]
+    return packed_attention_cost(b, t, h, dh, _ITEMSIZE.get(dtype, 4))[kernel]
 
 
 def causal_attention_flops(batch: int, seq: int, heads: int, head_dim: int) -> float:
