@@ -389,22 +389,29 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
         n_micro = mb["input_tokens"].shape[0] // micro_rows
         micro = _split(mb, n_micro, shard_rows)
 
-        def accumulate(acc, x):
-            g_acc, l_acc, s_acc, sq_acc = acc
-            (loss, sums), g = grad_fn(params, x, remat)
-            return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss,
-                    {k: s_acc[k] + sums[k] for k in s_acc},
-                    sq_acc + jnp.square(optax.tree.norm(g))), None
+        if n_micro == 1:
+            # one micro-batch: its gradient is the mini-batch's (no float32 accumulator to
+            # zero, add and re-read; one norm below)
+            (loss, sums), grads = grad_fn(params, jax.tree.map(lambda x: x[0], micro), remat)
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+            grad_norm = optax.tree.norm(grads)
+            grad_var = jnp.float32(jnp.nan)
+        else:
+            def accumulate(acc, x):
+                g_acc, l_acc, s_acc, sq_acc = acc
+                (loss, sums), g = grad_fn(params, x, remat)
+                return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss,
+                        {k: s_acc[k] + sums[k] for k in s_acc},
+                        sq_acc + jnp.square(optax.tree.norm(g))), None
 
-        zeros_g = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        zeros_s = {k: jnp.zeros((), jnp.float32) for k in _METRIC_SUMS}
-        zero = jnp.zeros((), jnp.float32)
-        (grads, loss, sums, sq), _ = lax.scan(accumulate, (zeros_g, zero, zeros_s, zero), micro)
-        total_sq = jnp.square(optax.tree.norm(grads))
-        grad_var = ((n_micro ** 2 * sq - n_micro * total_sq) / (n_micro * (n_micro - 1))
-                    if n_micro > 1 else jnp.float32(jnp.nan))
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-        grad_norm = optax.tree.norm(grads)
+            zeros_g = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            zeros_s = {k: jnp.zeros((), jnp.float32) for k in _METRIC_SUMS}
+            zero = jnp.zeros((), jnp.float32)
+            (grads, loss, sums, sq), _ = lax.scan(accumulate, (zeros_g, zero, zeros_s, zero), micro)
+            total_sq = jnp.square(optax.tree.norm(grads))
+            grad_var = (n_micro ** 2 * sq - n_micro * total_sq) / (n_micro * (n_micro - 1))
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+            grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
         updates, new_opt = optimizer.update(safe_grads, opt_state, params)
