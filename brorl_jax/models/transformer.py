@@ -386,9 +386,23 @@ def forward(
         q, k, v = layer_qkv(layer_params, cfg, x, positions)
         return layer_finish(layer_params, cfg, x, attend(q, k, v)), None
 
-    x, _ = jax.lax.scan(remat_layer(layer, remat), embed(params, cfg, tokens), params["layers"])
+    # The layers cast their float params to the compute dtype anyway; doing it once for the
+    # stacked layer params (one fusion per leaf) instead of per layer inside the scan lets each
+    # layer read its compute-dtype slice: the same values and the same gradients (a layer's
+    # weight gradients are compute-dtype matmul results either way). The embedding is gathered
+    # before its cast, as before, so its gradient still accumulates in its own dtype.
+    layers = compute_dtype_params(params["layers"], cfg)
+    x, _ = jax.lax.scan(remat_layer(layer, remat), embed(params, cfg, tokens), layers)
     h = final_norm(params, cfg, x)
     return h if return_hidden else lm_logits(params, cfg, h)
+
+
+def compute_dtype_params(params, cfg: ModelConfig):
+    """Float leaves cast to the compute dtype (what Dense / RMSNorm / embed cast them to at use);
+    unchanged when the params already are in it."""
+    dt = dtype_of(cfg.dtype)
+    return jax.tree.map(lambda p: p.astype(dt) if jnp.issubdtype(p.dtype, jnp.floating)
+                        and p.dtype != dt else p, params)
 
 
 def init_params(cfg: ModelConfig, rng: jax.Array) -> dict:
