@@ -77,6 +77,9 @@ def pallas_unsupported_reason(q_shape, k_shape, dtype, *, family: str | None = N
     hkv = k_shape[2]
     if h % hkv:
         return f"{h} query heads is not a multiple of {hkv} key/value heads"
+    if _backend.under_auto_partitioned_mesh():
+        return ("traced under a mesh outside shard_map (GSPMD cannot partition a Mosaic kernel "
+                "and replicates a Triton one); call it inside shard_map over the batch axes")
     fam = _backend.kernel_family(family)
     if fam == "mosaic" and dh % 128:
         return f"TPU flash attention needs head_dim % 128 == 0, got {dh}"

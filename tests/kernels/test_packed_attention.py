@@ -169,3 +169,15 @@ def test_packed_update_step_lowers_with_the_kernel_and_no_square(platform):
     for name in names:
         assert name in text
     assert not has_square(text, t)
+
+
+def test_auto_falls_back_under_an_auto_partitioned_mesh():
+    """Outside shard_map on a mesh GSPMD cannot partition the kernel: "auto" takes the reference
+    (logged), so a sharded update still compiles; the kernel needs a shard_map there."""
+    from pallas_kernels.packed_attention import resolve_impl
+    mesh = jax.sharding.AbstractMesh((2,), ("data",))
+    shape_q, shape_k = (2, 256, 4, 128), (2, 256, 2, 128)
+    with pk.compile_target("cuda"):
+        assert resolve_impl("auto", shape_q, shape_k, jnp.bfloat16) == "pallas"
+        with jax.sharding.use_abstract_mesh(mesh):
+            assert resolve_impl("auto", shape_q, shape_k, jnp.bfloat16) == "reference"
