@@ -30,7 +30,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.dtype = "float32"         # compute dtype: float32 | bfloat16
     c.model.param_dtype = "float32"   # parameter dtype: float32 | bfloat16
     c.model.remat = True              # rematerialise each layer in the update's backward pass
-    c.model.attention_impl = "reference"  # reference | xla | cudnn (flash attention on GPU)
+    c.model.attention_impl = "flash"  # flash (Pallas kernel on GPU/TPU, jnp reference on CPU) | reference | xla | cudnn
 
     # --- data ------------------------------------------------------------------------------
     c.data = ml_collections.ConfigDict()

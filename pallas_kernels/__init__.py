@@ -46,3 +46,9 @@ __all__ += ["shared_prefix_decode_attention", "shared_prefix_decode_attention_pa
             "shared_prefix_decode_attention_reference", "sample_tokens", "sample_tokens_pallas",
             "sample_tokens_reference", "slot_decode_attention", "slot_decode_attention_pallas",
             "slot_decode_attention_reference"]
+from pallas_kernels.packed_attention import (  # noqa: E402
+    packed_attention,
+    packed_attention_reference,
+)
+
+__all__ += ["packed_attention", "packed_attention_reference"]

@@ -15,10 +15,14 @@ lse = m + log s, entropy = log s - a / s, sum_p2 = q / s^2.
 The backward pass (custom VJP) recomputes each logits tile and forms
     dL/dz_v = g_logp (1[v = y] - p_v) - g_ent p_v (log p_v + H)
 then dL/dhidden = dz @ lm_head^T / temperature and dL/dlm_head = hidden^T @ dz / temperature,
-accumulated tile by tile, so memory stays O(T*D + D*V) for any T.
+accumulated tile by tile, so memory stays O(T*D + D*V) for any T. On GPU the logits are
+recomputed once: the d hidden kernel writes dz (lm_head's dtype, the dtype both products take)
+for a chunk of tokens and one GEMM forms the chunk's d lm_head; on TPU and in the chunked path
+the two products sit in separate kernels / loops, each recomputing its tiles.
 
 Implementations (`impl=`):
-  "pallas"  - pl.pallas_call kernels (forward; backward for hidden; backward for lm_head) in two
+  "pallas"  - pl.pallas_call kernels (forward; backward for hidden [+ dz on GPU]; backward for
+              lm_head [TPU; a GEMM over dz on GPU]) in two
               families (see _backend): "triton" on GPU - explicit Triton compiler params, grid
               over token blocks (resp. vocab tiles), inner loops over the other axis and over
               64-wide pieces of the hidden dim, so only one dot's operands sit in shared memory;
@@ -68,6 +72,9 @@ class _Opts(NamedTuple):
 # under the 227 KiB an H100/H200 block may use; the [64, 128] f32 logits tile lives in registers.
 _TRITON_TILES = {"block_t": 64, "block_v": 128, "block_d": 64}
 _TRITON_WARPS, _TRITON_STAGES = 4, 2
+# Tokens per chunk of the Triton backward: its dz [chunk, V] (lm_head's dtype) is held between
+# the d hidden kernel and the d lm_head GEMM (8192 x 151,936 bf16 = 2.5 GB).
+_DZ_CHUNK_TOKENS = 8192
 # Mosaic tiles: tokens in multiples of 16 (bf16 sublane packing), vocab in multiples of 128 lanes;
 # the whole hidden dimension is one block (one MXU contraction per tile).
 _MOSAIC_BLOCK_T = 256
@@ -353,8 +360,11 @@ def _tr_fwd_kernel(h_ref, w_ref, tg_ref, lse_ref, tl_ref, ent_ref, p2_ref, *,
     lse_ref[...], tl_ref[...], ent_ref[...], p2_ref[...] = lse, tl, ent, p2
 
 
-def _tr_dh_kernel(h_ref, w_ref, tg_ref, lse_ref, ent_ref, gl_ref, ge_ref, dh_ref, *,
+def _tr_dh_kernel(h_ref, w_ref, tg_ref, lse_ref, ent_ref, gl_ref, ge_ref, dh_ref, dz_ref, *,
                   bt, bv, bd, n_d, n_v, vocab, inv_temp):
+    """d hidden for one token block, and the block's dL/dz tiles written out (dz_ref
+    [block_t, V_pad] in lm_head's dtype) for d lm_head = hidden^T dz as one GEMM: the logits are
+    recomputed once in the backward, not once per gradient."""
     targets, lse, ent = tg_ref[...], lse_ref[...], ent_ref[...]
     g_logp, g_ent = gl_ref[...], ge_ref[...]
 
@@ -369,6 +379,7 @@ def _tr_dh_kernel(h_ref, w_ref, tg_ref, lse_ref, ent_ref, gl_ref, ge_ref, dh_ref
         col0 = pl.multiple_of(j * bv, bv)
         z = jnp.where(valid, _tr_logits(h_ref, w_ref, 0, col0, bt, bv, bd, n_d, inv_temp), _NEG)
         dz = (_dlogits(z, valid, col, targets, lse, ent, g_logp, g_ent) * inv_temp).astype(w_ref.dtype)
+        dz_ref[:, pl.ds(col0, bv)] = dz.astype(dz_ref.dtype)
 
         def acc(k, _):
             k0 = pl.multiple_of(k * bd, bd)
@@ -380,36 +391,6 @@ def _tr_dh_kernel(h_ref, w_ref, tg_ref, lse_ref, ent_ref, gl_ref, ge_ref, dh_ref
         return 0
 
     lax.fori_loop(0, n_v, body, 0)
-
-
-def _tr_dw_kernel(h_ref, w_ref, tg_ref, lse_ref, ent_ref, gl_ref, ge_ref, dw_ref, *,
-                  bt, bv, bd, n_d, n_t, vocab, inv_temp):
-    col, valid = _cols(bv, pl.program_id(0), vocab)
-
-    def zero(k, _):
-        dw_ref[pl.ds(pl.multiple_of(k * bd, bd), bd), :] = jnp.zeros((bd, bv), dw_ref.dtype)
-        return 0
-
-    lax.fori_loop(0, n_d, zero, 0)
-
-    def body(i, _):
-        row0 = pl.multiple_of(i * bt, bt)
-        rows = pl.ds(row0, bt)
-        z = jnp.where(valid, _tr_logits(h_ref, w_ref, row0, 0, bt, bv, bd, n_d, inv_temp), _NEG)
-        dz = _dlogits(z, valid, col, tg_ref[rows], lse_ref[rows], ent_ref[rows], gl_ref[rows],
-                      ge_ref[rows])
-        dz = (dz * inv_temp).astype(h_ref.dtype)
-
-        def acc(k, _):
-            k0 = pl.multiple_of(k * bd, bd)
-            h = h_ref[rows, pl.ds(k0, bd)]
-            dw_ref[pl.ds(k0, bd), :] += jnp.dot(h.T, dz, preferred_element_type=jnp.float32)
-            return 0
-
-        lax.fori_loop(0, n_d, acc, 0)
-        return 0
-
-    lax.fori_loop(0, n_t, body, 0)
 
 
 def _mo_logits(h_ref, w_ref, inv_temp):
@@ -535,28 +516,39 @@ def _pallas_backward(hidden, lm_head, targets, lse, ent, g_logp, g_ent, opts: _O
     params = functools.partial(_backend.compiler_params, opts.family, num_warps=_TRITON_WARPS,
                                num_stages=_TRITON_STAGES)
     if opts.family == "triton":
+        # Token chunks of at most _DZ_CHUNK_TOKENS: the d hidden kernel writes the chunk's dz
+        # [chunk, V_pad] and one XLA GEMM adds hidden^T dz to d lm_head (float32), so the
+        # logits are recomputed once per backward and dz never exceeds one chunk.
+        chunk = min(t_pad, _round_up(_DZ_CHUNK_TOKENS, bt))
+        n_chunks = -(-t_pad // chunk)
+        chunk = _round_up(-(-t_pad // n_chunks), bt)
+        pad_c = lambda x: _pad_to(x, 0, chunk * n_chunks).reshape((n_chunks, chunk) + x.shape[1:])
         vec_blk = pl.BlockSpec((bt, 1), lambda i: (i, 0))
-        dh = pl.pallas_call(
+        dh_call = pl.pallas_call(
             functools.partial(_tr_dh_kernel, n_v=n_v, **dims),
-            out_shape=jax.ShapeDtypeStruct((t_pad, d_pad), jnp.float32),
-            grid=(n_t,),
+            out_shape=(jax.ShapeDtypeStruct((chunk, d_pad), jnp.float32),
+                       jax.ShapeDtypeStruct((chunk, v_pad), w.dtype)),
+            grid=(chunk // bt,),
             in_specs=[pl.BlockSpec((bt, d_pad), lambda i: (i, 0)),
                       pl.BlockSpec((d_pad, v_pad), lambda i: (0, 0))] + [vec_blk] * 5,
-            out_specs=pl.BlockSpec((bt, d_pad), lambda i: (i, 0)),
+            out_specs=(pl.BlockSpec((bt, d_pad), lambda i: (i, 0)),
+                       pl.BlockSpec((bt, v_pad), lambda i: (i, 0))),
             interpret=interpret_mode(), compiler_params=params(),
             name="fused_logprob_bwd_hidden",
-        )(h, w, tg, *rows)
-        vec_all = pl.BlockSpec((t_pad, 1), lambda j: (0, 0))
-        dw = pl.pallas_call(
-            functools.partial(_tr_dw_kernel, n_t=n_t, **dims),
-            out_shape=jax.ShapeDtypeStruct((d_pad, v_pad), jnp.float32),
-            grid=(n_v,),
-            in_specs=[pl.BlockSpec((t_pad, d_pad), lambda j: (0, 0)),
-                      pl.BlockSpec((d_pad, bv), lambda j: (0, j))] + [vec_all] * 5,
-            out_specs=pl.BlockSpec((d_pad, bv), lambda j: (0, j)),
-            interpret=interpret_mode(), compiler_params=params(),
-            name="fused_logprob_bwd_lm_head",
-        )(h, w, tg, *rows)
+        )
+
+        def one_chunk(dw, xs):
+            h_c, tg_c, *rows_c = xs
+            dh_c, dz_c = dh_call(h_c, w, tg_c, *rows_c)
+            dw = dw + jnp.dot(h_c.T, dz_c, preferred_element_type=jnp.float32)
+            return dw, dh_c
+
+        xs = (pad_c(h), pad_c(tg)) + tuple(pad_c(r) for r in rows)
+        if n_chunks == 1:
+            dw, dh = one_chunk(jnp.zeros((d_pad, v_pad), jnp.float32), tuple(x[0] for x in xs))
+        else:
+            dw, dh = lax.scan(one_chunk, jnp.zeros((d_pad, v_pad), jnp.float32), xs)
+            dh = dh.reshape(-1, d_pad)
     else:
         vec_i = pl.BlockSpec((bt, 1), lambda i, j: (i, 0))
         dh = pl.pallas_call(
@@ -583,6 +575,47 @@ def _pallas_backward(hidden, lm_head, targets, lse, ent, g_logp, g_ent, opts: _O
             name="fused_logprob_bwd_lm_head",
         )(h, w, tg, *rows)
     return dh[:t_len, :d].astype(hidden.dtype), dw[:d, :vocab].astype(lm_head.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Declared cost of the Triton kernels (opaque to XLA's cost model and to an HLO walk)
+# ----------------------------------------------------------------------------------------------
+
+_ITEMSIZE = {"bf16": 2, "f16": 2, "f32": 4}
+# SMs of an H100 / H200: how many programs of a grid run at once (one per SM at these tiles).
+GPU_CORES = 132
+
+
+def fused_logprob_kernel_cost(kernel: str, operands, outputs=None, *,
+                              cores: int = GPU_CORES) -> tuple[float, float]:
+    """(bytes, flops) of one launch of a Triton kernel of this module, named as in the compiled
+    program ("fused_logprob_fwd", "fused_logprob_bwd_hidden", "fused_logprob_bwd_lm_head"), from
+    its operand shapes [(dtype, dims), ...]: hidden [T, D] and lm_head [D, V], padded to tiles.
+
+    Flops: every logits tile, 2 T D V, once in the forward and once in the d hidden kernel, plus
+    its product dz W^T (2 T D V); d lm_head = h^T dz is an XLA GEMM the walk counts itself.
+    Bytes, with L2 reuse among the programs running at once (`cores`
+    of them): the forward and d hidden programs each walk all of lm_head, which streams once per
+    wave of `cores` token blocks; their hidden block and running [block_t, D] float32
+    accumulator stay on chip / in L2; the d lm_head programs each walk all of hidden (T x D
+    fits L2), once per wave of `cores` vocab tiles, and write their [D, block_v] float32 tile.
+    The d hidden kernel also writes dz [T, V] in lm_head's dtype. Per-token vectors are [T, 1]
+    float32. ("fused_logprob_bwd_lm_head" is the TPU family's kernel: the same model.)"""
+    (hd, (t, d)), (wd, (_, v)) = operands[0], operands[1]
+    hi, wi = _ITEMSIZE.get(hd, 4), _ITEMSIZE.get(wd, 4)
+    tiles = _TRITON_TILES
+    bt = min(tiles["block_t"], _next_pow2(max(t, 16)))
+    n_t, n_v = -(-t // bt), -(-v // tiles["block_v"])
+    logits = 2.0 * t * d * v
+    h_bytes, w_bytes = t * d * hi, d * v * wi
+    if kernel == "fused_logprob_fwd":
+        return h_bytes + w_bytes * -(-n_t // cores) + 5 * t * 4, logits
+    if kernel == "fused_logprob_bwd_hidden":
+        return (h_bytes + w_bytes * -(-n_t // cores) + t * d * 4 + t * v * wi + 5 * t * 4,
+                2 * logits)
+    if kernel == "fused_logprob_bwd_lm_head":
+        return h_bytes * -(-n_v // cores) + w_bytes + d * v * 4 + 5 * t * 4, 2 * logits
+    raise ValueError(f"fused_logprob_kernel_cost: unknown kernel {kernel!r}")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,10 +3,13 @@ log-probs, KL to the reference, NaN guard, reference resets (BroRL §3.1, ProRLv
 
 One call of `update(state, batch, rng)`:
   1. pi_old: the step-start trainer log-probs of every response token (a no-grad, micro-batched
-     pass), unless recompute_old_logprobs=False (then the rollout log-probs are pi_old).
+     pass), unless recompute_old_logprobs=False (then the rollout log-probs are pi_old). With
+     one mini-batch and one epoch that pass is redundant and folded into the gradient pass
+     (pi_old_in_gradient_pass).
   2. for each of ppo_epochs x ppo_mini_batches mini-batches (a lax.scan): the gradient of the
      policy_loss (losses.py) summed over micro-batches by a lax.scan, every micro-batch's
-     transformer forward rematerialised per layer, so peak memory is set by micro_batch_size and
+     transformer forward rematerialised per layer (the policy from the memory plan:
+     plan_remat_policy), so peak memory is set by micro_batch_size and
      not by the number of rollouts N; then the optax step, skipped if loss or gradients are
      non-finite (params and optimizer state kept; metrics["skipped"] counts skipped steps).
 Log-probs come from pallas_kernels.fused_logprob on the final hidden states: the [tokens, V]
@@ -130,6 +133,64 @@ def _token_logprobs(policy: PolicyFns, params, mb: dict, cfg: AlgoConfig, *, rem
         return (out["logp"].reshape(b, t), out["entropy"].reshape(b, t), out["sum_p2"].reshape(b, t))
     logp, ent = (logprob_fn or fused_logprob)(h2, w, tg, temperature=cfg.temperature, impl=cfg.logprob_impl)
     return logp.reshape(b, t), ent.reshape(b, t), None
+
+
+def pi_old_in_gradient_pass(cfg: AlgoConfig, diagnostics_n: int | None = None) -> bool:
+    """True when the separate pi_old pass is redundant: with one PPO mini-batch and one epoch the
+    only optimizer step runs at the step-start params, so pi_old is, token for token, the
+    log-prob the gradient pass computes itself (same params, same tokens, same model): the
+    update takes stop_gradient of it instead of running a second forward. The rollout's own
+    log-probs are NOT substituted: they come from another program (KV-cache decode, its dtype
+    and kernels), so they stay the TIS behaviour policy, and pi_old only when
+    recompute_old_logprobs=False. The pass still runs when the mass-balance diagnostics ride on
+    it (diagnostics_n)."""
+    return bool(cfg.recompute_old_logprobs and cfg.ppo_mini_batches == 1 and cfg.ppo_epochs == 1
+                and diagnostics_n is None)
+
+
+def remat_saved_bytes(model_cfg, tokens: int, policy: str) -> int:
+    """Activation bytes a micro-batch of `tokens` keeps for the backward pass under a remat
+    policy (models.transformer.REMAT_POLICIES), in the compute dtype: every layer's input, plus
+    under "dots" every projection's output (q, k, v, o, gate, up, down)."""
+    from brorl_jax.models.transformer import dtype_of
+    c = model_cfg
+    item = jnp.dtype(dtype_of(c.dtype)).itemsize
+    per_token = c.hidden_size
+    if policy == "dots":
+        per_token += (c.num_attention_heads * c.head_dim + 2 * c.num_key_value_heads * c.head_dim
+                      + 2 * c.hidden_size + 2 * c.intermediate_size)
+    return int(tokens) * c.num_hidden_layers * per_token * item
+
+
+# Parameter-sized float32 buffers the update holds besides activations: params, Adam's two
+# moments, the gradient accumulator and one micro-batch's gradient; plus a compute-dtype copy.
+_STATE_F32_COPIES = 5
+# Fraction of device memory the plan leaves for XLA's workspace, the log-prob kernel and the
+# transient per-layer buffers of the backward pass.
+_REMAT_HEADROOM = 0.25
+
+
+def plan_remat_policy(model_cfg, tokens: int, n_params: int, device_bytes: int | None) -> str:
+    """The remat policy the memory plan picks for a micro-batch of `tokens`: "dots" (no
+    recomputed matmuls: the backward reruns only norms, RoPE, SwiGLU and attention) when its
+    saved activations fit beside the training state with _REMAT_HEADROOM of the device left,
+    else "full" (one extra forward per micro-batch). Unknown device memory (CPU): "full"."""
+    if device_bytes is None or model_cfg is None:
+        return "full"
+    from brorl_jax.models.transformer import dtype_of
+    state = n_params * (4 * _STATE_F32_COPIES + jnp.dtype(dtype_of(model_cfg.dtype)).itemsize)
+    room = device_bytes * (1 - _REMAT_HEADROOM) - state
+    return "dots" if remat_saved_bytes(model_cfg, tokens, "dots") <= room else "full"
+
+
+def device_memory_bytes() -> int | None:
+    """Memory of the first local device (GPU/TPU allocator limit), None where unknown (CPU)."""
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:  # pragma: no cover - backends without memory_stats
+        return None
+    limit = stats.get("bytes_limit")
+    return int(limit) if limit else None
 
 
 def micro_batch_rows(cfg: AlgoConfig, seq_len: int) -> int:
@@ -266,7 +327,8 @@ _METRIC_SUMS = ("n_tokens", "kl_sum", "entropy_sum", "clip_low_sum", "clip_high_
 
 def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientTransformation, *,
                      policy: PolicyFns | None = None, logprob_fn=None, shard_rows=None,
-                     diagnostics_n: int | None = None):
+                     diagnostics_n: int | None = None, remat_policy: str | None = None,
+                     device_bytes: int | None = None):
     """-> update(state, batch, rng) -> (state, metrics). Pure; jit it (donate state if you like).
 
     batch: the INTERFACES.md "algo" dict in either layout of algo.batch: padded (rows =
@@ -287,6 +349,11 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
     diagnostics_n: when given, the pi_old pass also returns BroRL's mass-balance statistics from
     the same pass over the vocabulary: the expected unsampled second moment sum_v p^2 (1-p)^n at
     n = diagnostics_n (Lemma 2) and sum_v p^2, averaged over response tokens.
+    remat_policy: with algo.remat, what a layer keeps for the backward (models.transformer.
+    REMAT_POLICIES); None = plan_remat_policy for the micro-batch's tokens and `device_bytes`
+    (None = this process's first device; "full" where unknown).
+    With one mini-batch and one epoch the pi_old pass is folded into the gradient pass
+    (pi_old_in_gradient_pass).
     """
     cfg = algo_cfg
     pol = _resolve_policy(model_cfg, policy)
@@ -294,38 +361,56 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
     old_fn = make_logprob_fn(algo_cfg=cfg, policy=pol, logprob_fn=logprob_fn, shard_rows=shard_rows,
                              unsampled_n=diagnostics_n)
     use_ref = cfg.kl_coef > 0
+    inline_old = pi_old_in_gradient_pass(cfg, diagnostics_n)
 
-    def micro_loss(params, mb):
-        logp, ent, _ = _token_logprobs(pol, params, mb, cfg, remat=cfg.remat, logprob_fn=logprob_fn)
-        return policy_loss(logp, ent, old_logp=mb["pi_old"], rollout_logp=mb["old_logprobs"],
+    def micro_loss(params, mb, remat):
+        logp, ent, _ = _token_logprobs(pol, params, mb, cfg, remat=remat, logprob_fn=logprob_fn)
+        old = lax.stop_gradient(logp) if inline_old else mb["pi_old"]
+        return policy_loss(logp, ent, old_logp=old, rollout_logp=mb["old_logprobs"],
                            ref_logp=mb["ref_logprobs"] if use_ref else None,
                            advantages=mb["advantages"], loss_mask=mb["loss_mask"],
                            agg_weights=mb["agg_weights"], cfg=cfg)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-    def minibatch_step(micro_rows, carry, mb):
+    def resolve_remat(params, micro_tokens):
+        if not cfg.remat:
+            return False
+        if remat_policy is not None:
+            return remat_policy
+        n_params = sum(int(x.size) for x in jax.tree.leaves(params))
+        mem = device_bytes if device_bytes is not None else device_memory_bytes()
+        return plan_remat_policy(model_cfg, micro_tokens, n_params, mem)
+
+    def minibatch_step(micro_rows, remat, carry, mb):
         params, opt_state = carry
         mb = dict(mb, agg_weights=agg(mb["loss_mask"], mb.get("segment_ids")))
         n_micro = mb["input_tokens"].shape[0] // micro_rows
         micro = _split(mb, n_micro, shard_rows)
 
-        def accumulate(acc, x):
-            g_acc, l_acc, s_acc, sq_acc = acc
-            (loss, sums), g = grad_fn(params, x)
-            return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss,
-                    {k: s_acc[k] + sums[k] for k in s_acc},
-                    sq_acc + jnp.square(optax.tree.norm(g))), None
+        if n_micro == 1:
+            # one micro-batch: its gradient is the mini-batch's (no float32 accumulator to
+            # zero, add and re-read; one norm below)
+            (loss, sums), grads = grad_fn(params, jax.tree.map(lambda x: x[0], micro), remat)
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+            grad_norm = optax.tree.norm(grads)
+            grad_var = jnp.float32(jnp.nan)
+        else:
+            def accumulate(acc, x):
+                g_acc, l_acc, s_acc, sq_acc = acc
+                (loss, sums), g = grad_fn(params, x, remat)
+                return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss,
+                        {k: s_acc[k] + sums[k] for k in s_acc},
+                        sq_acc + jnp.square(optax.tree.norm(g))), None
 
-        zeros_g = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        zeros_s = {k: jnp.zeros((), jnp.float32) for k in _METRIC_SUMS}
-        zero = jnp.zeros((), jnp.float32)
-        (grads, loss, sums, sq), _ = lax.scan(accumulate, (zeros_g, zero, zeros_s, zero), micro)
-        total_sq = jnp.square(optax.tree.norm(grads))
-        grad_var = ((n_micro ** 2 * sq - n_micro * total_sq) / (n_micro * (n_micro - 1))
-                    if n_micro > 1 else jnp.float32(jnp.nan))
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-        grad_norm = optax.tree.norm(grads)
+            zeros_g = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            zeros_s = {k: jnp.zeros((), jnp.float32) for k in _METRIC_SUMS}
+            zero = jnp.zeros((), jnp.float32)
+            (grads, loss, sums, sq), _ = lax.scan(accumulate, (zeros_g, zero, zeros_s, zero), micro)
+            total_sq = jnp.square(optax.tree.norm(grads))
+            grad_var = (n_micro ** 2 * sq - n_micro * total_sq) / (n_micro * (n_micro - 1))
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+            grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
         updates, new_opt = optimizer.update(safe_grads, opt_state, params)
@@ -342,7 +427,10 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
         keys = list(BATCH_KEYS) + [k for k in ("attention_mask", "segment_ids") if k in batch]
         data = {k: batch[k] for k in keys}
         diag = {}
-        if cfg.recompute_old_logprobs or diagnostics_n is not None:
+        pi_old = data["old_logprobs"]
+        if inline_old:     # folded into the gradient pass (pi_old_in_gradient_pass)
+            pass
+        elif cfg.recompute_old_logprobs or diagnostics_n is not None:
             pi_old, _, stats = old_fn(state.params, data)
             if diagnostics_n is not None:
                 mask = data["loss_mask"].astype(jnp.float32)
@@ -350,6 +438,7 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
                 diag = {"mass_balance/unsampled_second_moment":
                         (stats["sum_p2_unsampled"] * mask).sum() / denom,
                         "mass_balance/sum_p2": (stats["sum_p2"] * mask).sum() / denom}
+        # (unused by micro_loss when inline_old: it takes stop_gradient of its own log-probs)
         data["pi_old"] = pi_old if cfg.recompute_old_logprobs else data["old_logprobs"]
         epochs = []
         for epoch in range(cfg.ppo_epochs):
@@ -364,7 +453,8 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
             else:
                 epochs.append(_split(order, cfg.ppo_mini_batches, shard_rows))
         minis = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *epochs) if len(epochs) > 1 else epochs[0]
-        (params, opt_state), m = lax.scan(functools.partial(minibatch_step, micro_rows),
+        remat = resolve_remat(state.params, micro_rows * batch["input_tokens"].shape[1])
+        (params, opt_state), m = lax.scan(functools.partial(minibatch_step, micro_rows, remat),
                                           (state.params, state.opt_state), minis)
 
         n_tok = jnp.maximum(m["n_tokens"], 1.0)

@@ -30,6 +30,7 @@ from brorl_jax.models.transformer import (
     final_norm,
     layer_finish,
     layer_qkv,
+    remat_layer,
     segment_positions,
 )
 
@@ -70,7 +71,7 @@ def chunked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_mask:
 
 def forward_hidden(params: dict, cfg: ModelConfig, tokens: jax.Array, *,
                    positions: jax.Array | None = None, attention_mask: jax.Array | None = None,
-                   segment_ids: jax.Array | None = None, remat: bool = False,
+                   segment_ids: jax.Array | None = None, remat: bool | str = False,
                    q_chunk: int = 512,
                    constrain: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
     """transformer.forward(..., return_hidden=True) with chunked_causal_attention.
@@ -97,7 +98,5 @@ def forward_hidden(params: dict, cfg: ModelConfig, tokens: jax.Array, *,
         x = layer_finish(layer_params, cfg, x, attn)
         return fix(x), None
 
-    if remat:
-        layer = jax.checkpoint(layer)
-    x, _ = lax.scan(layer, fix(embed(params, cfg, tokens)), params["layers"])
+    x, _ = lax.scan(remat_layer(layer, remat), fix(embed(params, cfg, tokens)), params["layers"])
     return final_norm(params, cfg, x)

@@ -12,7 +12,7 @@ from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-ATTENTION_IMPLS = ("reference", "xla", "cudnn")
+ATTENTION_IMPLS = ("reference", "xla", "cudnn", "flash")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 
 # HF's RotaryEmbeddingConfigMixin.default_theta: used when a config.json names no theta.
@@ -64,7 +64,9 @@ class ModelConfig:
     dtype: str = "float32"
     # Full-sequence attention in forward(): "reference" (plain masked softmax, materialises the
     # [B, H, T, T] scores), "xla" or "cudnn" (jax.nn.dot_product_attention; cuDNN flash attention
-    # on GPU, no T x T buffer). Not part of the checkpoint: set it with dataclasses.replace.
+    # on GPU, no T x T buffer for unpacked rows), "flash" (pallas_kernels.packed_attention:
+    # causal flash attention over segments, the kernel on GPU/TPU, its jnp reference on CPU).
+    # Not part of the checkpoint: set it with dataclasses.replace.
     attention_impl: str = "reference"
 
     def __post_init__(self) -> None:

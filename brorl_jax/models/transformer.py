@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.packed_attention import packed_attention
+
 from .config import ModelConfig
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -285,6 +287,26 @@ def dot_product_attention_args(impl: str, mask: jax.Array,
     return {"mask": allowed[:, None]}
 
 
+# What a rematerialised layer keeps for its backward pass (`remat` of forward()):
+#   "full": only the layer's input; everything inside is recomputed (one extra forward).
+#   "dots": also the outputs of the projections (matmuls without batch dimensions: q/k/v/o,
+#           gate/up/down); the backward recomputes the norms, RoPE, SwiGLU and attention only.
+# algo.update.plan_remat_policy picks one from the memory plan; True means "full".
+REMAT_POLICIES = ("full", "dots")
+
+
+def remat_layer(layer, remat: bool | str):
+    """`layer` under jax.checkpoint with the policy `remat` (False: not rematerialised)."""
+    if remat is False or remat is None:
+        return layer
+    policy = "full" if remat is True else remat
+    if policy not in REMAT_POLICIES:
+        raise ValueError(f"remat policy {policy!r}; use one of {REMAT_POLICIES} (or True/False)")
+    if policy == "full":
+        return jax.checkpoint(layer)
+    return jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+
+
 def default_positions(mask: jax.Array) -> jax.Array:
     """Positions int32[B,T] from a padding mask bool[B,T]: count of real tokens before each one.
 
@@ -322,7 +344,8 @@ def forward(
     segment_ids int[B,T]: packed rows (several sequences per row, docs/INTERFACES.md "algo"):
     a token reads only earlier tokens of its own segment; 0 marks padding. Give it instead of
     attention_mask. Layers run as ``lax.scan`` over the stacked layer params; ``remat=True``
-    wraps each layer in ``jax.checkpoint`` (recompute activations in the backward pass).
+    (or a REMAT_POLICIES name) wraps each layer in ``jax.checkpoint`` (recompute activations
+    in the backward pass; see remat_layer).
     -> logits f32[B,T,V], or the final-normed hidden h[B,T,D] with ``return_hidden=True``.
     """
     _check_tokens(tokens)
@@ -342,7 +365,12 @@ def forward(
         positions = default_positions(mask) if segment_ids is None else segment_positions(segment_ids)
     elif positions.shape != (b, t):
         raise ValueError(f"positions shape {positions.shape} != tokens shape {(b, t)}")
-    if cfg.attention_impl == "reference":
+    if cfg.attention_impl == "flash":
+        # causal flash attention over segments (a padding mask is one segment per row): the
+        # Pallas kernel on GPU/TPU, its jnp reference where Pallas only interprets
+        seg = segment_ids if segment_ids is not None else mask.astype(jnp.int32)
+        attend = lambda q, k, v: packed_attention(q, k, v, seg)
+    elif cfg.attention_impl == "reference":
         allowed = jnp.tril(jnp.ones((t, t), bool))[None] & mask[:, None, :]  # [B,T,T]
         if segment_ids is not None:
             allowed = allowed & segment_attention_mask(segment_ids)
@@ -358,11 +386,23 @@ def forward(
         q, k, v = layer_qkv(layer_params, cfg, x, positions)
         return layer_finish(layer_params, cfg, x, attend(q, k, v)), None
 
-    if remat:
-        layer = jax.checkpoint(layer)
-    x, _ = jax.lax.scan(layer, embed(params, cfg, tokens), params["layers"])
+    # The layers cast their float params to the compute dtype anyway; doing it once for the
+    # stacked layer params (one fusion per leaf) instead of per layer inside the scan lets each
+    # layer read its compute-dtype slice: the same values and the same gradients (a layer's
+    # weight gradients are compute-dtype matmul results either way). The embedding is gathered
+    # before its cast, as before, so its gradient still accumulates in its own dtype.
+    layers = compute_dtype_params(params["layers"], cfg)
+    x, _ = jax.lax.scan(remat_layer(layer, remat), embed(params, cfg, tokens), layers)
     h = final_norm(params, cfg, x)
     return h if return_hidden else lm_logits(params, cfg, h)
+
+
+def compute_dtype_params(params, cfg: ModelConfig):
+    """Float leaves cast to the compute dtype (what Dense / RMSNorm / embed cast them to at use);
+    unchanged when the params already are in it."""
+    dt = dtype_of(cfg.dtype)
+    return jax.tree.map(lambda p: p.astype(dt) if jnp.issubdtype(p.dtype, jnp.floating)
+                        and p.dtype != dt else p, params)
 
 
 def init_params(cfg: ModelConfig, rng: jax.Array) -> dict:

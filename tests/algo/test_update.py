@@ -287,3 +287,97 @@ def test_mass_balance_diagnostics_from_the_pi_old_pass():
     expect_p2 = (p ** 2).sum(-1)[mask].mean()
     assert float(m["mass_balance/unsampled_second_moment"]) == pytest.approx(expect_u, rel=1e-4)
     assert float(m["mass_balance/sum_p2"]) == pytest.approx(expect_p2, rel=1e-4)
+
+
+def _packed_batch(rows=2, seq=32, seed=5):
+    """Packed rows: segments of several lengths per row, per-token advantages, padding at the end."""
+    b = random_batch(rows=rows, seq=seq, seed=seed)
+    rng = np.random.default_rng(seed)
+    seg = np.zeros((rows, seq), np.int32)
+    seg[0, :9], seg[0, 9:21], seg[0, 21:30] = 1, 2, 3
+    seg[1, :25] = 1
+    pos = np.zeros_like(seg)
+    for r in range(rows):
+        for s in range(1, seg[r].max() + 1):
+            idx = np.flatnonzero(seg[r] == s)
+            pos[r, idx] = np.arange(len(idx))
+    b.update(segment_ids=seg, positions=pos, loss_mask=b["loss_mask"] & (seg > 0),
+             advantages=rng.normal(size=(rows, seq)).astype(np.float32) * (seg > 0))
+    return b
+
+
+def _tiny_model(**kw):
+    from brorl_jax.models import ModelConfig
+    return ModelConfig(model_type="qwen2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=16, rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-6,
+                       attention_bias=True, qk_norm=False, tie_word_embeddings=True,
+                       max_position_embeddings=64, bos_token_id=None, eos_token_ids=(1,), **kw)
+
+
+def test_packed_update_with_the_flash_kernel_equals_the_reference_update(monkeypatch):
+    """attention_impl="flash" with the Pallas kernel (interpreted on CPU, 16-token tiles, so the
+    causal block skipping and segments crossing tiles are exercised) and the "dots" remat policy
+    gives the reference attention's loss and gradient (under "full" remat) on packed rows."""
+    import functools
+
+    from brorl_jax.models import init_params, transformer
+    from pallas_kernels.packed_attention import packed_attention
+    ref_mc = _tiny_model()
+    params = jax.tree.map(lambda x: 3 * x if x.ndim >= 2 else x, init_params(ref_mc, jax.random.PRNGKey(1)))
+    batch = _packed_batch()
+    cfg = _cfg(kl_coef=0.0, micro_batch_size=2)
+    sgd = optax.sgd(1.0)
+    state = create_train_state(params, sgd, with_reference=False)
+    ref_state, ref_m = jax.jit(make_update_step(ref_mc, cfg, sgd, remat_policy="full"))(state, batch, None)
+    monkeypatch.setattr(transformer, "packed_attention",
+                        functools.partial(packed_attention, impl="pallas", block=16))
+    flash_mc = _tiny_model(attention_impl="flash")
+    # the kernel under the "dots" policy against the reference under "full": both changes at once
+    new, m = jax.jit(make_update_step(flash_mc, cfg, sgd, remat_policy="dots"))(state, batch, None)
+    assert float(m["loss"]) == pytest.approx(float(ref_m["loss"]), rel=1e-5, abs=1e-7)
+    for a, b, p in zip(jax.tree.leaves(new.params), jax.tree.leaves(ref_state.params),
+                       jax.tree.leaves(params)):
+        np.testing.assert_allclose(p - a, p - b, rtol=1e-4, atol=1e-6)   # the gradients
+    assert max(float(jnp.abs(p - a).max()) for p, a in
+               zip(jax.tree.leaves(params), jax.tree.leaves(new.params))) > 1e-3
+
+
+def test_pi_old_folded_into_the_gradient_pass_equals_the_separate_pass(monkeypatch):
+    """One mini-batch, one epoch: the update takes pi_old from its own gradient pass; the result
+    equals running the separate pi_old pass. With two mini-batches the pass runs."""
+    from brorl_jax.algo import update as update_mod
+    cfg = _cfg(kl_coef=0.0)
+    assert update_mod.pi_old_in_gradient_pass(cfg)
+    assert not update_mod.pi_old_in_gradient_pass(_cfg(ppo_mini_batches=2))
+    assert not update_mod.pi_old_in_gradient_pass(_cfg(ppo_epochs=2))
+    assert not update_mod.pi_old_in_gradient_pass(_cfg(recompute_old_logprobs=False))
+    assert not update_mod.pi_old_in_gradient_pass(cfg, diagnostics_n=16)
+    batch = random_batch(rows=8, seq=6, seed=6)
+    opt = make_optimizer(optimizer_config(lr=1e-2))
+    state = create_train_state(toy_params(), opt, with_reference=False)
+    folded, m_folded = jax.jit(make_update_step(None, cfg, opt, policy=TOY_POLICY))(state, batch, None)
+    monkeypatch.setattr(update_mod, "pi_old_in_gradient_pass", lambda cfg, n=None: False)
+    separate, m_sep = jax.jit(make_update_step(None, cfg, opt, policy=TOY_POLICY))(state, batch, None)
+    for k in ("loss", "pg_loss", "ratio_mean", "clip_frac", "tis_weight_mean"):
+        assert float(m_folded[k]) == pytest.approx(float(m_sep[k]), rel=1e-5, abs=1e-7), k
+    for a, b in zip(jax.tree.leaves(folded.params), jax.tree.leaves(separate.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_remat_policy_from_the_memory_plan():
+    from brorl_jax.algo.update import plan_remat_policy, remat_saved_bytes
+    from brorl_jax.models import ModelConfig
+    qwen = ModelConfig(model_type="qwen2", vocab_size=151_936, hidden_size=1536,
+                       intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                       num_key_value_heads=2, head_dim=128, rope_theta=1e6, rope_scaling=None,
+                       rms_norm_eps=1e-6, attention_bias=True, qk_norm=False,
+                       tie_word_embeddings=True, max_position_embeddings=32768,
+                       bos_token_id=None, eos_token_ids=(1,), dtype="bfloat16")
+    n = 1_543_714_304
+    # 4096 tokens: the projections' outputs (5.3 GB) fit an 80 GB H100 beside the state
+    assert remat_saved_bytes(qwen, 4096, "dots") == 4096 * 28 * (1536 * 3 + 1536 + 512 + 2 * 8960) * 2
+    assert plan_remat_policy(qwen, 4096, n, 80 * 2**30) == "dots"
+    # 64 rows of 16k tokens do not: full remat
+    assert plan_remat_policy(qwen, 64 * 16384, n, 80 * 2**30) == "full"
+    assert plan_remat_policy(qwen, 4096, n, None) == "full"          # unknown memory (CPU)

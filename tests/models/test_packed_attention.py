@@ -93,7 +93,7 @@ ON_GPU = jax.default_backend() == "gpu"
 
 
 @pytest.mark.parametrize("impl", [
-    "reference", "xla",
+    "reference", "xla", "flash",
     # cuDNN runs only on a GPU and only in bf16/fp16 (the CPU check of its arguments is below)
     pytest.param("cudnn", marks=pytest.mark.skipif(not ON_GPU, reason="cuDNN needs a GPU"))])
 def test_forward_with_segment_ids_equals_each_sequence_alone(params, impl):
