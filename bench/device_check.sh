@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One prepared GPU check (issues 19, 25): the decode loop against its roofline, the compiled
-# kernels against their references, and their speed against the XLA paths, in one short run
-# (< 8 min on an H100/H200). Run it on a lent GPU
+# One prepared GPU check (issues 19, 25): the decode loop and the packed update against their
+# rooflines and the compiled kernels against their references, in one short run (< 8 min on an
+# H100/H200); FULL=1 adds the kernels' speed against the XLA paths and the CPU benches' GPU runs. Run it on a lent GPU
 # through the device tool:
 #   run(command="bash bench/device_check.sh", timeout_s=480)
 # It uses the device image's python3 (jax with CUDA, triton, flax, optax, ...). Packages the
@@ -10,7 +10,8 @@
 #         latex2sympy2_extended antlr4-python3-runtime==4.13.2 reasoning-gym array-record
 #   and pass carry=[".wheels"] (keep it under 64 MiB).
 # Writes under $OUT (at most 8 files come back): summary.txt, env.txt, decode_roofline.txt/.json,
-# kernel_tests.txt, kernel_check.md, logprob.txt. FULL=1 also runs the update and rollout benches.
+# update_roofline.txt, kernel_tests.txt; with FULL=1 also kernel_check.md, logprob.txt,
+# update.txt, rollout.txt.
 # Each step is logged before it runs; a failing step is recorded and the next one still runs;
 # the exit status is non-zero if any step failed.
 set -euo pipefail
@@ -50,21 +51,24 @@ log "devices: $($PY -c 'import jax; print(jax.devices())' 2>&1 | tail -n 1)"
 #    shapes (random bf16 weights, no stop token, 3072 new tokens: mean context 2560), timed, next
 #    to the bytes per step bench/roofline.py's walker predicts for the same program compiled for
 #    this GPU: achieved bytes/s against the HBM bandwidth, tokens/s against the roofline's.
-#    (two compiles + ~1 min of decoding; first. The step timeouts add up to 8 minutes.)
+#    (two compiles + ~1 min of decoding; first.)
 step decode_roofline 240 decode_roofline.txt $PY bench/roofline.py --measure-device --slots 256 \
   --json "$OUT/decode_roofline.json"
-# 0b. THE UPDATE HALF (issue 25 item 4, owned by the update's roofline, bench/_roofline_update.py):
-#    the update at 8 x 2048 packed, achieved MFU next to the roofline's ceiling, goes here.
+# 0b. The update at the floor (issue 25): 8 packed rows x 2048 tokens on Qwen2.5-1.5B shapes
+#    (random weights, float32 master weights, bf16 compute), timed, achieved MFU next to the
+#    ceiling bench/_roofline_update.py predicts for the same compiled program.
+step update_roofline 150 update_roofline.txt $PY bench/device_update_check.py
 # 1. The kernel tests, now compiled for the GPU (interpret mode follows the backend; the Mosaic
 #    family's tests skip there; the jax_triton numerics test runs if jax_triton imports).
-step kernel_tests 100 kernel_tests.txt $PY -m pytest -q -o addopts="" -rs tests/kernels
-# 2. Numerics and speed at the paper's shapes: sampling [512, 151936] (reference / pallas /
-#    jax_triton), fused log-prob fwd+bwd (naive / chunked / pallas) at 1.5B and 8B widths.
-step kernel_check 90 kernel_check.log $PY bench/kernel_check.py --out "$OUT/kernel_check.md"
-# 3. The log-prob bench (separate processes, peak memory) at vocab 151,936, bf16.
-step logprob_bench 50 logprob.txt $PY bench/logprob.py --tokens 4096 16384 --dtype bfloat16 \
-  --impls naive chunked pallas
+#    Steps 0, 0b and 1 are the default run: their timeouts add up to 7 min 50 s.
+step kernel_tests 80 kernel_tests.txt $PY -m pytest -q -o addopts="" -rs tests/kernels
 if [ "${FULL:-0}" = "1" ]; then
+  # 2. Numerics and speed at the paper's shapes: sampling [512, 151936] (reference / pallas /
+  #    jax_triton), fused log-prob fwd+bwd (naive / chunked / pallas) at 1.5B and 8B widths.
+  step kernel_check 90 kernel_check.log $PY bench/kernel_check.py --out "$OUT/kernel_check.md"
+  # 3. The log-prob bench (separate processes, peak memory) at vocab 151,936, bf16.
+  step logprob_bench 50 logprob.txt $PY bench/logprob.py --tokens 4096 16384 --dtype bfloat16 \
+    --impls naive chunked pallas
   step update_bench 100 update.txt $PY bench/update.py --ns 16 512 --hidden 1536 --layers 4 \
     --vocab 151936 --seq 256 --micro 16
   step rollout_bench 100 rollout.txt $PY bench/rollout.py --quick
