@@ -74,7 +74,7 @@ def ensure_arith_data(digits: int, op: str, train_size: int, eval_size: int, see
                       root: str | os.PathLike | None = None) -> tuple[str, str]:
     """(train.jsonl, eval.jsonl) paths: ``eval_size`` held-out questions and ``train_size``
     others, disjoint; written once under ``root`` (default default_cache_dir()/arith)."""
-    from brorl_jax.models.cache import default_cache_dir
+    from brorl_jax.models.builtin_store import default_cache_dir
 
     root = Path(root) if root is not None else default_cache_dir() / "arith"
     name = f"v{DATA_VERSION}_{'add' if op == '+' else 'mul'}{digits}_s{seed}"

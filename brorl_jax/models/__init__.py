@@ -3,16 +3,16 @@
 See docs/INTERFACES.md ("models") for the contract; the pure functions live in ``transformer``.
 """
 
-from .checkpoints import (
+from .config import ModelConfig
+from .demo_model import ensure_demo_model
+from .gguf import convert_gguf
+from .hf import Model, load_directory, save_pretrained
+from .pretrained import (
     builtin_model_names,
     from_pretrained,
     model_path_problem,
     resolve_model_path,
 )
-from .config import ModelConfig
-from .demo_model import ensure_demo_model
-from .gguf import convert_gguf
-from .hf import Model, load_directory, save_pretrained
 from .transformer import (
     attention,
     embed,

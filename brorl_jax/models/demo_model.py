@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jax
 
-from .cache import default_cache_dir, materialize
+from .builtin_store import default_cache_dir, materialize
 from .config import ModelConfig
 from .hf import CONFIG_NAME, WEIGHTS_NAME, Model, save_pretrained
 from .transformer import init_params

@@ -1,7 +1,7 @@
 """Load and save Hugging Face checkpoints (config.json + safetensors) as brorl_jax params.
 
 ``load_directory`` reads a LOCAL HF model directory (nothing is downloaded; the public
-``brorl_jax.models.from_pretrained`` in checkpoints.py also takes ``.gguf`` files and built-in
+``brorl_jax.models.from_pretrained`` in pretrained.py also takes ``.gguf`` files and built-in
 names and ends here):
     config.json                          -> ModelConfig (qwen2 | qwen3 | llama)
     model.safetensors, or shards listed in model.safetensors.index.json -> params

@@ -29,7 +29,7 @@ import os
 import time
 from pathlib import Path
 
-from .cache import default_cache_dir, is_complete, materialize
+from .builtin_store import default_cache_dir, is_complete, materialize
 from .gguf import convert_gguf
 from .hf import CONFIG_NAME, GENERATION_CONFIG_NAME, WEIGHTS_NAME
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from brorl_jax.models import ensure_demo_model, from_pretrained
-from brorl_jax.models.cache import default_cache_dir
+from brorl_jax.models.builtin_store import default_cache_dir
 from brorl_jax.models.demo_model import DEMO_MODEL_NAME
 
 

@@ -22,7 +22,7 @@ import transformers  # noqa: E402
 from brorl_jax import models
 from brorl_jax.data import PromptTokenizer
 from brorl_jax.models import (
-    checkpoints as checkpoints_module,
+    checkpoints as pretrained_module,
     from_pretrained,
     gguf as gguf_module,
     save_pretrained,
@@ -209,7 +209,7 @@ def test_from_pretrained_gguf_file_converts_then_loads(smollm2, smollm2_dir, tmp
         shutil.copytree(smollm2_dir, out_dir, dirs_exist_ok=True)
         return str(out_dir)
 
-    monkeypatch.setattr(checkpoints_module, "convert_gguf", fake_convert)
+    monkeypatch.setattr(pretrained_module, "convert_gguf", fake_convert)
     file = tmp_path / "model.GGUF"
     file.write_bytes(b"GGUF")
     model = from_pretrained(file, dtype="bfloat16", param_dtype="float32")

@@ -1,4 +1,4 @@
-"""The local model cache: where built-in models are materialised once, atomically."""
+"""Where built-in models are materialised once, atomically (model directories, not a KV cache)."""
 from __future__ import annotations
 
 import os
