@@ -223,6 +223,19 @@ def _parse_flags(argv: Sequence[str]):
         _fail_at_parse(argv, e)
 
 
+def _exit_now(code: int) -> None:
+    """Ends the process without interpreter finalization: after a stop inside a phase without a
+    safe point (train/signals.py StopNow) XLA may still be compiling or running on its own
+    threads, and tearing the interpreter down under them can crash (SIGSEGV instead of the exit
+    code). The trainer has already closed its checkpointer and workers; logs are flushed."""
+    logging.flush()
+    import logging as std_logging
+    std_logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _terminated(signum, frame):
     raise Interrupted("stopped by SIGTERM; a restart with the same --workdir resumes from its "
                       "last complete checkpoint.", signum)
@@ -254,6 +267,8 @@ def run(main: Callable[[dict], int | None], extra: Sequence[Flag] = (), *,
             code = main(values)
         except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - report() re-raises bugs
             code = report(e, values, log_dirs)
+            if getattr(e, "interrupted", None) is not None:
+                _exit_now(code)
         sys.exit(code or 0)
 
     app.run(entry, flags_parser=_parse_flags)
