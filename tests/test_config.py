@@ -97,6 +97,8 @@ def _static_reads(schema: dict) -> set[str]:
             for suffix in ("_cfg", "_config"):
                 if node.id.endswith(suffix) and node.id[: -len(suffix)] in sections:
                     return node.id[: -len(suffix)]
+            if node.id.startswith("cfg_") and node.id[4:] in sections:     # cfg_rewards
+                return node.id[4:]
         return None
 
     def scan(tree):
@@ -136,10 +138,11 @@ def _static_reads(schema: dict) -> set[str]:
         scan(tree)
         if rel != "brorl_jax/algo/config.py":
             attributes.update(n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute))
-    from brorl_jax.algo import AlgoConfig
-    for f in dataclasses.fields(AlgoConfig):
-        if f.name in attributes:
-            reads.add(f"{AlgoConfig.section_of(f.name)}.{f.name}")
+    from brorl_jax.algo.config import AlgoConfig, CollectConfig
+    for view in (AlgoConfig, CollectConfig):
+        for f in dataclasses.fields(view):
+            if f.name in attributes:
+                reads.add(f"{view.section_of(f.name)}.{f.name}")
     return reads
 
 

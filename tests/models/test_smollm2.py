@@ -22,9 +22,9 @@ import transformers  # noqa: E402
 from brorl_jax import models
 from brorl_jax.data import PromptTokenizer
 from brorl_jax.models import (
-    checkpoints as pretrained_module,
     from_pretrained,
     gguf as gguf_module,
+    pretrained as pretrained_module,
     save_pretrained,
     smollm2 as smollm2_module,
 )
