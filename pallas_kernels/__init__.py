@@ -22,7 +22,7 @@ from pallas_kernels.fused_logprob import (  # noqa: E402
     fused_logprob_stats,
     fused_logprob_vocab_shard,
 )
-from pallas_kernels.fused_logprob_reference import (  # noqa: E402
+from pallas_kernels.fused_logprob.reference import (  # noqa: E402
     fused_logprob_reference,
     fused_logprob_stats_reference,
 )

@@ -13,6 +13,7 @@ from pallas_kernels.fused_logprob_reference import fused_logprob_reference
 
 fl = importlib.import_module("pallas_kernels.fused_logprob")   # the module (the package exports
 #                                                                 the function under this name)
+fl_triton = importlib.import_module("pallas_kernels.fused_logprob.triton")
 T, D, V, TEMP = 45, 32, 300, 0.7
 
 
@@ -24,7 +25,7 @@ def _grads(fn, h, w, tg, gl, ge):
 
 
 def test_chunked_dz_backward_matches_reference(monkeypatch):
-    monkeypatch.setattr(fl, "_DZ_CHUNK_TOKENS", 16)      # 45 tokens in tiles of 16: 3 chunks
+    monkeypatch.setattr(fl_triton, "_DZ_CHUNK_TOKENS", 16)      # 45 tokens in tiles of 16: 3 chunks
     k = jax.random.split(jax.random.PRNGKey(0), 5)
     h = jax.random.normal(k[0], (T, D))
     w = jax.random.normal(k[1], (D, V)) * 0.5
