@@ -303,7 +303,7 @@ class Scheduler:
         self.started_at = time.perf_counter()
         state = self._program("init", self.num_slots)()[0]
         self.pool, self.slots, self.kv, self.device_stats = state
-        jax.block_until_ready(self.kv["pages_k"])
+        jax.block_until_ready(self.kv.pages_k)
         self.seconds["init"] = time.perf_counter() - self.started_at
 
     def admit(self) -> None:
@@ -325,7 +325,7 @@ class Scheduler:
             t0 = time.perf_counter()
             self.pool = self._program("admit", ga)(self.params, toks, lens, ents, gids, self.stop,
                                                    self.seed_key, self.pool)[0]
-            jax.block_until_ready(self.pool["gid"])
+            jax.block_until_ready(self.pool.gid)
             self.seconds["prefill"] += time.perf_counter() - t0
             self.counters["admissions"] += 1
             self.next_prompt += take
@@ -424,17 +424,17 @@ class Scheduler:
         final = jax.device_get(self.device_stats)
         total = (self.ended_at or time.perf_counter()) - self.started_at
         plan, d, c, sec = self.plan, self.engine.num_devices, self.counters, self.seconds
-        steps = int(final["steps"][0])
-        live = int(final["live"].sum())
+        steps = int(final.steps[0])
+        live = int(final.live.sum())
         return dict(
             useful_tokens=self.useful_tokens,
             decode_steps=steps, num_slots=plan.slots * d, slots_per_device=plan.slots,
             pool_size=self.spec.pool, devices=d, schedule=self.engine.schedule,
             mean_live_slots=live / max(steps, 1), occupancy=live / max(c["slot_steps"], 1),
             decode_forward_rows=c["slot_steps"],
-            assigned=int(final["assigned"].sum()), refills=int(final["refills"].sum()),
+            assigned=int(final.assigned.sum()), refills=int(final.refills.sum()),
             page_size=plan.page_size, pages_per_device=plan.num_pages,
-            stalls=int(final["stalls"].sum()), restarts=int(final["restarts"].sum()),
+            stalls=int(final.stalls.sum()), restarts=int(final.restarts.sum()),
             compactions=c["compactions"], round_trips=c["round_trips"],
             admissions=c["admissions"], prefill_seconds=sec["prefill"],
             decode_seconds=sec["decode"], init_seconds=sec["init"],

@@ -1,23 +1,9 @@
 """The rollout's device programs, written for one device (engine.py runs them under shard_map).
 
-State (per device; ``K`` pool entries, ``B`` slots, ``Nd`` samples of each prompt on this device,
-``S`` = max_new_tokens, ``NP`` pages of ``ps`` positions, ``MP`` = S / ps pages per slot at most):
-
-  pool   prefix_k/v [L, K, Hkv, P, Dh]  the prompts' KV, stored once, shared by their slots
-         plen, gid [K]                  prompt length and global prompt index (-1: free entry)
-         queue [K, Nd], qlen, qnext [K] the entry's pending samples (in order) and how many were
-                                        handed to slots
-         done [K]                       samples of the entry finished on this device
-         res_tok, res_logp [K+1, Nd, S] results, written as tokens are sampled (entry K takes the
-         res_len, res_fin [K+1, Nd]     writes of empty slots: every scatter is in bounds, so XLA
-                                        updates in place instead of copying the array per step)
-  slots  entry, sample, t, cur [B]      pool entry (-1: empty), sample index, index of the current
-                                        token, current token
-         used [B]                       the slot has held a sample (a new one is a refill)
-         table [B, MP]                  the slot's pages (own position s is in page table[s//ps])
-  kv     pages_k/v [L, NP+1, Hkv, ps, Dh]  the page pool (page NP takes writes of idle slots)
-         free [NP+1], top               a stack of free pages: free[:top]
-  stats  steps, live, assigned, refills, stalls, restarts (scalars)
+State (per device): four ``flax.struct`` dataclasses, :class:`Pool` (the prompts' KV, queues and
+results), :class:`Slots` (what each decode slot holds), :class:`KV` (the page pool of the slots' own
+KV) and :class:`Stats` (device counters), their shapes in their docstrings. They are pytrees: the
+engine's jitted programs take them, donate them and return them replaced.
 
 Compacting the slots (tail) gathers only the small per-slot arrays: the pages stay in place.
 A slot writing the first position of a page takes a free page (older samples first). One that
@@ -38,6 +24,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from brorl_jax.models import ModelConfig, embed, final_norm, layer_finish, layer_qkv, lm_logits
 from brorl_jax.models.transformer import dtype_of
@@ -175,42 +162,123 @@ def _sampler(spec: Spec):
 
 
 # ----------------------------------------------------------------------------------------------
-# State
+# State (per device). Sizes: K pool entries (Spec.pool), B slots (the current slot bucket), Nd
+# samples of each prompt on this device (Spec.share), S = max_new_tokens, P the bucketed prompt
+# length, NP pages (Spec.num_pages) of ps positions (Spec.page_size), MP = S / ps pages per slot
+# at most (Spec.max_pages); L layers, Hkv KV heads, Dh head dim of the model.
 # ----------------------------------------------------------------------------------------------
 
 
-def init_pool(spec: Spec) -> dict:
+@struct.dataclass
+class Pool:
+    """The prompt pool: ``K`` entries, each a prompt's KV stored once and shared by its slots, the
+    entry's pending samples and its samples' results (written as tokens are sampled).
+
+    Shapes:
+      prefix_k, prefix_v: ``[L, K, Hkv, P, Dh]`` compute dtype, the prompts' KV (head-major).
+      plen: ``int32[K]`` prompt length (1 in a free entry).
+      gid: ``int32[K]`` global prompt index (-1: free entry).
+      queue: ``int32[K, Nd]`` the entry's pending samples, in order.
+      qlen, qnext: ``int32[K]`` how many samples are queued / were handed to slots.
+      done: ``int32[K]`` samples of the entry finished on this device.
+      res_tok: ``int32[K+1, Nd, S]`` sampled tokens; res_logp: ``f32[K+1, Nd, S]`` their
+        log-probs; res_len: ``int32[K+1, Nd]`` lengths; res_fin: ``bool[K+1, Nd]`` stopped on a
+        stop token. Entry K takes the writes of empty slots: every scatter is in bounds, so XLA
+        updates in place instead of copying the array per step.
+    """
+    prefix_k: jax.Array
+    prefix_v: jax.Array
+    plen: jax.Array
+    gid: jax.Array
+    queue: jax.Array
+    qlen: jax.Array
+    qnext: jax.Array
+    done: jax.Array
+    res_tok: jax.Array
+    res_logp: jax.Array
+    res_len: jax.Array
+    res_fin: jax.Array
+
+
+@struct.dataclass
+class Slots:
+    """The ``B`` decode slots, one sample each.
+
+    Shapes:
+      entry: ``int32[B]`` the slot's pool entry (-1: empty slot).
+      sample: ``int32[B]`` the sample's index among the entry's Nd on this device.
+      t: ``int32[B]`` index of the current token; cur: ``int32[B]`` the current token.
+      used: ``bool[B]`` the slot has held a sample (a new one is a refill).
+      table: ``int32[B, MP]`` the slot's pages: own position s is in page ``table[b, s // ps]``.
+    """
+    entry: jax.Array
+    sample: jax.Array
+    t: jax.Array
+    cur: jax.Array
+    used: jax.Array
+    table: jax.Array
+
+
+@struct.dataclass
+class KV:
+    """The page pool of the slots' own KV and its free-page stack.
+
+    Shapes:
+      pages_k, pages_v: ``[L, NP+1, Hkv, ps, Dh]`` (``kv_store_dtype``); page NP takes the writes
+        of idle slots.
+      free: ``int32[NP+1]`` a stack of free pages, ``free[:top]``; top: ``int32[]``.
+    """
+    pages_k: jax.Array
+    pages_v: jax.Array
+    free: jax.Array
+    top: jax.Array
+
+
+@struct.dataclass
+class Stats:
+    """Device counters of one rollout call, each ``int32[]`` (summed over decode steps): steps,
+    live (slots that decoded), assigned (samples handed to slots), refills (of a slot that had held
+    a sample), stalls (slots that waited for a page), restarts (samples started over)."""
+    steps: jax.Array
+    live: jax.Array
+    assigned: jax.Array
+    refills: jax.Array
+    stalls: jax.Array
+    restarts: jax.Array
+
+
+def init_pool(spec: Spec) -> Pool:
     c, k, nd, s = spec.cfg, spec.pool, spec.share, spec.max_new_tokens
     kv = (c.num_hidden_layers, k, c.num_key_value_heads, spec.prompt_len, c.head_dim)
     dt = dtype_of(c.dtype)
     i32 = functools.partial(jnp.zeros, dtype=jnp.int32)
-    return dict(prefix_k=jnp.zeros(kv, dt), prefix_v=jnp.zeros(kv, dt), plen=jnp.ones((k,), jnp.int32),
+    return Pool(prefix_k=jnp.zeros(kv, dt), prefix_v=jnp.zeros(kv, dt), plen=jnp.ones((k,), jnp.int32),
                 gid=jnp.full((k,), -1, jnp.int32), queue=i32((k, nd)), qlen=i32((k,)),
                 qnext=i32((k,)), done=i32((k,)), res_tok=i32((k + 1, nd, s)),
                 res_logp=jnp.zeros((k + 1, nd, s), jnp.float32), res_len=i32((k + 1, nd)),
                 res_fin=jnp.zeros((k + 1, nd), bool))
 
 
-def init_slots(spec: Spec, num_slots: int) -> dict:
+def init_slots(spec: Spec, num_slots: int) -> Slots:
     i32 = functools.partial(jnp.zeros, (num_slots,), jnp.int32)
-    return dict(entry=jnp.full((num_slots,), -1, jnp.int32), sample=i32(), t=i32(), cur=i32(),
-                used=jnp.zeros((num_slots,), bool),
-                table=jnp.zeros((num_slots, spec.max_pages), jnp.int32))
+    return Slots(entry=jnp.full((num_slots,), -1, jnp.int32), sample=i32(), t=i32(), cur=i32(),
+                 used=jnp.zeros((num_slots,), bool),
+                 table=jnp.zeros((num_slots, spec.max_pages), jnp.int32))
 
 
-def init_kv(spec: Spec) -> dict:
+def init_kv(spec: Spec) -> KV:
     c = spec.cfg
     shape = (c.num_hidden_layers, spec.num_pages + 1, c.num_key_value_heads, spec.page_size,
              c.head_dim)
     dt = kv_store_dtype(c, spec.attention_impl)
-    return dict(pages_k=jnp.zeros(shape, dt), pages_v=jnp.zeros(shape, dt),
-                free=jnp.arange(spec.num_pages + 1, dtype=jnp.int32),
-                top=jnp.asarray(spec.num_pages, jnp.int32))
+    return KV(pages_k=jnp.zeros(shape, dt), pages_v=jnp.zeros(shape, dt),
+              free=jnp.arange(spec.num_pages + 1, dtype=jnp.int32),
+              top=jnp.asarray(spec.num_pages, jnp.int32))
 
 
-def init_stats() -> dict:
+def init_stats() -> Stats:
     z = jnp.zeros((), jnp.int32)
-    return dict(steps=z, live=z, assigned=z, refills=z, stalls=z, restarts=z)
+    return Stats(steps=z, live=z, assigned=z, refills=z, stalls=z, restarts=z)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,7 +286,8 @@ def init_stats() -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def admit(params, pool, tokens, lengths, entries, gids, stop, seed_key, *, spec: Spec, dev):
+def admit(params, pool: Pool, tokens, lengths, entries, gids, stop, seed_key, *, spec: Spec,
+          dev) -> Pool:
     """Prefill ``tokens int32[Ga, P]`` (``lengths [Ga]``) into pool ``entries [Ga]`` as global
     prompts ``gids [Ga]`` (-1: a padding row, dropped); draw token 0 of this device's share of
     each prompt's samples; queue the samples that did not stop at token 0."""
@@ -229,7 +298,7 @@ def admit(params, pool, tokens, lengths, entries, gids, stop, seed_key, *, spec:
     # padding rows repeat row 0 (same entry, same values): every scatter below stays in bounds
     src = jnp.where(real, jnp.arange(ga), 0)
     dest = entries[src]
-    heads_major = lambda x: x.transpose(0, 1, 3, 2, 4).astype(pool["prefix_k"].dtype)
+    heads_major = lambda x: x.transpose(0, 1, 3, 2, 4).astype(pool.prefix_k.dtype)
     # token 0 of samples j of this device (global sample index gid * N + dev * Nd + j)
     n_glob = dev * nd + jnp.arange(nd, dtype=jnp.int32)
     in_share = (n_glob < n)[None, :] & real[:, None]                       # [Ga, Nd]
@@ -254,11 +323,10 @@ def admit(params, pool, tokens, lengths, entries, gids, stop, seed_key, *, spec:
     res_tok = jnp.zeros((ga, nd, s), jnp.int32).at[:, :, 0].set(jnp.where(in_share, tok0, 0))
     res_logp = jnp.zeros((ga, nd, s), jnp.float32).at[:, :, 0].set(jnp.where(in_share, logp0, 0))
     inb = "promise_in_bounds"
-    put = lambda name, v: pool[name].at[dest].set(v[src], mode=inb)
-    return dict(
-        pool,
-        prefix_k=pool["prefix_k"].at[:, dest].set(heads_major(pk)[:, src], mode=inb),
-        prefix_v=pool["prefix_v"].at[:, dest].set(heads_major(pv)[:, src], mode=inb),
+    put = lambda name, v: getattr(pool, name).at[dest].set(v[src], mode=inb)
+    return pool.replace(
+        prefix_k=pool.prefix_k.at[:, dest].set(heads_major(pk)[:, src], mode=inb),
+        prefix_v=pool.prefix_v.at[:, dest].set(heads_major(pv)[:, src], mode=inb),
         plen=put("plen", lengths.astype(jnp.int32)), gid=put("gid", gids.astype(jnp.int32)),
         queue=put("queue", queue), qlen=put("qlen", jnp.sum(pending, axis=1, dtype=jnp.int32)),
         qnext=put("qnext", jnp.zeros((ga,), jnp.int32)),
@@ -269,9 +337,9 @@ def admit(params, pool, tokens, lengths, entries, gids, stop, seed_key, *, spec:
     )
 
 
-def release(pool, free):
+def release(pool: Pool, free) -> Pool:
     """Mark pool entries ``free bool[K]`` as empty (their group was handed out)."""
-    return dict(pool, gid=jnp.where(free, -1, pool["gid"]))
+    return pool.replace(gid=jnp.where(free, -1, pool.gid))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,15 +347,15 @@ def release(pool, free):
 # ----------------------------------------------------------------------------------------------
 
 
-def summary(pool, slots, spec: Spec, stats_steps=0) -> dict:
+def summary(pool: Pool, slots: Slots, spec: Spec, stats_steps=0) -> dict:
     """Replicated progress numbers (over all devices): complete groups, pending and live samples."""
     # over the devices of a mesh (under shard_map); one device: the values themselves
     psum = (lambda x: jax.lax.psum(x, spec.axes)) if spec.axes else (lambda x: x)
     pmax = (lambda x: jax.lax.pmax(x, spec.axes)) if spec.axes else (lambda x: x)
-    done_all = psum(pool["done"])
-    complete = (pool["gid"] >= 0) & (done_all >= spec.rollouts_per_prompt)
-    pending = jnp.sum(jnp.where(pool["gid"] >= 0, pool["qlen"] - pool["qnext"], 0))
-    live = jnp.sum(slots["entry"] >= 0)
+    done_all = psum(pool.done)
+    complete = (pool.gid >= 0) & (done_all >= spec.rollouts_per_prompt)
+    pending = jnp.sum(jnp.where(pool.gid >= 0, pool.qlen - pool.qnext, 0))
+    live = jnp.sum(slots.entry >= 0)
     return dict(complete=complete, pending=psum(pending), live=pmax(live),
                 live_total=psum(live), steps=pmax(stats_steps))
 
@@ -300,13 +368,13 @@ def shrink_target(num_slots: int, spec: Spec) -> int | None:
     return buckets[1] if len(buckets) > 1 else None
 
 
-def _refill(pool, slots, spec: Spec, allow, cap):
+def _refill(pool: Pool, slots: Slots, spec: Spec, allow, cap):
     """Free slots take the next pending samples, oldest prompt first (so a slot whose prompt still
     has pending samples takes one of them: that prompt is the oldest with any); at most ``cap``
     of them (free pages beyond one per live sample)."""
     k = spec.pool
-    gid, qlen, qnext = pool["gid"], pool["qlen"], pool["qnext"]
-    free = slots["entry"] < 0
+    gid, qlen, qnext = pool.gid, pool.qlen, pool.qnext
+    free = slots.entry < 0
     pend = jnp.where(gid >= 0, qlen - qnext, 0)
     order = jnp.argsort(jnp.where(gid >= 0, gid, jnp.iinfo(jnp.int32).max)).astype(jnp.int32)
     cum = jnp.cumsum(pend[order])
@@ -316,17 +384,16 @@ def _refill(pool, slots, spec: Spec, allow, cap):
     j = jnp.clip(jnp.searchsorted(cum, rank, side="right"), 0, k - 1)
     e = order[j]
     pos = jnp.clip(qnext[e] + rank - start[j], 0, spec.share - 1)
-    n_new = pool["queue"][e, pos]
-    slots = dict(
-        slots,
-        entry=jnp.where(take, e, slots["entry"]),
-        sample=jnp.where(take, n_new, slots["sample"]),
-        t=jnp.where(take, 0, slots["t"]),
-        cur=jnp.where(take, pool["res_tok"][e, n_new, 0], slots["cur"]),
-        used=slots["used"] | take,
+    n_new = pool.queue[e, pos]
+    slots = slots.replace(
+        entry=jnp.where(take, e, slots.entry),
+        sample=jnp.where(take, n_new, slots.sample),
+        t=jnp.where(take, 0, slots.t),
+        cur=jnp.where(take, pool.res_tok[e, n_new, 0], slots.cur),
+        used=slots.used | take,
     )
     qnext = qnext + jnp.zeros((k,), jnp.int32).at[jnp.where(take, e, k)].add(1, mode="drop")
-    return dict(pool, qnext=qnext), slots, take
+    return pool.replace(qnext=qnext), slots, take
 
 
 def kv_store_dtype(cfg: ModelConfig, attention_impl: str = "reference"):
@@ -360,131 +427,133 @@ def _write_kv(pages, layer, page, offset, values):
     return flat.reshape(pages.shape)
 
 
-def _forward(params, pool, slots, kv, go, spec: Spec):
+def _forward(params, pool: Pool, slots: Slots, kv: KV, go, spec: Spec):
     """One decode step of every slot: logits f32[B, V]. Slots in ``go`` write their K/V at their
     position (the others into the write-off page) and attend; the rest compute unused rows."""
     c = spec.cfg
-    b = slots["entry"].shape[0]
+    b = slots.entry.shape[0]
     h, dh, ps = c.num_attention_heads, c.head_dim, spec.page_size
-    entry = jnp.maximum(slots["entry"], 0)
-    t = slots["t"]
-    positions = (pool["plen"][entry] + t)[:, None]
-    prefix_index = jnp.where(go, slots["entry"], -1)
+    entry = jnp.maximum(slots.entry, 0)
+    t = slots.t
+    positions = (pool.plen[entry] + t)[:, None]
+    prefix_index = jnp.where(go, slots.entry, -1)
     own_len = jnp.where(go, t + 1, 0)
     col = jnp.minimum(t // ps, spec.max_pages - 1)
-    page = jnp.where(go, slots["table"][jnp.arange(b), col], spec.num_pages)
+    page = jnp.where(go, slots.table[jnp.arange(b), col], spec.num_pages)
     offset = jnp.where(go, t % ps, 0)
 
     # Layer by layer, each layer's weights read in place from its own buffers (the rollout
     # layout); the KV pools are one buffer each, updated in place at (layer, page, offset).
-    x, gk, gv = embed(params, c, slots["cur"][:, None]), kv["pages_k"], kv["pages_v"]
+    x, gk, gv = embed(params, c, slots.cur[:, None]), kv.pages_k, kv.pages_v
     for li, layer_params in enumerate(layer_list(params, c)):
         q, k_new, v_new = layer_qkv(layer_params, c, x, positions)
         gk = _write_kv(gk, li, page, offset, k_new[:, 0])
         gv = _write_kv(gv, li, page, offset, v_new[:, 0])
-        attn = slot_decode_attention(q[:, 0], pool["prefix_k"], pool["prefix_v"], pool["plen"],
-                                     prefix_index, gk, gv, slots["table"], own_len, layer=li,
+        attn = slot_decode_attention(q[:, 0], pool.prefix_k, pool.prefix_v, pool.plen,
+                                     prefix_index, gk, gv, slots.table, own_len, layer=li,
                                      impl=spec.attention_impl)
         x = layer_finish(layer_params, c, x, attn.reshape(b, 1, h, dh).astype(x.dtype))
     logits = lm_logits(params, c, final_norm(params, c, x))[:, 0]
-    return logits, dict(kv, pages_k=gk, pages_v=gv)
+    return logits, kv.replace(pages_k=gk, pages_v=gv)
 
 
-def _push_pages(kv, table, counts, spec: Spec):
+def _push_pages(kv: KV, table, counts, spec: Spec) -> KV:
     """Give back ``table[b, :counts[b]]`` of every slot b (counts 0 for the others)."""
     b, mp = table.shape
     offsets = jnp.cumsum(counts) - counts
     j = jnp.arange(mp)[None, :]
-    dest = jnp.where(j < counts[:, None], kv["top"] + offsets[:, None] + j, spec.num_pages)
-    free = kv["free"].at[dest.reshape(-1)].set(table.reshape(-1), mode="promise_in_bounds")
-    return dict(kv, free=free, top=kv["top"] + jnp.sum(counts))
+    dest = jnp.where(j < counts[:, None], kv.top + offsets[:, None] + j, spec.num_pages)
+    free = kv.free.at[dest.reshape(-1)].set(table.reshape(-1), mode="promise_in_bounds")
+    return kv.replace(free=free, top=kv.top + jnp.sum(counts))
 
 
-def _take_pages(slots, kv, active, spec: Spec):
+def _take_pages(slots: Slots, kv: KV, active, spec: Spec):
     """A slot about to write the first position of a page takes a free one, older samples
     first. Returns (slots, kv, stalled)."""
-    b = slots["entry"].shape[0]
-    t = slots["t"]
+    b = slots.entry.shape[0]
+    t = slots.t
     need = active & (t % spec.page_size == 0)
     order = jnp.argsort(jnp.where(need, -t, jnp.iinfo(jnp.int32).max), stable=True)
     rank = jnp.zeros((b,), jnp.int32).at[order].set(jnp.arange(b, dtype=jnp.int32))
-    got = need & (rank < kv["top"])
-    page = kv["free"][jnp.clip(kv["top"] - 1 - rank, 0, spec.num_pages)]
+    got = need & (rank < kv.top)
+    page = kv.free[jnp.clip(kv.top - 1 - rank, 0, spec.num_pages)]
     col = jnp.minimum(t // spec.page_size, spec.max_pages - 1)
     rows = jnp.arange(b)
-    table = slots["table"].at[rows, col].set(jnp.where(got, page, slots["table"][rows, col]))
-    kv = dict(kv, top=kv["top"] - jnp.sum(got, dtype=jnp.int32))
-    return dict(slots, table=table), kv, need & ~got
+    table = slots.table.at[rows, col].set(jnp.where(got, page, slots.table[rows, col]))
+    kv = kv.replace(top=kv.top - jnp.sum(got, dtype=jnp.int32))
+    return slots.replace(table=table), kv, need & ~got
 
 
-def _restart_youngest(pool, slots, kv, stuck, spec: Spec):
+def _restart_youngest(pool: Pool, slots: Slots, kv: KV, stuck, spec: Spec):
     """When every live sample waits for a page: the youngest one holding pages starts over from
     its token 0 and gives its pages back (its draws are keyed by step: same tokens again)."""
-    t = slots["t"]
-    holds = (slots["entry"] >= 0) & (t > 0)
+    t = slots.t
+    holds = (slots.entry >= 0) & (t > 0)
     victim = jnp.argmin(jnp.where(holds, t, jnp.iinfo(jnp.int32).max))
     hit = stuck & (jnp.arange(t.shape[0]) == victim)
-    kv = _push_pages(kv, slots["table"], jnp.where(hit, t // spec.page_size, 0), spec)
-    entry = jnp.maximum(slots["entry"], 0)
-    first = pool["res_tok"][entry, slots["sample"], 0]
-    slots = dict(slots, t=jnp.where(hit, 0, t), cur=jnp.where(hit, first, slots["cur"]))
+    kv = _push_pages(kv, slots.table, jnp.where(hit, t // spec.page_size, 0), spec)
+    entry = jnp.maximum(slots.entry, 0)
+    first = pool.res_tok[entry, slots.sample, 0]
+    slots = slots.replace(t=jnp.where(hit, 0, t), cur=jnp.where(hit, first, slots.cur))
     return slots, kv
 
 
-def decode_step(params, pool, slots, kv, stats, stop, seed_key, *, spec: Spec, dev):
+def decode_step(params, pool: Pool, slots: Slots, kv: KV, stats: Stats, stop, seed_key, *,
+                spec: Spec, dev) -> tuple[Pool, Slots, KV, Stats]:
     """Refill free slots, give pages to the slots that need one, run one decode step of every
     slot, record the sampled tokens and free the slots (and pages) of the samples that stopped or
     reached max_new_tokens."""
     k, nd, n, s = spec.pool, spec.share, spec.rollouts_per_prompt, spec.max_new_tokens
-    was_used = slots["used"]
-    live0 = jnp.sum(slots["entry"] >= 0, dtype=jnp.int32)
-    allow = jnp.all(slots["entry"] < 0) if spec.lockstep else jnp.bool_(True)
-    pool, slots, take = _refill(pool, slots, spec, allow, jnp.maximum(kv["top"] - live0, 0))
-    active = slots["entry"] >= 0
+    was_used = slots.used
+    live0 = jnp.sum(slots.entry >= 0, dtype=jnp.int32)
+    allow = jnp.all(slots.entry < 0) if spec.lockstep else jnp.bool_(True)
+    pool, slots, take = _refill(pool, slots, spec, allow, jnp.maximum(kv.top - live0, 0))
+    active = slots.entry >= 0
     slots, kv, stalled = _take_pages(slots, kv, active, spec)
     go = active & ~stalled
     stuck = jnp.any(active) & ~jnp.any(go)
     slots, kv = _restart_youngest(pool, slots, kv, stuck, spec)
     logits, kv = _forward(params, pool, slots, kv, go, spec)
-    entry = jnp.maximum(slots["entry"], 0)
-    sid = jnp.maximum(pool["gid"][entry], 0) * n + dev * nd + slots["sample"]
-    tok, logp = _sampler(spec)(logits, sample_keys_for(seed_key, sid), slots["t"] + 1)
-    t_out = slots["t"] + 1                                   # index of the new token
+    entry = jnp.maximum(slots.entry, 0)
+    sid = jnp.maximum(pool.gid[entry], 0) * n + dev * nd + slots.sample
+    tok, logp = _sampler(spec)(logits, sample_keys_for(seed_key, sid), slots.t + 1)
+    t_out = slots.t + 1                                   # index of the new token
     inb = "promise_in_bounds"                               # see the state notes above
     at = jnp.where(go, entry, k)                             # idle slots write to entry K
     t_at = jnp.minimum(t_out, s - 1)
-    res_tok = pool["res_tok"].at[at, slots["sample"], t_at].set(tok, mode=inb)
-    res_logp = pool["res_logp"].at[at, slots["sample"], t_at].set(logp, mode=inb)
+    res_tok = pool.res_tok.at[at, slots.sample, t_at].set(tok, mode=inb)
+    res_logp = pool.res_logp.at[at, slots.sample, t_at].set(logp, mode=inb)
     is_stop = stop[tok]
     finish = go & (is_stop | (t_out + 1 >= s))
     fin_at = jnp.where(finish, entry, k)
-    pool = dict(
-        pool, res_tok=res_tok, res_logp=res_logp,
-        res_len=pool["res_len"].at[fin_at, slots["sample"]].set(t_out + 1, mode=inb),
-        res_fin=pool["res_fin"].at[fin_at, slots["sample"]].set(is_stop, mode=inb),
-        done=pool["done"] + jnp.zeros((k + 1,), jnp.int32).at[fin_at].add(1, mode=inb)[:k],
+    pool = pool.replace(
+        res_tok=res_tok, res_logp=res_logp,
+        res_len=pool.res_len.at[fin_at, slots.sample].set(t_out + 1, mode=inb),
+        res_fin=pool.res_fin.at[fin_at, slots.sample].set(is_stop, mode=inb),
+        done=pool.done + jnp.zeros((k + 1,), jnp.int32).at[fin_at].add(1, mode=inb)[:k],
     )
     # pages of positions 0..t of a finished sample go back
-    kv = _push_pages(kv, slots["table"],
-                     jnp.where(finish, slots["t"] // spec.page_size + 1, 0), spec)
-    slots = dict(slots, entry=jnp.where(finish, -1, slots["entry"]),
-                 t=jnp.where(go, t_out, slots["t"]), cur=jnp.where(go, tok, slots["cur"]))
-    stats = dict(steps=stats["steps"] + 1,
-                 live=stats["live"] + jnp.sum(go, dtype=jnp.int32),
-                 assigned=stats["assigned"] + jnp.sum(take, dtype=jnp.int32),
-                 refills=stats["refills"] + jnp.sum(take & was_used, dtype=jnp.int32),
-                 stalls=stats["stalls"] + jnp.sum(stalled, dtype=jnp.int32),
-                 restarts=stats["restarts"] + stuck.astype(jnp.int32))
+    kv = _push_pages(kv, slots.table,
+                     jnp.where(finish, slots.t // spec.page_size + 1, 0), spec)
+    slots = slots.replace(entry=jnp.where(finish, -1, slots.entry),
+                          t=jnp.where(go, t_out, slots.t), cur=jnp.where(go, tok, slots.cur))
+    stats = Stats(steps=stats.steps + 1,
+                  live=stats.live + jnp.sum(go, dtype=jnp.int32),
+                  assigned=stats.assigned + jnp.sum(take, dtype=jnp.int32),
+                  refills=stats.refills + jnp.sum(take & was_used, dtype=jnp.int32),
+                  stalls=stats.stalls + jnp.sum(stalled, dtype=jnp.int32),
+                  restarts=stats.restarts + stuck.astype(jnp.int32))
     return pool, slots, kv, stats
 
 
-def decode(params, pool, slots, kv, stats, stop, seed_key, final, *, spec: Spec, dev):
+def decode(params, pool: Pool, slots: Slots, kv: KV, stats: Stats, stop, seed_key, final, *,
+           spec: Spec, dev):
     """Decode steps until a group completes, the tail can shrink to the next slot bucket
     (``final``: no prompt is left to admit, nothing pending, live slots fit), or nothing is left;
     the stop is checked every ``spec.check_every`` steps.
 
     Returns (pool, slots, kv, stats, summary)."""
-    num_slots = slots["entry"].shape[0]
+    num_slots = slots.entry.shape[0]
     target = shrink_target(num_slots, spec)
 
     def stop_now(pool, slots):
@@ -508,16 +577,16 @@ def decode(params, pool, slots, kv, stats, stop, seed_key, final, *, spec: Spec,
 
     pool, slots, kv, stats = jax.lax.while_loop(lambda c: ~stop_now(c[0], c[1]), body,
                                                 (pool, slots, kv, stats))
-    return pool, slots, kv, stats, summary(pool, slots, spec, stats["steps"])
+    return pool, slots, kv, stats, summary(pool, slots, spec, stats.steps)
 
 
-def compact(slots, *, num_slots: int):
+def compact(slots: Slots, *, num_slots: int) -> Slots:
     """Keep ``num_slots`` slots, the live ones first, with their page tables (the pages stay)."""
-    keep = jnp.argsort(slots["entry"] < 0, stable=True)[:num_slots]
-    return {name: v[keep] for name, v in slots.items()}
+    keep = jnp.argsort(slots.entry < 0, stable=True)[:num_slots]
+    return jax.tree.map(lambda v: v[keep], slots)
 
 
-def fetch(pool, entry):
+def fetch(pool: Pool, entry):
     """One entry's results (this device's share): tokens, log-probs [Nd, S], lengths, finished."""
-    return (pool["res_tok"][entry], pool["res_logp"][entry], pool["res_len"][entry],
-            pool["res_fin"][entry])
+    return (pool.res_tok[entry], pool.res_logp[entry], pool.res_len[entry],
+            pool.res_fin[entry])
