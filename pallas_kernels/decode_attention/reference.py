@@ -37,8 +37,8 @@ def slot_decode_attention_reference(
     q, prefix_k, prefix_v, prefix_len, prefix_index, pages_k, pages_v, page_table, suffix_len, *,
     layer=None, scale=None, tile=None, own_tile=16,
 ) -> jax.Array:
-    """jnp slot decode attention (module docstring): ``out[B, H, Dh]`` in q's dtype, float32
-    accumulation.
+    """jnp slot decode attention (shapes and layouts: the package docstring, __init__.py):
+    ``out[B, H, Dh]`` in q's dtype, float32 accumulation.
 
     Prompt part: a loop over the prompt tiles in use, one matmul each. Own part: the slots sorted
     by own length (longest first), in tiles of ``own_tile``, each tile looping over its slots'

@@ -30,7 +30,7 @@ def sample_tokens_reference(
     """Plain-jnp sampling: ``logits[S, V]``, ``uniforms[S]`` -> ``(tokens[S] int32, logp[S] f32)``.
 
     Top-k uses ``lax.top_k``, top-p a full descending sort + cumulative sum (the textbook way); the
-    draw is the inverse CDF in vocabulary order described in the module docstring.
+    draw is the inverse CDF in vocabulary order described in the package docstring (__init__.py).
     """
     _check_args(logits, temperature, top_k, top_p)
     x = logits.astype(jnp.float32)
