@@ -74,9 +74,10 @@ class Trainer:
         check_config(cfg)                 # train.loggers: a missing extra is named here
         self.cfg = cfg
         self.workdir = workdir
-        workdir_lib.prepare(workdir)
+        workdir_lib.prepare(workdir)     # reads only: a locked directory stays as it was
         self.lock = workdir_lib.acquire(workdir, process_index=jax.process_index(), log=_log)
         try:                            # released on any failure from here (a notebook goes on)
+            workdir_lib.check_writable(workdir)
             self._build(cfg, workdir, allow_config_change)
         except BaseException:
             self.lock.release()
