@@ -180,4 +180,4 @@ def test_main_refuses_at_the_door_before_data_or_weights_load(tmp_path, monkeypa
     cfg = _plan_config({"rollout.memory_budget_gb": 1e-6})
     with pytest.raises(ConfigError, match="'rollout.memory_budget_gb' = 1e-06 is too small"):
         loop.Trainer(cfg, str(tmp_path / "run"))
-    assert os.listdir(tmp_path / "run") == [".brorl_lock"]     # released, nothing else written
+    assert not os.path.exists(tmp_path / "run")        # refused before the work directory

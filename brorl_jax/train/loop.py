@@ -73,6 +73,9 @@ class Trainer:
         validate(cfg)
         check_mesh(cfg, jax.device_count())
         check_config(cfg)                 # train.loggers: a missing extra is named here
+        check_model_path(cfg.model.path)
+        self._model_cfg = read_model_config(cfg)      # config.json only: no weights yet
+        memory_plan.check_at_door(cfg, self._model_cfg)
         self.cfg = cfg
         self.workdir = workdir
         workdir_lib.prepare(workdir)     # reads only: a locked directory stays as it was
@@ -85,9 +88,6 @@ class Trainer:
             raise
 
     def _build(self, cfg, workdir: str, allow_config_change) -> None:
-        check_model_path(cfg.model.path)
-        model_cfg = read_model_config(cfg)      # config.json only: no weights yet
-        memory_plan.check_at_door(cfg, model_cfg)
         self.resuming = workdir_lib.has_checkpoints(workdir)
         allow = run_config.check_allow_list(allow_config_change)
         self.config_changes = run_config.check_resume(cfg, workdir, allow) if self.resuming else []
@@ -95,7 +95,7 @@ class Trainer:
         self.data_metrics = data.check_overlap(train_records, eval_records, log=_log)  # step 0
         self.lr, self.lr_note = derived_learning_rate(cfg)
         model = load_model(cfg)
-        if model_cfg is None:                   # a .gguf model: its config came with it
+        if self._model_cfg is None:             # a .gguf model: its config came with it
             memory_plan.check_at_door(cfg, model.config)
         # the training data's checks before the context's (evaluation prompts, runtime, scorer)
         self.loader = self._make_loader(train_records, make_prompt_tokenizer(cfg, model))
