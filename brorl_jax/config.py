@@ -572,6 +572,18 @@ def samples_per_step(cfg: ml_collections.ConfigDict) -> int:
     return cfg.algo.prompts_per_step * cfg.rollout.rollouts_per_prompt
 
 
+def row_width(cfg: ml_collections.ConfigDict) -> int:
+    """Tokens of one update row (the run context's seq_len): the longest prompt the data keeps
+    plus the longest response, data.max_prompt_len + rollout.max_new_tokens."""
+    return cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+
+
+def rollout_memory_budget_bytes(cfg: ml_collections.ConfigDict) -> int | None:
+    """rollout.memory_budget_gb in bytes over all rollout devices; None for 0 (no budget: a slot
+    per sample, rollout.plan_slots)."""
+    return int(cfg.rollout.memory_budget_gb * 2**30) or None
+
+
 def derived_learning_rate(cfg: ml_collections.ConfigDict) -> tuple[float, str]:
     """The learning rate a run uses and a sentence saying how it was derived.
 

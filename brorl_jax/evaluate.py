@@ -24,9 +24,16 @@ def evaluate(cfg, workdir: str | None = None, step: int | None = None) -> dict:
     only (the model loads once; no training loader, no work directory of its own)."""
     from brorl_jax.config import validate
     from brorl_jax.errors import CheckpointError
-    from brorl_jax.train.context import build_context, check_model_path, load_records
+    from brorl_jax.train.context import (
+        build_context,
+        check_model_path,
+        load_model,
+        load_records,
+        read_model_config,
+    )
     from brorl_jax.train.evaluation import evaluate as evaluate_params
     from brorl_jax.train.loop import restore_params
+    from brorl_jax.train.memory_plan import check_at_door
     from brorl_jax.train.workdir import has_checkpoints, require_existing
     validate(cfg)
     if workdir:                          # before anything expensive; never created
@@ -35,8 +42,13 @@ def evaluate(cfg, workdir: str | None = None, step: int | None = None) -> dict:
             raise CheckpointError(f"no complete checkpoint in {workdir}/checkpoints; train "
                                   "first.")
     check_model_path(cfg.model.path)
+    model_cfg = read_model_config(cfg)       # config.json only: no weights yet
+    check_at_door(cfg, model_cfg, update=False)
     _, eval_records = load_records(cfg)
-    ctx = build_context(cfg, eval_records)
+    model = load_model(cfg)
+    if model_cfg is None:                    # a .gguf model: its config came with it
+        check_at_door(cfg, model.config, update=False)
+    ctx = build_context(cfg, eval_records, model=model)
     try:
         params = ctx.model.params
         if workdir:

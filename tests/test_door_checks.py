@@ -4,11 +4,13 @@ a message naming the key. Validation only: no model, no JAX device. Keys added t
 later are covered without editing this file.
 """
 import math
+import os
 
 import pytest
 
 from brorl_jax.config import (
     INFINITE_OK,
+    INT32_MAX,
     ConfigError,
     _flatten,
     check_mesh,
@@ -72,3 +74,110 @@ def test_mesh_sizes_must_match_the_devices_on_one_device_too(sizes, devices, ok)
         with pytest.raises(ConfigError, match=rf"mesh.data={sizes['data']}.* do not match the "
                                               rf"{devices} device"):
             check_mesh(cfg, devices)
+
+
+# -- the memory plans (train/memory_plan.py): what the plans cannot hold, refused before the
+# weights load, each fix the message names accepted by the same plan ---------------------------
+from brorl_jax.models.demo_model import demo_model_config  # noqa: E402
+from brorl_jax.rollout import plan as rollout_plan  # noqa: E402
+from brorl_jax.train import memory_plan  # noqa: E402
+
+MODEL = demo_model_config(vocab_size=128, bos_token_id=1, eos_token_id=2)
+MB = 2**20
+
+
+def _plan_config(overrides):
+    cfg = demo.get_config()
+    for key, value in overrides.items():
+        _set(cfg, key, value)
+    return validate(cfg)            # every case passes the value checks: only the plan refuses
+
+
+def _check(cfg, device_bytes=None, **kw):
+    memory_plan.check_memory_plan(cfg, MODEL, num_devices=1, device_bytes=device_bytes, **kw)
+
+
+def _number_after(text, words):
+    import re
+    return float(re.search(re.escape(words) + r" ([0-9][0-9.e+-]*[0-9])", text).group(1))
+
+
+PLAN_CASES = [   # (id, overrides, device bytes, key named, what the message says, fix: the key
+    #              to change and the words before the value the message gives, or a value)
+    ("budget_below_one_slot", {"rollout.memory_budget_gb": 1e-6}, None,
+     "rollout.memory_budget_gb", r"= 1e-06 is too small for the training rollouts .* at least ",
+     ("rollout.memory_budget_gb", "to at least")),
+    ("eval_samples_beyond_the_budget", {"eval.samples_per_prompt": 16384,
+                                        "rollout.memory_budget_gb": 0.002}, None,
+     "rollout.memory_budget_gb", r"too small for the evaluation rollouts \(16384 samples per "
+                                 r"prompt \(eval.samples_per_prompt\)",
+     ("rollout.memory_budget_gb", "to at least")),
+    ("micro_batch_tokens_below_a_row", {"algo.micro_batch_tokens": 31}, None,
+     "algo.micro_batch_tokens", r"= 31 is less than one row of 32 tokens; set it to at least 32",
+     ("algo.micro_batch_tokens", "set it to at least")),
+    ("no_budget_beyond_the_device", {"rollout.rollouts_per_prompt": 256}, 40 * MB,
+     "rollout.memory_budget_gb", r"= 0: the training rollouts .* more than the 0.039 GB of a "
+                                 r"device\. Set rollout.memory_budget_gb to at most ",
+     ("rollout.memory_budget_gb", "to at most")),
+    ("budget_beyond_the_device", {"rollout.memory_budget_gb": 1.0}, 40 * MB,
+     "rollout.memory_budget_gb", r"= 1: the training rollouts .* at most ",
+     ("rollout.memory_budget_gb", "to at most")),
+    ("page_ids_beyond_int32", {"eval.samples_per_prompt": INT32_MAX}, None,
+     "rollout.memory_budget_gb", r"2,147,483,648 KV pages .* more than int32 page ids",
+     ("eval.samples_per_prompt", 4096)),
+    ("micro_batch_beyond_the_device", {"model.remat": True, "algo.micro_batch_size": 1024,
+                                       "rollout.memory_budget_gb": 0.002}, 40 * MB,
+     "algo.micro_batch_size", r"= 1024: a micro-batch of 1024 row\(s\) x 32 tokens .* Lower "
+                              r"algo.micro_batch_size to at most ",
+     ("algo.micro_batch_size", "to at most")),
+]
+
+
+@pytest.mark.parametrize("overrides,device_bytes,key,says,fix", [c[1:] for c in PLAN_CASES],
+                         ids=[c[0] for c in PLAN_CASES])
+def test_settings_the_memory_plan_cannot_hold_are_refused_naming_key_limit_and_fix(
+        overrides, device_bytes, key, says, fix):
+    cfg = _plan_config(overrides)
+    with pytest.raises(ConfigError, match=says) as e:
+        _check(cfg, device_bytes)
+    assert f"config key '{key}' = " in str(e.value)
+    # the value the message gives is one the plan accepts
+    fix_key, words = fix
+    value = words if not isinstance(words, str) else _number_after(str(e.value), words)
+    if fix_key == "algo.micro_batch_size":     # at most that many rows: a divisor of the batch
+        value = 1 << (int(value).bit_length() - 1)
+    elif fix_key.startswith("algo."):
+        value = int(value)
+    _check(_plan_config({**overrides, fix_key: value}), device_bytes)
+
+
+def test_the_door_minimum_is_the_plan_s_own():
+    """min_budget_bytes is the budget plan_slots refuses below: the door and the rollout agree."""
+    cfg = _plan_config({})
+    for call in memory_plan.rollout_calls(cfg):
+        shapes = (MODEL, call.num_prompts, 32, call.rollouts_per_prompt, call.max_new_tokens)
+        least = rollout_plan.min_budget_bytes(*shapes, num_devices=2)
+        assert rollout_plan.plan_slots(*shapes, least, num_devices=2).slots >= 1
+        with pytest.raises(ValueError, match=f"pass at least {least} "):
+            rollout_plan.plan_slots(*shapes, least - 1, num_devices=2)
+
+
+def test_the_plan_passes_the_shipped_configs_and_skips_what_needs_device_memory():
+    _check(_plan_config({}))                          # demo: no budget, CPU (memory unknown)
+    _check(_plan_config({}), device_bytes=2**30)
+    cfg = _plan_config({"rollout.rollouts_per_prompt": 256})
+    _check(cfg)                                       # beyond 40 MB, but the memory is unknown
+    _check(_plan_config({"algo.micro_batch_tokens": 31}), update=False)   # evaluate: no update
+
+
+def test_main_refuses_at_the_door_before_data_or_weights_load(tmp_path, monkeypatch):
+    from brorl_jax.train import loop
+
+    def never(*_):
+        raise AssertionError("loaded before the memory plan was checked")
+    monkeypatch.setattr(loop, "load_records", never)
+    monkeypatch.setattr(loop, "load_model", never)
+    cfg = _plan_config({"rollout.memory_budget_gb": 1e-6})
+    with pytest.raises(ConfigError, match="'rollout.memory_budget_gb' = 1e-06 is too small"):
+        loop.Trainer(cfg, str(tmp_path / "run"))
+    assert not os.path.exists(tmp_path / "run")        # refused before the work directory

@@ -170,6 +170,13 @@ _STATE_F32_COPIES = 5
 _REMAT_HEADROOM = 0.25
 
 
+def train_state_bytes(model_cfg, n_params: int) -> int:
+    """Device memory of the update's state besides activations (one device): _STATE_F32_COPIES
+    parameter-sized float32 buffers and a compute-dtype copy of the parameters."""
+    from brorl_jax.models.transformer import dtype_of
+    return n_params * (4 * _STATE_F32_COPIES + jnp.dtype(dtype_of(model_cfg.dtype)).itemsize)
+
+
 def plan_remat_policy(model_cfg, tokens: int, n_params: int, device_bytes: int | None) -> str:
     """The remat policy the memory plan picks for a micro-batch of `tokens`: "dots" (no
     recomputed matmuls: the backward reruns only norms, RoPE, SwiGLU and attention) when its
@@ -177,9 +184,7 @@ def plan_remat_policy(model_cfg, tokens: int, n_params: int, device_bytes: int |
     else "full" (one extra forward per micro-batch). Unknown device memory (CPU): "full"."""
     if device_bytes is None or model_cfg is None:
         return "full"
-    from brorl_jax.models.transformer import dtype_of
-    state = n_params * (4 * _STATE_F32_COPIES + jnp.dtype(dtype_of(model_cfg.dtype)).itemsize)
-    room = device_bytes * (1 - _REMAT_HEADROOM) - state
+    room = device_bytes * (1 - _REMAT_HEADROOM) - train_state_bytes(model_cfg, n_params)
     return "dots" if remat_saved_bytes(model_cfg, tokens, "dots") <= room else "full"
 
 
@@ -199,8 +204,9 @@ def micro_batch_rows(cfg: AlgoConfig, seq_len: int) -> int:
     if cfg.micro_batch_tokens <= 0:
         return cfg.micro_batch_size
     if cfg.micro_batch_tokens < seq_len:
-        raise ValueError(f"algo.micro_batch_tokens={cfg.micro_batch_tokens} is less than one row of "
-                         f"{seq_len} tokens; set it to at least {seq_len} (rows are never split)")
+        raise ValueError(f"'algo.micro_batch_tokens' = {cfg.micro_batch_tokens} is less than one "
+                         f"row of {seq_len} tokens; set it to at least {seq_len} (rows are never "
+                         "split)")
     return cfg.micro_batch_tokens // seq_len
 
 

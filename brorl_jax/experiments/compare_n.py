@@ -231,8 +231,9 @@ def main(values: dict) -> int:
     rows = base.algo.prompts_per_step * base.rollout.rollouts_per_prompt
     for n in ns:
         validate(arm_config(base, n, rows, values["samples"], values["evals"], ""))
-    from brorl_jax.train.workdir import prepare
+    from brorl_jax.train.workdir import check_writable, prepare
     prepare(values["out"])
+    check_writable(values["out"])
     results = run(base, values["out"], ns, values["samples"], values["evals"], seeds)
     print(table(results))
     return 0

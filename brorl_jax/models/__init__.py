@@ -11,6 +11,7 @@ from .pretrained import (
     builtin_model_names,
     from_pretrained,
     model_path_problem,
+    read_config,
     resolve_model_path,
 )
 from .transformer import (
@@ -48,6 +49,7 @@ __all__ = [
     "convert_gguf",
     "model_path_problem",
     "resolve_model_path",
+    "read_config",
     "builtin_model_names",
     "SMOLLM2_NAME",
     "ensure_smollm2",

@@ -279,6 +279,23 @@ def _load_tokenizer(path: Path) -> Any:
         raise ValueError(f"{path}: tokenizer files present but AutoTokenizer failed: {e}") from e
 
 
+def read_directory_config(
+    path: str | os.PathLike, dtype: str = "float32", param_dtype: str | None = None
+) -> ModelConfig:
+    """The ModelConfig of a HF checkpoint directory from its config.json alone (no weights
+    read); errors as ``load_directory``."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} not found")
+    config_file = path / CONFIG_NAME
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} not found: {path} is not a HF model directory")
+    return ModelConfig.from_hf_config(
+        _read_json(config_file), param_dtype=param_dtype or dtype, dtype=dtype,
+        source=str(config_file)
+    )
+
+
 def load_directory(
     path: str | os.PathLike, dtype: str = "float32", param_dtype: str | None = None
 ) -> Model:
@@ -292,15 +309,7 @@ def load_directory(
     names the file, the tensor and the expected shape).
     """
     path = Path(path).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory {path} not found")
-    config_file = path / CONFIG_NAME
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{config_file} not found: {path} is not a HF model directory")
-    hf_config = _read_json(config_file)
-    cfg = ModelConfig.from_hf_config(
-        hf_config, param_dtype=param_dtype or dtype, dtype=dtype, source=str(config_file)
-    )
+    cfg = read_directory_config(path, dtype=dtype, param_dtype=param_dtype)
     params = _load_params(path, cfg)
     tokenizer = _load_tokenizer(path)
 

@@ -14,8 +14,9 @@ import os
 import tempfile
 from pathlib import Path
 
+from .config import ModelConfig
 from .gguf import GGUF_SUFFIX, convert_gguf
-from .hf import Model, load_directory
+from .hf import Model, load_directory, read_directory_config
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -79,3 +80,19 @@ def from_pretrained(
         with tempfile.TemporaryDirectory(prefix="brorl_jax_gguf_") as tmp:
             return load_directory(convert_gguf(path, tmp), dtype=dtype, param_dtype=param_dtype)
     return load_directory(path, dtype=dtype, param_dtype=param_dtype)
+
+
+def read_config(
+    path: str | os.PathLike, dtype: str = "float32", param_dtype: str | None = None
+) -> ModelConfig | None:
+    """The ModelConfig ``from_pretrained(path, ...)`` would load, from the config.json alone
+    (no weights read; a built-in name is materialised as ``from_pretrained`` does). None for a
+    ``.gguf`` file (its config comes out of the conversion) and for a path whose config cannot
+    be read (``from_pretrained`` then says why)."""
+    try:
+        path = resolve_model_path(path)
+        if path.suffix.lower() == GGUF_SUFFIX and not path.is_dir():
+            return None
+        return read_directory_config(path, dtype=dtype, param_dtype=param_dtype)
+    except (OSError, ValueError):
+        return None

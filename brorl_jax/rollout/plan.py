@@ -203,6 +203,17 @@ def rollout_bytes(cfg: ModelConfig, num_prompts: int, prompt_len: int, rollouts_
             + admission_bytes(cfg, share))
 
 
+def min_budget_bytes(cfg: ModelConfig, num_prompts: int, prompt_len: int,
+                     rollouts_per_prompt: int, max_new_tokens: int, *, num_devices: int = 1,
+                     page_size: int | None = None, kv_fraction: float = KV_FRACTION) -> int:
+    """The smallest ``memory_budget_bytes`` :func:`plan_slots` accepts for a call of these
+    shapes (over all ``num_devices``): one decode slot with the pages of a whole sample and its
+    prompt pool on every device."""
+    return num_devices * rollout_bytes(
+        cfg, num_prompts, prompt_len, rollouts_per_prompt, max_new_tokens, 1,
+        num_devices=num_devices, page_size=page_size, kv_fraction=kv_fraction)
+
+
 def plan_slots(cfg: ModelConfig, num_prompts: int, prompt_len: int, rollouts_per_prompt: int,
                max_new_tokens: int, memory_budget_bytes: int | None, *, num_devices: int = 1,
                min_slots: int | None = None, page_size: int | None = None,
@@ -230,11 +241,14 @@ def plan_slots(cfg: ModelConfig, num_prompts: int, prompt_len: int, rollouts_per
         pages = slots * max_pages
     else:
         budget = int(memory_budget_bytes) // num_devices
-        if need(1) > budget:
+        least = min_budget_bytes(cfg, num_prompts, prompt_len, rollouts_per_prompt,
+                                 max_new_tokens, num_devices=num_devices, page_size=page_size,
+                                 kv_fraction=kv_fraction)
+        if memory_budget_bytes < least:
             raise ValueError(
                 f"memory_budget_bytes={memory_budget_bytes} is too small: one decode slot with "
                 f"the pages of a whole sample and its prompt pool needs {need(1)} bytes per "
-                f"device; pass at least {need(1) * num_devices} (over {num_devices} device(s)) "
+                f"device; pass at least {least} (over {num_devices} device(s)) "
                 "or shorter prompts or a smaller max_new_tokens")
         # need() grows with b: bisect the largest b that fits
         lo, hi = 1, max(1, samples)

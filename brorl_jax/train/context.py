@@ -19,7 +19,13 @@ import jax
 import numpy as np
 
 from brorl_jax import algo, data, models
-from brorl_jax.config import algo_config, collect_config, json_option, optimizer_config
+from brorl_jax.config import (
+    algo_config,
+    collect_config,
+    json_option,
+    optimizer_config,
+    row_width,
+)
 from brorl_jax.errors import ConfigError, DataError, ModelError, VerifierError
 from brorl_jax.rewards import ScoringService, custom as custom_reward
 from brorl_jax.rewards.health import VerifierFailure, VerifierHealth, check_records
@@ -43,6 +49,17 @@ def check_model_path(path: str) -> None:
     problem = models.model_path_problem(path) if path else None
     if problem:
         raise ModelError(f"config key 'model.path' = {path!r}: {problem}.")
+
+
+def read_model_config(cfg) -> models.ModelConfig | None:
+    """The ModelConfig load_model(cfg) will have, read from the model's config.json without its
+    weights (the door's memory plan, train/memory_plan.py); None for a .gguf file or a path
+    load_model will refuse."""
+    mcfg = models.read_config(cfg.model.path or models.ensure_demo_model(),
+                              dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+    if mcfg is None or mcfg.attention_impl == cfg.model.attention_impl:
+        return mcfg
+    return dataclasses.replace(mcfg, attention_impl=cfg.model.attention_impl)
 
 
 def load_model(cfg) -> models.Model:
@@ -159,6 +176,13 @@ def update_config_at(algo_cfg: algo.AlgoConfig, temperature: float) -> algo.Algo
     return dataclasses.replace(algo_cfg, temperature=t)
 
 
+def eval_sampling(cfg) -> Sampling:
+    """The evaluation's sampling settings (eval.*; eval.max_new_tokens -1 = the rollout's)."""
+    c = cfg.eval
+    return Sampling(c.temperature, c.top_p, 0,
+                    c.max_new_tokens if c.max_new_tokens > 0 else cfg.rollout.max_new_tokens)
+
+
 @dataclasses.dataclass
 class RunContext:
     """Everything a step, an evaluation or the warm start reads (module docstring)."""
@@ -193,9 +217,7 @@ class RunContext:
         return Sampling(self.rollout_temperature(step), r.top_p, r.top_k, r.max_new_tokens)
 
     def eval_sampling(self) -> Sampling:
-        c = self.cfg.eval
-        return Sampling(c.temperature, c.top_p, 0,
-                        c.max_new_tokens if c.max_new_tokens > 0 else self.cfg.rollout.max_new_tokens)
+        return eval_sampling(self.cfg)
 
     def update_config(self, step: int) -> algo.AlgoConfig:
         """The AlgoConfig of step `step` (update_config_at)."""
@@ -281,7 +303,7 @@ def build_context(cfg, eval_records: Sequence[dict], *, model: models.Model | No
         cfg=cfg, model=model, tokenizer=tok, prompt_tokenizer=prompt_tokenizer,
         eos_ids=tuple(model.generation_eos_ids),
         pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
-        seq_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens,
+        seq_len=row_width(cfg),
         algo_cfg=algo_config(cfg), collect_cfg=collect_config(cfg), optimizer_cfg=optimizer_cfg,
         optimizer=optimizer, runtime=runtime, scorer=Scorer(service, tok),
         eval_prompts=eval_prompts,

@@ -38,6 +38,15 @@ def summarize(rewards: np.ndarray, ks: tuple[int, ...], correct_threshold: float
     return out
 
 
+# Samples per rollout call of an evaluation: its prompts go in chunks (prompts_per_call).
+SAMPLES_PER_CALL = 4096
+
+
+def prompts_per_call(k: int) -> int:
+    """Prompts per rollout call of an evaluation at k samples per prompt."""
+    return max(1, SAMPLES_PER_CALL // k)
+
+
 def evaluate(ctx, params, step: int) -> dict:
     """pass@k / mean@k of `params` (the update's layout) on the context's held-out prompts at the
     evaluation's sampling settings (eval.*); each process evaluates an equal block of the
@@ -53,7 +62,7 @@ def evaluate(ctx, params, step: int) -> dict:
     prompts = prompts + [prompts_all[0]] * (per - real)    # equal shapes everywhere
     sampling = ctx.eval_sampling()
     rewards, healths = [], []
-    chunk = max(1, 4096 // k)
+    chunk = prompts_per_call(k)
     bar = progress(total=len(prompts), desc=f"eval at step {step}: {k} samples per prompt",
                    unit="prompt", enabled=runtime.process_index == 0)
     try:

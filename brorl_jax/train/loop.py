@@ -36,7 +36,7 @@ import jax
 from brorl_jax import algo, data, models
 from brorl_jax.config import check_mesh, derived_learning_rate, optimizer_config, validate
 from brorl_jax.errors import CheckpointError, DataError
-from brorl_jax.train import evaluation, run_config, workdir as workdir_lib
+from brorl_jax.train import evaluation, memory_plan, run_config, workdir as workdir_lib
 from brorl_jax.train.checkpoint import Checkpointer
 from brorl_jax.train.context import (
     RunContext,
@@ -46,6 +46,7 @@ from brorl_jax.train.context import (
     load_records,
     log as _log,
     make_prompt_tokenizer,
+    read_model_config,
 )
 from brorl_jax.train.logger import MetricsLogger, check_config, plot_metrics
 from brorl_jax.train.sft import run_warm_start
@@ -72,18 +73,21 @@ class Trainer:
         validate(cfg)
         check_mesh(cfg, jax.device_count())
         check_config(cfg)                 # train.loggers: a missing extra is named here
+        check_model_path(cfg.model.path)
+        self._model_cfg = read_model_config(cfg)      # config.json only: no weights yet
+        memory_plan.check_at_door(cfg, self._model_cfg)
         self.cfg = cfg
         self.workdir = workdir
-        workdir_lib.prepare(workdir)
+        workdir_lib.prepare(workdir)     # reads only: a locked directory stays as it was
         self.lock = workdir_lib.acquire(workdir, process_index=jax.process_index(), log=_log)
         try:                            # released on any failure from here (a notebook goes on)
+            workdir_lib.check_writable(workdir)
             self._build(cfg, workdir, allow_config_change)
         except BaseException:
             self.lock.release()
             raise
 
     def _build(self, cfg, workdir: str, allow_config_change) -> None:
-        check_model_path(cfg.model.path)
         self.resuming = workdir_lib.has_checkpoints(workdir)
         allow = run_config.check_allow_list(allow_config_change)
         self.config_changes = run_config.check_resume(cfg, workdir, allow) if self.resuming else []
@@ -91,6 +95,8 @@ class Trainer:
         self.data_metrics = data.check_overlap(train_records, eval_records, log=_log)  # step 0
         self.lr, self.lr_note = derived_learning_rate(cfg)
         model = load_model(cfg)
+        if self._model_cfg is None:             # a .gguf model: its config came with it
+            memory_plan.check_at_door(cfg, model.config)
         # the training data's checks before the context's (evaluation prompts, runtime, scorer)
         self.loader = self._make_loader(train_records, make_prompt_tokenizer(cfg, model))
         self.logger_args = dict(loggers=cfg.train.loggers, config=cfg, lr=self.lr,

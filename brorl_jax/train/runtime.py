@@ -55,7 +55,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from brorl_jax import algo, rollout
 from brorl_jax.algo import sharded as algo_sharded
-from brorl_jax.config import ConfigError
+from brorl_jax.config import ConfigError, rollout_memory_budget_bytes
 from brorl_jax.parallel import distributed, sharded
 from brorl_jax.parallel.mesh import batch_axis_size, make_mesh, mesh_from_config
 
@@ -79,7 +79,7 @@ class Runtime:
         self.optimizer = optimizer
         self.diagnostics_n = diagnostics_n
         self.rollout_impl = cfg.rollout.impl
-        self.memory_budget_bytes = int(cfg.rollout.memory_budget_gb * 2**30) or None
+        self.memory_budget_bytes = rollout_memory_budget_bytes(cfg)
         self._steps: dict[Any, Any] = {}
         self._rollout: rollout.Engine | None = None
         self._rollout_copy: tuple | None = None     # (source params, the rollout's copy)

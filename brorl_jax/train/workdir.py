@@ -35,8 +35,10 @@ LOCK_FILE = ".brorl_lock"
 
 
 def prepare(workdir: str) -> None:
-    """Creates the work directory if needed and checks that the run can write what it writes;
-    raises WorkdirError naming the path and the fix."""
+    """Creates the work directory if needed and checks its layout (a checkpoints file, a
+    metrics directory, files the run cannot write); raises WorkdirError naming the path and the
+    fix. Writes nothing into an existing directory: a run refused by another run's lock leaves
+    it as it was (the write probe, check_writable, comes after the lock)."""
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise WorkdirError(f"--workdir {workdir!r} is a file, not a directory; give a directory.")
     try:
@@ -44,14 +46,6 @@ def prepare(workdir: str) -> None:
     except OSError as e:
         raise WorkdirError(f"cannot create the work directory {workdir!r}: {e.strerror}; give "
                            "--workdir a path you can write.") from e
-    probe = os.path.join(workdir, f".write_test.{os.getpid()}")
-    try:
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise WorkdirError(f"cannot write in the work directory {workdir!r}: {e.strerror}; "
-                           "fix its permissions or give another --workdir.") from e
     ckpt = os.path.join(workdir, CHECKPOINTS)
     if os.path.exists(ckpt) and not os.path.isdir(ckpt):
         raise WorkdirError(f"{ckpt!r} is a file; checkpoints are written into a directory of "
@@ -64,6 +58,19 @@ def prepare(workdir: str) -> None:
         if os.path.exists(path) and not os.access(path, os.W_OK):
             raise WorkdirError(f"{path!r} is not writable; fix its permissions or give another "
                                "--workdir.")
+
+
+def check_writable(workdir: str) -> None:
+    """Writes and removes a probe file in the work directory (once the run holds its lock);
+    raises WorkdirError naming the path and the fix when it cannot."""
+    probe = os.path.join(workdir, f".write_test.{os.getpid()}")
+    try:
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise WorkdirError(f"cannot write in the work directory {workdir!r}: {e.strerror}; "
+                           "fix its permissions or give another --workdir.") from e
 
 
 def require_existing(workdir: str | None, flag: str = "--workdir") -> str:

@@ -381,7 +381,7 @@ def test_packed_batch_errors_name_the_fix():
         step(state, packed, None)
     small = algo_config(rollouts_per_prompt=N, prompts_per_step=G, ppo_mini_batches=2,
                        micro_batch_tokens=WIDTH - 1)
-    with pytest.raises(ValueError, match="micro_batch_tokens=12 is less than one row of 13"):
+    with pytest.raises(ValueError, match="micro_batch_tokens' = 12 is less than one row of 13"):
         make_update_step(None, small, optax.sgd(1.0), policy=TOY_POLICY)(state, packed, None)
     with pytest.raises(ValueError, match="mini_batches=3 must be >= 1 and divide"):
         assemble_update_batch(*mixed_rollouts(), seq_len=WIDTH, mini_batches=3)

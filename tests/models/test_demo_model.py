@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
-from brorl_jax.models import ensure_demo_model, from_pretrained
+from brorl_jax.models import ensure_demo_model, from_pretrained, read_config
 from brorl_jax.models.builtin_store import default_cache_dir
 from brorl_jax.models.demo_model import DEMO_MODEL_NAME
 
@@ -49,6 +51,11 @@ def test_demo_model_loads_through_from_pretrained_with_tokenizer(demo_dir):
     assert cfg.vocab_size == len(tok) < 128
     assert model.generation_eos_ids == (tok.eos_token_id,) == cfg.eos_token_ids
     assert tok.pad_token_id == 0 and tok.bos_token_id is not None
+    # the door's memory plan reads the same config from config.json alone (no weights)
+    assert read_config(demo_dir) == cfg
+    assert read_config(demo_dir, "bfloat16") == cfg.replace(dtype="bfloat16",
+                                                            param_dtype="bfloat16")
+    assert read_config(os.path.join(demo_dir, "missing")) is None    # from_pretrained says why
 
     text = "What is 23 + 45?\nAnswer: 68."
     ids = tok.encode(text)

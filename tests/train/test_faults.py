@@ -468,6 +468,15 @@ def all_files(workdir):
     return hashes(workdir, sorted(os.listdir(workdir)))
 
 
+def untouched(workdir):
+    """Every file's hash, and every directory's entries and modification time: a file written
+    and removed again (a probe) changes its directory's mtime, so equal states mean nothing
+    was created, removed or changed in between."""
+    dirs = {os.path.relpath(d, workdir): (os.stat(d).st_mtime_ns, sorted(names + files))
+            for d, names, files in os.walk(workdir)}
+    return all_files(workdir), dirs
+
+
 def wait_for_holder(workdir, pid, proc, timeout=300):
     from brorl_jax.train.workdir import read_lock
     deadline = time.time() + timeout
@@ -481,7 +490,7 @@ def test_a_work_directory_belongs_to_one_run_at_a_time(env, copy, tmp_path):
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        before = all_files(copy)
+        before, state = all_files(copy), untouched(copy)
         (rc, out, err), (rc2, out2, err2), (rc3, out3, err3) = run_all(env, [
             ("brorl_jax.main", *resume_args(copy, steps=3)),
             ("brorl_jax.evaluate", *TINY, f"--workdir={copy}"),
@@ -496,7 +505,8 @@ def test_a_work_directory_belongs_to_one_run_at_a_time(env, copy, tmp_path):
         assert f"[workdir] {copy} is in use by a run (pid {holder.pid}" in out2
         assert rc3 == 0, err3[-3000:]
         assert os.path.exists(tmp_path / "hf" / "model.safetensors")
-        assert all_files(copy) == before and not os.path.exists(os.path.join(copy, "logs"))
+        # the refused main and the readers wrote nothing there, not even a file removed again
+        assert untouched(copy) == state and not os.path.exists(os.path.join(copy, "logs"))
     finally:
         holder.kill()                                  # SIGKILL: its record stays behind
         holder.wait()

@@ -1,0 +1,199 @@
+"""The memory plans checked at the door: settings the run's own plans cannot hold are refused
+before the weights load, the warm start or the first evaluation (issue 26 item 3).
+
+    check_memory_plan(cfg, model_cfg, num_devices=..., num_processes=..., device_bytes=...)
+
+Each fact comes from the plan that acts on it; nothing is restated here:
+  * the rollout's decode slots and KV pages (rollout.plan: min_budget_bytes, plan_slots,
+    rollout_params_bytes) for the largest call of a training round (ceil(overgenerate_factor x
+    the largest N) samples of each prompt of a generation batch) and of an evaluation
+    (eval.samples_per_prompt, eval.max_new_tokens, train.evaluation.prompts_per_call), prompts
+    up to data.max_prompt_len (bucketed as the engine buckets them);
+  * the update's rows per micro-batch (algo.update.micro_batch_rows over config.row_width) and,
+    on one device whose memory is known, the training state and the activations a micro-batch
+    keeps under full rematerialisation (algo.update.train_state_bytes, remat_saved_bytes).
+Device memory is known on GPU/TPU (algo.update.device_memory_bytes) and unknown on CPU, where
+only the checks that need none run. Each refusal is a ConfigError naming the key, its value, the
+limit the plan computed and the key to change.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from brorl_jax import algo
+from brorl_jax.algo import collect as host
+from brorl_jax.config import (
+    INT32_MAX,
+    algo_config,
+    collect_config,
+    rollout_memory_budget_bytes,
+    row_width,
+)
+from brorl_jax.errors import ConfigError
+from brorl_jax.rollout import plan as rollout_plan
+
+GB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutCall:
+    """The largest rollout call of one kind in a run, per process, and the keys that size it."""
+    what: str                   # "training" | "evaluation"
+    num_prompts: int
+    rollouts_per_prompt: int
+    max_new_tokens: int
+    n_keys: str                 # the keys that set rollouts_per_prompt
+    length_key: str             # the key that sets max_new_tokens
+
+
+def rollout_calls(cfg, num_processes: int = 1) -> tuple[RolloutCall, RolloutCall]:
+    """The largest training-round call and the largest evaluation call of a run (per process)."""
+    from brorl_jax.train.context import eval_sampling
+    from brorl_jax.train.evaluation import prompts_per_call
+    ccfg = collect_config(cfg)
+    r = cfg.rollout
+    n_keys = "rollout.adaptive_n_buckets" if r.adaptive_n else "rollout.rollouts_per_prompt"
+    if r.overgenerate_factor > 1.0:
+        n_keys += " x rollout.overgenerate_factor"
+    gen = algo.generation_batch_size(cfg.algo.prompts_per_step,
+                                     cfg.algo.generation_batch_multiplier)
+    train = RolloutCall("training", -(-gen // num_processes),
+                        host.num_candidates(ccfg, host.max_group_rows(ccfg)), r.max_new_tokens,
+                        n_keys, "rollout.max_new_tokens")
+    k = cfg.eval.samples_per_prompt
+    evaluation = RolloutCall(
+        "evaluation", min(prompts_per_call(k), -(-cfg.eval.num_prompts // num_processes)), k,
+        eval_sampling(cfg).max_new_tokens, "eval.samples_per_prompt",
+        "eval.max_new_tokens" if cfg.eval.max_new_tokens > 0 else "rollout.max_new_tokens")
+    return train, evaluation
+
+
+def _gb(nbytes: float, up: bool) -> str:
+    """nbytes in GB at 3 significant digits, rounded up (a minimum) or down (a maximum), so the
+    value printed is one the plan accepts."""
+    x = nbytes / GB
+    if x <= 0:
+        return "0"
+    step = 10.0 ** (math.floor(math.log10(x)) - 2)
+    return f"{(math.ceil(x / step) if up else math.floor(x / step)) * step:.3g}"
+
+
+def _n_params(model_cfg) -> int:
+    import jax
+
+    from brorl_jax.models.hf import param_shapes
+    return sum(int(x.size) for x in jax.tree.leaves(param_shapes(model_cfg)))
+
+
+def check_at_door(cfg, model_cfg, *, update: bool = True) -> None:
+    """check_memory_plan with this process's devices: the rollout runs on its local devices
+    (train/runtime.py), the device memory is the first local device's (None on CPU)."""
+    import jax
+    check_memory_plan(cfg, model_cfg, num_devices=jax.local_device_count(),
+                      num_processes=jax.process_count(),
+                      device_bytes=algo.update.device_memory_bytes(), update=update)
+
+
+def check_memory_plan(cfg, model_cfg, *, num_devices: int, num_processes: int = 1,
+                      device_bytes: int | None = None, n_params: int | None = None,
+                      update: bool = True) -> None:
+    """ConfigError when a plan of the run cannot hold its settings (module docstring).
+    model_cfg: the model's ModelConfig (None: only the checks without the model run);
+    num_devices: the rollout's devices (this process's); device_bytes: one device's memory
+    (None = unknown: the checks that need it are skipped); n_params: the model's parameter
+    count (default: counted from model_cfg's shapes, only when device_bytes is known);
+    update=False: the rollouts only (an evaluation trains nothing)."""
+    errors = _update_rows(cfg) if update else []
+    if model_cfg is not None:
+        if device_bytes is not None and n_params is None:
+            n_params = _n_params(model_cfg)
+        for call in rollout_calls(cfg, num_processes):
+            errors += _rollout_call(cfg, model_cfg, call, num_devices, device_bytes, n_params)
+        if (update and device_bytes is not None and num_devices == 1 and num_processes == 1
+                and cfg.model.remat):       # one device: the update plan is not sharded
+            errors += _update_micro_batch(cfg, model_cfg, device_bytes, n_params)
+    if errors:
+        raise ConfigError("the memory plan cannot hold this config:\n  " + "\n  ".join(errors))
+
+
+def _update_rows(cfg) -> list[str]:
+    """algo.micro_batch_tokens holds at least one row (update.micro_batch_rows)."""
+    try:
+        algo.update.micro_batch_rows(algo_config(cfg), row_width(cfg))
+    except ValueError as e:
+        return [f"config key {e}, or lower data.max_prompt_len / rollout.max_new_tokens (a row "
+                "holds both), or set it to 0 (algo.micro_batch_size rows per micro-batch)."]
+    return []
+
+
+def _rollout_call(cfg, model_cfg, call: RolloutCall, devices: int, device_bytes, n_params
+                  ) -> list[str]:
+    prompt_len = rollout_plan.bucket_prompt_length(cfg.data.max_prompt_len)
+    budget = rollout_memory_budget_bytes(cfg)
+    shapes = (model_cfg, call.num_prompts, prompt_len, call.rollouts_per_prompt,
+              call.max_new_tokens)
+    sizes = (f"{call.rollouts_per_prompt} samples per prompt ({call.n_keys}), prompts up to "
+             f"data.max_prompt_len={cfg.data.max_prompt_len} tokens, {call.max_new_tokens} new "
+             f"tokens ({call.length_key})")
+    lower = f"lower {call.length_key}, data.max_prompt_len or {call.n_keys.split(' x ')[0]}"
+    key = f"config key 'rollout.memory_budget_gb' = {cfg.rollout.memory_budget_gb:g}"
+    least = rollout_plan.min_budget_bytes(*shapes, num_devices=devices)
+    if budget is not None and budget < least:
+        return [f"{key} is too small for the {call.what} rollouts ({sizes}): one decode slot "
+                f"with the KV pages of a whole sample and its prompt pool needs "
+                f"{_gb(least, True)} GB over {devices} device(s) (rollout.plan.min_budget_bytes)."
+                f" Raise rollout.memory_budget_gb to at least {_gb(least, True)}, set it to 0 "
+                f"(a slot per sample), or {lower}."]
+    plan = rollout_plan.plan_slots(*shapes, budget, num_devices=devices)
+    if plan.num_pages + 1 > INT32_MAX:
+        return [f"{key}: the {call.what} rollouts ({sizes}) would take {plan.num_pages + 1:,} "
+                f"KV pages of {plan.page_size} positions per device ({plan.slots:,} decode "
+                f"slots), more than int32 page ids hold ({INT32_MAX:,}). Set "
+                "rollout.memory_budget_gb (fewer slots at once) or "
+                f"{lower}."]
+    if device_bytes is None:
+        return []
+    params = rollout_plan.rollout_params_bytes(model_cfg, n_params)
+    need = plan.bytes_per_device + params
+    if need <= device_bytes:
+        return []
+    how = ("a slot and the KV pages of its whole length for every sample" if budget is None
+           else "the budget's decode slots and KV pages")
+    room = (device_bytes - params) * devices
+    fix = (f"Set rollout.memory_budget_gb to at most {_gb(room, False)} (over {devices} "
+           f"device(s)), or {lower}." if room >= least else
+           f"No budget fits beside the parameters: {lower}, or use a 16-bit model.dtype.")
+    return [f"{key}: the {call.what} rollouts ({sizes}) need {_gb(need, True)} GB per device "
+            f"({how}: {plan.slots:,} slots, {plan.num_pages:,} pages, "
+            f"{_gb(plan.bytes_per_device, True)} GB; the rollout's copy of the parameters: "
+            f"{_gb(params, True)} GB), more than the {_gb(device_bytes, False)} GB of a device. "
+            + fix]
+
+
+def _update_micro_batch(cfg, model_cfg, device_bytes: int, n_params: int) -> list[str]:
+    """One device: the training state and one micro-batch's activations under full remat (the
+    least any remat policy keeps) fit the device."""
+    update = algo.update
+    acfg, width = algo_config(cfg), row_width(cfg)
+    mini = max(1, cfg.algo.prompts_per_step * cfg.rollout.rollouts_per_prompt
+               // cfg.algo.ppo_mini_batches)
+    rows = min(update.micro_batch_rows(acfg, width), mini)
+    state = update.train_state_bytes(model_cfg, n_params)
+    saved = update.remat_saved_bytes(model_cfg, rows * width, "full")
+    if state + saved <= device_bytes:
+        return []
+    key = ("algo.micro_batch_tokens" if cfg.algo.micro_batch_tokens > 0
+           else "algo.micro_batch_size")
+    per_row = update.remat_saved_bytes(model_cfg, width, "full")
+    fit = int((device_bytes - state) // per_row) if device_bytes > state else 0
+    fix = (f"Lower {key} to at most {fit * width if key.endswith('tokens') else fit} "
+           f"({fit} row(s) of {width} tokens), or lower data.max_prompt_len / "
+           "rollout.max_new_tokens." if fit >= 1 else
+           "Not even one row fits: lower data.max_prompt_len / rollout.max_new_tokens, or use a "
+           "smaller model.")
+    return [f"config key '{key}' = {cfg.algo[key.split('.')[1]]}: a micro-batch of {rows} "
+            f"row(s) x {width} tokens keeps {_gb(saved, True)} GB of activations for the "
+            f"backward pass even with full rematerialisation, beside {_gb(state, True)} GB of "
+            f"training state (algo.update.train_state_bytes): more than the "
+            f"{_gb(device_bytes, False)} GB of the device. " + fix]
