@@ -193,23 +193,24 @@ def groups_needed(cfg: CollectConfig, rows_left: int, max_group_rows: int) -> in
     return (rows_left - max_group_rows) // cfg.rollouts_per_prompt + 1
 
 
-def prompts_to_feed(cfg: CollectConfig, *, needed: int, in_flight: int, fed: int, cap: int,
-                    pool: int, pass_rate: float) -> int:
+def prompts_to_feed(cfg: CollectConfig, *, needed: int, step_groups: int, in_flight: int,
+                    fed: int, cap: int, pool: int, pass_rate: float) -> int:
     """How many prompts the stream admits now (issue 28's admission rule).
 
-    needed: kept groups still needed; in_flight: prompts fed and not handed out (this step's and
-    carried); fed: prompts fed this step; cap: prompts one step may feed
-    (max_generation_rounds x the round's prompts); pool: the engine's prompt-pool entries.
-    With max_staleness = 0 the oversupply follows the observed pass rate: prompts in flight
-    until they are expected to fill the step, ceil(needed / pass_rate), at most the pool. With
-    max_staleness >= 1 the engine is kept full (the pool), since the surplus is carried into
-    the next step instead of thrown away. Never beyond the step's cap."""
+    needed: kept groups still needed this step; step_groups: the groups a step keeps (this
+    process's prompts_per_step); in_flight: prompts fed and not handed out (this step's and
+    carried); fed: prompts fed this step; cap: prompts one step may feed (max_generation_rounds
+    x the round's prompts); pool: the engine's prompt-pool entries (more in flight only wait).
+    The oversupply follows the observed pass rate p: prompts in flight while they are not
+    expected to fill the step, ceil(needed / p). With max_staleness >= 1 the next step's
+    prompts are admitted too, ceil((needed + step_groups) / p), so the engine stays busy while
+    this step's stragglers finish; one step ahead, not k: more would only age the samples
+    (groups come out roughly first in, first out), k is the bound, not the target. Never more
+    in flight than the pool, never beyond the step's cap."""
     if needed <= 0:
         return 0
-    if cfg.max_staleness > 0:
-        target = pool
-    else:
-        target = min(pool, math.ceil(needed / max(pass_rate, 1e-6)))
+    ahead = step_groups if cfg.max_staleness > 0 else 0
+    target = min(pool, math.ceil((needed + ahead) / max(pass_rate, 1e-6)))
     return int(max(0, min(target - in_flight, cap - fed)))
 
 

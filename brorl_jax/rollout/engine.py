@@ -280,6 +280,8 @@ class Scheduler:
         # An open feed (Engine.open_stream): more prompts may come (feed()), so the loop never
         # treats the call as drained (no "final" tail shrink, no compaction) until close_feed().
         self.open = bool(open_feed)
+        self.version = 0                       # the caller's label of the current weights
+        self.admitted_version: dict = {}       # prompt -> version its prefill (and token 0) ran
         self.num_slots = plan.slots            # the current slot bucket (per device)
         self.entry_prompt = [-1] * spec.pool   # the prompt each pool entry holds (-1: free)
         self.next_prompt = 0                   # prompts admitted so far
@@ -336,11 +338,14 @@ class Scheduler:
         """No more prompts: the stream ends once every group given is handed out."""
         self.open = False
 
-    def swap_params(self, params: Any) -> None:
-        """Decode (and prefill) with ``params`` from the next device call on. Samples in flight
-        keep their tokens and KV so far: each token's recorded log-prob is that of the weights
-        (and cache) it was sampled with."""
+    def swap_params(self, params: Any, version: int | None = None) -> None:
+        """Decode (and prefill) with ``params`` from the next device call on; ``version``
+        labels them (default: one more). Samples in flight keep their tokens and KV so far:
+        each token's recorded log-prob is that of the weights (and cache) it was sampled with.
+        ``admitted_version[g]``: the version prompt g was admitted (prefilled, its samples'
+        first tokens drawn) under, the oldest of its tokens."""
         self.params = params
+        self.version = self.version + 1 if version is None else int(version)
 
     def progress(self) -> dict:
         """Cumulative counters up to the launched decode call (it is waited for): decode steps,
@@ -383,6 +388,7 @@ class Scheduler:
                 toks[r, : len(pr)] = pr
                 lens[r], gids[r], ents[r] = len(pr), g, free[r]
                 self.entry_prompt[free[r]] = g
+                self.admitted_version[g] = self.version
             t0 = time.perf_counter()
             self.pool = self._program("admit", ga)(self.params, toks, lens, ents, gids, self.stop,
                                                    self.seed_key, self.pool)[0]
