@@ -789,8 +789,9 @@ class Engine:
         admitted when, and under which weights, follows the groups alone (reproducible).
         Leaving the iteration suspended pauses the engine with its slots, pages and prompt pool
         kept (the decode call launched last runs to its end). The slots are planned as for a
-        call of ``plan_prompts`` prompts; the pool holds two prompts more than the slots, so a
-        freed slot finds pending work while prompts are fed."""
+        call of ``plan_prompts`` prompts; the pool holds twice the prompts the slots do, +2, so
+        a freed slot finds pending work while prompts are fed, even with several prompts held
+        by their last (long) sample."""
         if self.mesh is not None and not isinstance(self.mesh, Mesh):
             raise ValueError("this engine's mesh is abstract: it can only lower (lower_decode)")
         cfg = self.cfg
@@ -802,7 +803,10 @@ class Engine:
         p = bucket_prompt_length(int(prompt_len))
         plan = self.plan(int(plan_prompts), p, rollouts_per_prompt, max_new_tokens,
                          memory_budget_bytes)
-        plan = dataclasses.replace(plan, pool=pool_size_for(plan.slots, plan.share, 1 << 30))
+        # Twice the prompts the slots hold, +2: with long-tailed lengths a prompt keeps its
+        # entry until its slowest sample stops, while its other slots already decode others.
+        held = -(-plan.slots // max(plan.share, 1))
+        plan = dataclasses.replace(plan, pool=2 * held + 2)
         spec = self._spec(prompt_len=p, max_new_tokens=max_new_tokens, plan=plan,
                           rollouts_per_prompt=rollouts_per_prompt, temperature=temperature,
                           top_k=top_k, top_p=top_p)
