@@ -109,6 +109,10 @@ class GroupResult:
     lengths/finished/truncated [N], mask [N, S] as in :class:`RolloutResult`.
     decode_step: decode steps run (since the call started) when the group completed.
     seconds: wall time from the start of the call to the group being ready on the host.
+    versions: the weights its tokens were sampled with, ((version, first [N]), ...) oldest
+    first: token t of sample n came from the last version whose first[n] <= t (the first entry
+    is the version it was admitted under, first = 0; an open stream adds one per weight swap
+    while the group was in flight: Scheduler.swap_params). ``((0, zeros),)`` in a plain call.
     """
 
     prompt_index: int
@@ -121,6 +125,7 @@ class GroupResult:
     prompt_length: int
     decode_step: int
     seconds: float
+    versions: tuple = ()
 
 
 def _group(prompt_index, tok, logp, lengths, fin, prompt_length, step, seconds) -> GroupResult:
@@ -282,6 +287,7 @@ class Scheduler:
         self.open = bool(open_feed)
         self.version = 0                       # the caller's label of the current weights
         self.admitted_version: dict = {}       # prompt -> version its prefill (and token 0) ran
+        self.swaps: dict = {}                  # prompt -> [(version, first new token [N])]
         self.num_slots = plan.slots            # the current slot bucket (per device)
         self.entry_prompt = [-1] * spec.pool   # the prompt each pool entry holds (-1: free)
         self.next_prompt = 0                   # prompts admitted so far
@@ -344,8 +350,31 @@ class Scheduler:
         each token's recorded log-prob is that of the weights (and cache) it was sampled with.
         ``admitted_version[g]``: the version prompt g was admitted (prefilled, its samples'
         first tokens drawn) under, the oldest of its tokens."""
+        version = self.version + 1 if version is None else int(version)
+        self._record_swap(version)
         self.params = params
-        self.version = self.version + 1 if version is None else int(version)
+        self.version = version
+
+    def _record_swap(self, version: int) -> None:
+        """For every admitted prompt not handed out: the index of each sample's first token the
+        new weights will sample (live: the token after its current one; pending: 1, token 0
+        was drawn at admission; finished: never, S). Waits for the decode call in flight (it
+        runs under the old weights). A sample restarted later for want of pages (a memory
+        budget) redraws its tokens from 1 under the weights of then: its record is a bound."""
+        busy = [(e, g) for e, g in enumerate(self.entry_prompt) if g >= 0]
+        if self.slots is None or not busy:
+            return
+        sl = jax.device_get({k: self.slots[k] for k in ("entry", "sample", "t")})
+        pool = jax.device_get({k: self.pool[k] for k in ("queue", "qlen", "qnext")})
+        share, n, s = self.spec.share, self.spec.rollouts_per_prompt, self.spec.max_new_tokens
+        for e, g in busy:
+            first = np.full((self.engine.num_devices * share,), s, np.int32)
+            for d in range(self.engine.num_devices):
+                pend = pool["queue"][d, e, pool["qnext"][d, e]:pool["qlen"][d, e]]
+                first[d * share + pend] = 1
+                live = sl["entry"][d] == e
+                first[d * share + sl["sample"][d][live]] = sl["t"][d][live] + 1
+            self.swaps.setdefault(g, []).append((version, first[:n]))
 
     def progress(self) -> dict:
         """Cumulative counters up to the launched decode call (it is waited for): decode steps,
@@ -467,6 +496,10 @@ class Scheduler:
                                     for a in jax.device_get(arrays))
             group = _group(gid, tok, logp, lens, fin, len(self.prompts[gid]), step,
                            time.perf_counter() - self.started_at)
+            n = self.spec.rollouts_per_prompt
+            group = dataclasses.replace(group, versions=(
+                (self.admitted_version.pop(gid, 0), np.zeros((n,), np.int32)),
+                *self.swaps.pop(gid, ())))
             self.delivered += 1
             self.useful_tokens += int(group.lengths.sum())
             yield group

@@ -139,7 +139,8 @@ class LiveStream:
     open RolloutStream, the prompts drawn from the loader and not fed yet, and per fed prompt
     (its prompt_index in the stream) its tokens, record and loader index. The scheduler labels
     the weights by the RL step they were used in (swap_params(params, step)), so a group's
-    policy version is the step whose weights admitted it (scheduler.admitted_version)."""
+    policy version is the step whose weights admitted it (GroupResult.versions[0]; the rest of
+    GroupResult.versions says from which token on each sample was drawn by later weights)."""
     stream: Any
     sampling: Any
     pending: list = dataclasses.field(default_factory=list)    # [(prompt_ids, record, index)]
@@ -257,7 +258,7 @@ def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_sourc
         gr = next(live.stream)
         timing["rollout_s"] += time.perf_counter() - t0
         meta = live.fed.pop(gr.prompt_index)
-        version = sch.admitted_version.pop(gr.prompt_index)
+        version = gr.versions[0][0]        # admitted under it: its oldest tokens
         samples += gr.lengths.size
         if host.is_stale(ccfg, version, step):
             dropped += gr.lengths.size

@@ -70,31 +70,43 @@ def test_fed_prompts_give_the_one_shot_calls_samples_and_a_pause_keeps_them(mode
 
 def test_weight_swap_applies_at_the_next_device_call(model, engine):
     """Prompt 0 runs under the first weights; after a pause the weights are swapped: prompts
-    fed after the swap sample exactly what the new weights give; a sample admitted before it
-    keeps its first token (drawn at admission) and that token's log-prob under the old ones."""
+    fed after the swap sample exactly what the new weights give (their versions say so); a
+    sample caught in flight is the old weights' up to the token its record names, and the new
+    ones' from there."""
     other = tiny_model(seed=1).params
     other = engine.rollout_params(other)
     new = _all_at_once(engine, other)
     st = _open(engine, model.params)
     sch = st.scheduler
-    sch.feed(PROMPTS[:2])
+    sch.feed(PROMPTS[:3])                   # 18 samples for 12 slots: some wait
     first = next(iter(st))                  # pause after the first group
     sch.swap_params(other)
-    sch.feed(PROMPTS[2:])
+    sch.feed(PROMPTS[3:])
     sch.close_feed()
     rest = {gr.prompt_index: gr for gr in st}
     assert first.prompt_index not in rest and len(rest) == len(PROMPTS) - 1
     old = _all_at_once(engine, model.params)
     # admitted after the swap: exactly the new weights' samples
-    for g in (2, 3):
-        np.testing.assert_array_equal(rest[g].tokens, new.tokens[g])
-        np.testing.assert_allclose(rest[g].logprobs, new.logprobs[g], atol=2e-4)
-    # admitted before: token 0 drawn under the old weights, no token from a third program
-    caught = [g for g in (0, 1) if g != first.prompt_index]
-    for g in caught:
+    np.testing.assert_array_equal(rest[3].tokens, new.tokens[3])
+    np.testing.assert_allclose(rest[3].logprobs, new.logprobs[3], atol=2e-4)
+    assert [(v, f.tolist()) for v, f in rest[3].versions] == [(1, [0] * N)]
+    assert first.versions[0][0] == 0 and len(first.versions) == 1
+    # admitted before, caught by the swap: each sample's tokens before its recorded switch are
+    # the old weights' (tokens and log-probs), from it on the new weights drew them
+    moved = []
+    for g in [g for g in (0, 1, 2) if g != first.prompt_index]:
         gr = rest[g]
-        np.testing.assert_array_equal(gr.tokens[:, 0], old.tokens[g][:, 0])
-        np.testing.assert_allclose(gr.logprobs[:, 0], old.logprobs[g][:, 0], atol=2e-4)
+        (v0, zero), (v1, switch) = gr.versions
+        assert (v0, v1) == (0, 1) and not zero.any()
+        assert switch.min() >= 1                    # token 0 is drawn at admission
+        for j in range(N):
+            t = min(int(switch[j]), int(gr.lengths[j]))
+            np.testing.assert_array_equal(gr.tokens[j, :t], old.tokens[g][j, :t])
+            np.testing.assert_allclose(gr.logprobs[j, :t], old.logprobs[g][j, :t], atol=2e-4)
+            if t < gr.lengths[j]:
+                moved.append(not np.array_equal(gr.tokens[j], old.tokens[g][j]) or not
+                             np.allclose(gr.logprobs[j], old.logprobs[g][j], atol=2e-4))
+    assert moved and any(moved)         # samples caught mid-way, and the new weights show
     with pytest.raises(RuntimeError, match="feed"):
         sch.feed([[5]])
 

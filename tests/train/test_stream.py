@@ -60,7 +60,8 @@ def _spy_groups(monkeypatch, seen):
     def make_group(cfg, candidates, rewards, **kw):
         seen.append(dict(index=kw["index"], version=kw["round_"], step=kw["step"],
                          tokens=candidates.tokens, logprobs=candidates.logprobs,
-                         lengths=candidates.lengths, prompt=list(kw["prompt_ids"])))
+                         lengths=candidates.lengths, prompt=list(kw["prompt_ids"]),
+                         versions=candidates.versions))
         return real(cfg, candidates, rewards, **kw)
     monkeypatch.setattr(collect.host, "make_group", make_group)
 
@@ -144,16 +145,23 @@ def test_stream_at_k1_carries_groups_each_used_once_none_lost_none_too_old(train
     assert len({g["index"] for g in seen}) == len(seen)
     assert all(0 <= g["step"] - g["version"] <= 1 for g in seen)
     # behaviour log-probs: a group admitted and finished under one version is that version's;
-    # a carried one's first token was drawn (at admission) under its version
+    # a carried one's tokens are, up to each sample's recorded switch (GroupResult.versions)
     model = trainer.ctx.model
     carried = 0
     for g in seen:
         want = _recomputed(model, out[g["version"]][1], g["prompt"], g["tokens"], g["lengths"])
+        assert g["versions"][0][0] == g["version"]
         if g["version"] == g["step"]:
+            assert len(g["versions"]) == 1
             np.testing.assert_allclose(g["logprobs"], want, atol=2e-4)
         else:
             carried += 1
-            np.testing.assert_allclose(g["logprobs"][:, 0], want[:, 0], atol=2e-4)
+            # no swap recorded: it was complete (fetched, not yet handed out) at the swap
+            later = g["versions"][1:]
+            assert len(later) <= 1
+            switch = later[0][1] if later else g["lengths"]
+            for j, t in enumerate(np.minimum(switch, g["lengths"])):
+                np.testing.assert_allclose(g["logprobs"][j, :t], want[j, :t], atol=2e-4)
     assert carried > 0
     assert cstate.stream is None             # the last step closed it (a checkpoint step)
 
