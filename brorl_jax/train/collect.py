@@ -14,6 +14,10 @@ Per generation round (ceil(prompts_per_step * generation_batch_multiplier) promp
      algo.collect.make_group;
   4. the group filter (algo.GroupSampler) keeps groups in arrival order until the row budget
      (prompts_per_step * N) is full; the round's pass rates update the CollectState.
+With algo.stream_rounds, `stream_groups` replaces the rounds: one open rollout stream per step
+(kept in the CollectState across steps with algo.max_staleness >= 1), prompts fed by
+algo.collect.prompts_to_feed, each group scored and filtered as it comes out, too-old groups
+dropped (algo.collect.is_stale), the stream closed by `stream_ends_after`.
 Then `advantages` (the normaliser over every kept group of every process) and `update_batch`.
 Under several processes each process fills its share of the rows with its own prompts.
 """
