@@ -1,14 +1,15 @@
 """Benchmark of whole RL steps (train/step.py rl_step): today's dynamic-sampling rounds against one
 stream per step (algo.stream_rounds) and bounded staleness (algo.max_staleness = 1, 2), issue 28.
 
-A Qwen2-shaped random model (transformers-style init, built in memory: no download), responses
+A Qwen2-shaped random model (models.init_params, built in memory: no download), responses
 long-tailed (a stop set of vocab/32 random ids, as bench/rollout.py's long-tail section: lengths
 roughly geometric up to max_new_tokens), a verifier whose groups pass the dynamic-sampling filter
 at a rate near 0.4 (so a step needs more than one round) and that takes 50 ms per group (a remote
-sandbox or judge), and the real update (PPO, TIS, packed rows) on one device. For each mode it
-runs warm-up steps (compiles), then timed steps, and prints per step: wall time, the engine's
-occupancy over the step's decoding (live slots / slots), the staleness of the samples used, the
-samples carried / dropped / discarded, and the step time as a ratio of the rounds'.
+sandbox or judge), and the real update (PPO, TIS, packed rows) on one device. The modes take
+turns step by step (warm-up steps that compile, then timed steps, so a change of the machine's
+load moves them alike); it prints per step the wall time, the engine's occupancy over the
+step's decoding (live slots / slots), and per mode the staleness of the samples used, the
+samples carried / dropped / discarded and the median step time as a ratio of the rounds'.
 
     python bench/steps.py            # 4 layers, hidden 512, vocab 32000, N = 16, 8 prompts/step
     python bench/steps.py --quick    # 2 layers, hidden 256, vocab 8192, N = 8, 4 prompts/step
@@ -115,21 +116,27 @@ def make_context(args, model: Model, stop, stream: bool, k: int, runtime=None) -
         scorer=SlowVerifier(args.pass_rate, args.latency), eval_prompts=[])
 
 
-def run_mode(args, model, stop, runtime, name, stream, k) -> dict:
-    ctx = make_context(args, model, stop, stream, k, runtime)
-    state = ctx.new_train_state(jax.tree.map(jnp.copy, model.params))
-    cstate = algo.CollectState()
-    source = prompts(model.config.vocab_size, args.prompt_len, args.prompts)
-    rows = []
-    for step in range(args.warmup + args.steps):
+class Mode:
+    """One mode's run: its context, train and collect state, prompt source and timed steps."""
+
+    def __init__(self, args, model, stop, runtime, name, stream, k):
+        self.name, self.stream, self.k = name, stream, k
+        self.ctx = make_context(args, model, stop, stream, k, runtime)
+        self.state = self.ctx.new_train_state(jax.tree.map(jnp.copy, model.params))
+        self.cstate = algo.CollectState()
+        self.source = prompts(model.config.vocab_size, args.prompt_len, args.prompts)
+        self.rows: list = []
+
+    def step(self, step: int, timed: bool) -> None:
         t0 = time.perf_counter()
-        state, cstate, m = rl_step(ctx, state, cstate, source, step)
-        jax.block_until_ready(state.params)
+        self.state, self.cstate, m = rl_step(self.ctx, self.state, self.cstate, self.source,
+                                             step)
+        jax.block_until_ready(self.state.params)
         wall = time.perf_counter() - t0
-        if step >= args.warmup:
-            rows.append(dict(
-                step_s=wall, update_s=m["time/update_s"],
-                occupancy=m.get("rollout/step_occupancy", m.get("rollout/occupancy", 0.0)),
+        occupancy = m.get("rollout/step_occupancy", m.get("rollout/occupancy", 0.0))
+        if timed:
+            self.rows.append(dict(
+                step_s=wall, update_s=m["time/update_s"], occupancy=occupancy,
                 rounds=m["dynamic_sampling/rounds"], kept=m["dynamic_sampling/kept_groups"],
                 pass_rate=m["dynamic_sampling/pass_rate"],
                 staleness_mean=m.get("staleness/mean", 0.0),
@@ -138,21 +145,24 @@ def run_mode(args, model, stop, runtime, name, stream, k) -> dict:
                 dropped=m.get("staleness/dropped_samples", 0),
                 discarded=m.get("rollout/discarded_samples", 0),
                 generated=m["perf/generated_samples"]))
-        occupancy = m.get("rollout/step_occupancy", m.get("rollout/occupancy", 0.0))
-        print(f"  {name:20s} step {step}{' (warm-up)' if step < args.warmup else ''}: "
-              f"{wall:6.2f} s, occupancy {occupancy:.2f}, rounds "
-              f"{m['dynamic_sampling/rounds']:.0f}", flush=True)
-    if cstate.stream is not None:
-        cstate.stream.close()
-    mean = lambda key: float(np.mean([r[key] for r in rows]))
-    return dict(mode=name, stream_rounds=stream, max_staleness=k, steps=rows,
-                step_s=mean("step_s"),
-                step_s_median=float(np.median([r["step_s"] for r in rows])),
-                update_s=mean("update_s"), occupancy=mean("occupancy"),
-                rounds=mean("rounds"), staleness_mean=mean("staleness_mean"),
-                staleness_max=max(r["staleness_max"] for r in rows),
-                carried=mean("carried"), dropped=mean("dropped"), discarded=mean("discarded"),
-                generated=mean("generated"), pass_rate=mean("pass_rate"))
+        print(f"  {self.name:20s} step {step}{'' if timed else ' (warm-up)'}: {wall:6.2f} s, "
+              f"occupancy {occupancy:.2f}, rounds {m['dynamic_sampling/rounds']:.0f}",
+              flush=True)
+
+    def summary(self) -> dict:
+        if self.cstate.stream is not None:
+            self.cstate.stream.close()
+        rows = self.rows
+        mean = lambda key: float(np.mean([r[key] for r in rows]))
+        return dict(mode=self.name, stream_rounds=self.stream, max_staleness=self.k, steps=rows,
+                    step_s=mean("step_s"),
+                    step_s_median=float(np.median([r["step_s"] for r in rows])),
+                    update_s=mean("update_s"), occupancy=mean("occupancy"),
+                    rounds=mean("rounds"), staleness_mean=mean("staleness_mean"),
+                    staleness_max=max(r["staleness_max"] for r in rows),
+                    carried=mean("carried"), dropped=mean("dropped"),
+                    discarded=mean("discarded"), generated=mean("generated"),
+                    pass_rate=mean("pass_rate"))
 
 
 def table(results: list) -> str:
@@ -203,7 +213,13 @@ def main():
           f"{args.latency * 1e3:.0f} ms/group; {os.cpu_count()} CPUs, load {load[0]:.1f}",
           flush=True)
     runtime = make_context(args, model, stop, False, 0).runtime
-    results = [run_mode(args, model, stop, runtime, *mode) for mode in MODES]
+    modes = [Mode(args, model, stop, runtime, *mode) for mode in MODES]
+    # the modes take turns step by step, so a change of the machine's load over the run moves
+    # them alike (their schedules are deterministic: only the wall times feel the load)
+    for step in range(args.warmup + args.steps):
+        for mode in modes:
+            mode.step(step, timed=step >= args.warmup)
+    results = [mode.summary() for mode in modes]
     print(table(results))
     load_end = os.getloadavg()
     print(f"load average at start {load[0]:.1f}, at end {load_end[0]:.1f} "
