@@ -81,6 +81,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.algo.generation_batch_multiplier = 1.5   # NeMo-RL ProRLv2 value (over-generate per round)
     c.algo.max_generation_rounds = 10          # NeMo-RL dynamic_sampling_max_gen_batches
     c.algo.dynamic_sampling_cap_policy = "error"         # error | pad (train on what was kept, rest masked)
+    # One stream per step (docs/rollout.md): prompts enter the running engine as slots free up,
+    # no round drains it; False = today's rounds. Not in the paper.
+    c.algo.stream_rounds = False
+    c.algo.max_staleness = 0                   # k: train on samples up to k updates old (TIS); needs the stream
     c.algo.clip_eps_low = 0.2                  # [ProRLv2]
     c.algo.clip_eps_high = 0.28                # [ProRLv2]
     c.algo.dual_clip_c = 3.0                   # A < 0: loss <= -c A; 0 = off [veRL default clip_ratio_c]
@@ -233,6 +237,7 @@ POSITIVE = (
 )
 NON_NEGATIVE = (
     "algo.kl_coef", "algo.clip_eps_high", "algo.ref_reset_every", "algo.micro_batch_tokens",
+    "algo.max_staleness",
     "algo.advantage_eps", "algo.whiten_eps", "algo.entropy_coef", "algo.length_penalty_on_steps",
     "algo.length_penalty_off_steps", "train.steps", "eval.every", "sft.steps",
     "optim.warmup_steps", "rollout.memory_budget_gb", "train.seed", "data.seed",
@@ -546,6 +551,18 @@ def _validate_options(cfg: ml_collections.ConfigDict) -> list[str]:
     if not 0.0 <= o.final_lr_ratio <= 1.0:
         errors.append(f"config key 'optim.final_lr_ratio' must be in [0, 1], got "
                       f"{o.final_lr_ratio}.")
+    if a.max_staleness > 0 and not a.stream_rounds:
+        errors.append(f"config key 'algo.max_staleness'={a.max_staleness} carries samples "
+                      "across steps, which only the stream does; set algo.stream_rounds=True "
+                      "or algo.max_staleness=0.")
+    if a.max_staleness > 0 and (a.tis_mode == "off" or not a.recompute_old_logprobs):
+        errors.append(f"config key 'algo.max_staleness'={a.max_staleness} trains on samples of "
+                      "older weights, corrected per token by the truncated IS weight "
+                      "pi_old / behaviour; it needs algo.tis_mode != 'off' and "
+                      "algo.recompute_old_logprobs=True (or algo.max_staleness=0).")
+    if a.stream_rounds and r.adaptive_n:
+        errors.append("config key 'algo.stream_rounds'=True decodes one N for every prompt; "
+                      "turn off rollout.adaptive_n or algo.stream_rounds.")
     return errors
 
 

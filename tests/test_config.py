@@ -185,6 +185,19 @@ def test_paper_recipes_have_paper_values():
     assert "sqrt" in why
 
 
+def test_the_streams_combinations_are_named():
+    c = default_config()
+    c.algo.stream_rounds, c.algo.max_staleness, c.algo.tis_mode = True, 2, "off"
+    with pytest.raises(ConfigError, match=r"needs algo.tis_mode != 'off' and "
+                                          r"algo.recompute_old_logprobs=True"):
+        validate(c)
+    c.algo.tis_mode, c.rollout.adaptive_n = "truncate", True
+    with pytest.raises(ConfigError, match=r"'algo.stream_rounds'=True decodes one N"):
+        validate(c)
+    c.rollout.adaptive_n = False
+    validate(c)
+
+
 def test_misspelled_key_is_named_with_suggestion():
     c = default_config()
     c.rollout.unlock()
@@ -209,6 +222,8 @@ def test_wrong_type_is_named():
     ("rollout.top_p", 1.5, r"'rollout.top_p' must be in \(0, 1\]"),
     ("algo.micro_batch_size", 7, r"'algo.micro_batch_size'=7 does not divide"),
     ("mesh.fsdp", 0, r"'mesh.fsdp' must be a positive size or -1"),
+    ("algo.max_staleness", -1, r"'algo.max_staleness' must be >= 0"),
+    ("algo.max_staleness", 1, r"'algo.max_staleness'=1 .* set algo.stream_rounds=True"),
 ])
 def test_bad_values_are_named(key, value, pattern):
     c = default_config()

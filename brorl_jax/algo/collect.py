@@ -47,10 +47,18 @@ class CollectState:
     pass_rates: prompt index -> EMA of its pass rate (AdaptiveN; empty with a fixed N).
     advantage_normalizer: the normaliser's state ({"ema_std": x} for "ema"; empty for "batch").
     health: the verifier verdicts of the last step (each step starts from none, so it is not
-        checkpointed: a resumed step counts its own)."""
+        checkpointed: a resumed step counts its own).
+    stream_counts: (groups the filter kept, groups scored) over the run's streamed steps
+        (algo.stream_rounds): the pass rate the stream's oversupply expects (stream_pass_rate).
+    stream: the live stream carried into the next step (algo.max_staleness >= 1; the train
+        layer's object: the paused engine, its prompts in flight and their policy versions).
+        Never checkpointed: the stream is closed at every checkpoint step (in an uninterrupted
+        run too), so a resumed run starts where the uninterrupted one starts afresh."""
     pass_rates: Mapping[int, float] = dataclasses.field(default_factory=dict)
     advantage_normalizer: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     health: VerifierHealth = dataclasses.field(default_factory=VerifierHealth, compare=False)
+    stream_counts: tuple = ()
+    stream: Any = dataclasses.field(default=None, compare=False)
 
     def to_json(self) -> dict:
         """The checkpoint meta's form ({} for the paper's recipe); floats round-trip exactly."""
@@ -59,13 +67,16 @@ class CollectState:
             out["pass_rates"] = {str(k): float(v) for k, v in self.pass_rates.items()}
         if self.advantage_normalizer:
             out["advantage_normalizer"] = dict(self.advantage_normalizer)
+        if self.stream_counts:
+            out["stream_counts"] = [int(x) for x in self.stream_counts]
         return out
 
     @classmethod
     def from_json(cls, state: Mapping | None) -> "CollectState":
         state = state or {}
         return cls(pass_rates={int(k): float(v) for k, v in state.get("pass_rates", {}).items()},
-                   advantage_normalizer=dict(state.get("advantage_normalizer", {})))
+                   advantage_normalizer=dict(state.get("advantage_normalizer", {})),
+                   stream_counts=tuple(int(x) for x in state.get("stream_counts", ())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +164,61 @@ def make_group(cfg: CollectConfig, candidates, rewards: np.ndarray, *, n: int,
     rate = float(np.mean(rewards >= cfg.correct_threshold))
     return group, GroupInfo(candidates=m, kept=n, unique=unique, duplicates_kept=dup,
                             clipped=n_clipped, clip_checked=n_checked, pass_rate=rate)
+
+
+# ------------------------------------------------------------------------------------------------
+# The stream (algo.stream_rounds): how many prompts to feed, how old a sample may be
+# ------------------------------------------------------------------------------------------------
+def stream_pass_rate(cfg: CollectConfig, state: CollectState) -> float:
+    """The fraction of groups the filter keeps that the stream's oversupply expects: kept /
+    scored over the run's streamed steps (state.stream_counts); before any, 1 /
+    generation_batch_multiplier (the rounds' own guess: one round fills the step)."""
+    if state.stream_counts and state.stream_counts[1] > 0:
+        kept, scored = state.stream_counts
+        return kept / scored
+    return 1.0 / float(cfg.generation_batch_multiplier)
+
+
+def stream_counts_after(state: CollectState, kept: int, scored: int) -> CollectState:
+    """The state with one more step's filter counts."""
+    k0, s0 = state.stream_counts or (0, 0)
+    return dataclasses.replace(state, stream_counts=(k0 + int(kept), s0 + int(scored)))
+
+
+def groups_needed(cfg: CollectConfig, rows_left: int, max_group_rows: int) -> int:
+    """Kept groups still needed to fill the step's rows (0 once the batch is full: less room
+    than the largest group, dynamic_sampling.GroupSampler.full)."""
+    if rows_left < max_group_rows:
+        return 0
+    return (rows_left - max_group_rows) // cfg.rollouts_per_prompt + 1
+
+
+def prompts_to_feed(cfg: CollectConfig, *, needed: int, step_groups: int, in_flight: int,
+                    fed: int, cap: int, pool: int, pass_rate: float) -> int:
+    """How many prompts the stream admits now (issue 28's admission rule).
+
+    needed: kept groups still needed this step; step_groups: the groups a step keeps (this
+    process's prompts_per_step); in_flight: prompts fed and not handed out (this step's and
+    carried); fed: prompts fed this step; cap: prompts one step may feed (max_generation_rounds
+    x the round's prompts); pool: the engine's prompt-pool entries (more in flight only wait).
+    The oversupply follows the observed pass rate p: prompts in flight while they are not
+    expected to fill the step, ceil(needed / p). With max_staleness >= 1 the next step's
+    prompts are admitted too, ceil((needed + step_groups) / p), so the engine stays busy while
+    this step's stragglers finish; one step ahead, not k: more would only age the samples
+    (groups come out roughly first in, first out), k is the bound, not the target. Never more
+    in flight than the pool, never beyond the step's cap."""
+    if needed <= 0:
+        return 0
+    ahead = step_groups if cfg.max_staleness > 0 else 0
+    target = min(pool, math.ceil((needed + ahead) / max(pass_rate, 1e-6)))
+    return int(max(0, min(target - in_flight, cap - fed)))
+
+
+def is_stale(cfg: CollectConfig, version: int, step: int) -> bool:
+    """A group whose prompt was admitted under the weights of step `version` (so its tokens
+    span versions version..step) is too old for the update of `step` when step - version >
+    max_staleness: it is dropped (and counted), never trained on."""
+    return step - version > cfg.max_staleness
 
 
 # ------------------------------------------------------------------------------------------------

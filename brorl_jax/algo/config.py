@@ -124,6 +124,8 @@ class CollectConfig:
     generation_batch_multiplier: float
     max_generation_rounds: int
     dynamic_sampling_cap_policy: str
+    stream_rounds: bool
+    max_staleness: int
     reward_clip_low: float
     reward_clip_high: float
     pack_sequences: bool

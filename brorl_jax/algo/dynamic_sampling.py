@@ -169,6 +169,11 @@ class GroupSampler:
     def add_round(self, groups: Sequence[Group]) -> np.ndarray:
         """Records one generation round; returns the filter's kept mask [len(groups)]."""
         self.rounds += 1
+        return self.add_groups(groups)
+
+    def add_groups(self, groups: Sequence[Group]) -> np.ndarray:
+        """Records groups without counting a round (the stream, which has none: its caller
+        keeps `rounds` and the cap); returns the filter's kept mask [len(groups)]."""
         keep_fn = get_group_filter(self.rule)
         kept = np.zeros(len(groups), bool)
         for i, grp in enumerate(groups):

@@ -109,6 +109,10 @@ class GroupResult:
     lengths/finished/truncated [N], mask [N, S] as in :class:`RolloutResult`.
     decode_step: decode steps run (since the call started) when the group completed.
     seconds: wall time from the start of the call to the group being ready on the host.
+    versions: the weights its tokens were sampled with, ((version, first [N]), ...) oldest
+    first: token t of sample n came from the last version whose first[n] <= t (the first entry
+    is the version it was admitted under, first = 0; an open stream adds one per weight swap
+    while the group was in flight: Scheduler.swap_params). ``((0, zeros),)`` in a plain call.
     """
 
     prompt_index: int
@@ -121,6 +125,7 @@ class GroupResult:
     prompt_length: int
     decode_step: int
     seconds: float
+    versions: tuple = ()
 
 
 def _group(prompt_index, tok, logp, lengths, fin, prompt_length, step, seconds) -> GroupResult:
@@ -222,6 +227,11 @@ class RolloutStream:
         self._delivered.append(item)
         return item
 
+    @property
+    def scheduler(self) -> "Scheduler":
+        """The call's Scheduler (an open stream's feed, weight swap and progress live there)."""
+        return self._scheduler
+
     def close(self) -> None:
         self._closed = True
         if self._queue is not None:
@@ -268,10 +278,16 @@ class Scheduler:
     """
 
     def __init__(self, engine: "Engine", params: Any, prompts: Sequence[Sequence[int]],
-                 spec: programs.Spec, plan: SlotPlan, stop: Any, seed_key: np.ndarray):
-        self.engine, self.params, self.prompts = engine, params, prompts
+                 spec: programs.Spec, plan: SlotPlan, stop: Any, seed_key: np.ndarray,
+                 *, open_feed: bool = False):
+        self.engine, self.params, self.prompts = engine, params, list(prompts)
         self.spec, self.plan, self.stop, self.seed_key = spec, plan, stop, seed_key
-        self.num_prompts = len(prompts)
+        # An open feed (Engine.open_stream): more prompts may come (feed()), so the loop never
+        # treats the call as drained (no "final" tail shrink, no compaction) until close_feed().
+        self.open = bool(open_feed)
+        self.version = 0                       # the caller's label of the current weights
+        self.admitted_version: dict = {}       # prompt -> version its prefill (and token 0) ran
+        self.swaps: dict = {}                  # prompt -> [(version, first new token [N])]
         self.num_slots = plan.slots            # the current slot bucket (per device)
         self.entry_prompt = [-1] * spec.pool   # the prompt each pool entry holds (-1: free)
         self.next_prompt = 0                   # prompts admitted so far
@@ -292,9 +308,88 @@ class Scheduler:
         self.admit_rows = 1 << (rows.bit_length() - 1)
 
     @property
+    def num_prompts(self) -> int:
+        """Prompts given so far (all of them unless the feed is open)."""
+        return len(self.prompts)
+
+    @property
     def all_fetched(self) -> bool:
-        """Every prompt's group is complete and fetched (handed out or ready to be)."""
-        return self.delivered + len(self.ready) >= self.num_prompts
+        """Every prompt's group is complete and fetched (handed out or ready to be), and no more
+        prompts can come."""
+        return not self.open and self.delivered + len(self.ready) >= self.num_prompts
+
+    @property
+    def in_flight(self) -> int:
+        """Prompts given whose group is not handed out yet (admitted or waiting for an entry)."""
+        return self.num_prompts - self.delivered
+
+    # -- an open feed (Engine.open_stream): the consumer adds prompts and swaps weights ----------
+    def feed(self, prompts: Sequence[Sequence[int]]) -> range:
+        """More prompts for an open stream; -> their prompt indices (GroupResult.prompt_index).
+        They are admitted at the next return to the host that finds a free pool entry."""
+        if not self.open:
+            raise RuntimeError("feed() needs an open stream (Engine.open_stream) not yet closed")
+        sp = self.spec
+        prompts = validate_inputs(self.engine.cfg, prompts, sp.rollouts_per_prompt,
+                                  sp.max_new_tokens, sp.temperature, sp.top_p, sp.top_k)
+        for pr in prompts:
+            if len(pr) > sp.prompt_len:
+                raise ValueError(f"a fed prompt has {len(pr)} tokens; this open stream takes at "
+                                 f"most {sp.prompt_len} (its prompt_len)")
+        first = self.num_prompts
+        self.prompts.extend(prompts)
+        return range(first, self.num_prompts)
+
+    def close_feed(self) -> None:
+        """No more prompts: the stream ends once every group given is handed out."""
+        self.open = False
+
+    def swap_params(self, params: Any, version: int | None = None) -> None:
+        """Decode (and prefill) with ``params`` from the next device call on; ``version``
+        labels them (default: one more). Samples in flight keep their tokens and KV so far:
+        each token's recorded log-prob is that of the weights (and cache) it was sampled with.
+        ``admitted_version[g]``: the version prompt g was admitted (prefilled, its samples'
+        first tokens drawn) under, the oldest of its tokens."""
+        version = self.version + 1 if version is None else int(version)
+        self._record_swap(version)
+        self.params = params
+        self.version = version
+
+    def _record_swap(self, version: int) -> None:
+        """For every admitted prompt not handed out: the index of each sample's first token the
+        new weights will sample (live: the token after its current one; pending: 1, token 0
+        was drawn at admission; finished: never, S). Waits for the decode call in flight (it
+        runs under the old weights). A sample restarted later for want of pages (a memory
+        budget) redraws its tokens from 1 under the weights of then: its record is a bound."""
+        busy = [(e, g) for e, g in enumerate(self.entry_prompt) if g >= 0]
+        if self.slots is None or not busy:
+            return
+        sl = jax.device_get({k: self.slots[k] for k in ("entry", "sample", "t")})
+        pool = jax.device_get({k: self.pool[k] for k in ("queue", "qlen", "qnext")})
+        share, n, s = self.spec.share, self.spec.rollouts_per_prompt, self.spec.max_new_tokens
+        for e, g in busy:
+            first = np.full((self.engine.num_devices * share,), s, np.int32)
+            for d in range(self.engine.num_devices):
+                pend = pool["queue"][d, e, pool["qnext"][d, e]:pool["qlen"][d, e]]
+                first[d * share + pend] = 1
+                live = sl["entry"][d] == e
+                first[d * share + sl["sample"][d][live]] = sl["t"][d][live] + 1
+            self.swaps.setdefault(g, []).append((version, first[:n]))
+
+    def progress(self) -> dict:
+        """Cumulative counters up to the launched decode call (it is waited for): decode steps,
+        live slot-steps, slot-steps, refills, compactions and delivered tokens, for per-step
+        statistics of a stream spanning RL steps (take differences)."""
+        if self.device_stats is None:
+            return dict(decode_steps=0, live_slot_steps=0, slot_steps=0, refills=0,
+                        compactions=0, useful_tokens=0)
+        st = jax.device_get(self.device_stats)
+        steps = int(st["steps"][0])
+        pending = (steps - self.steps) * self.num_slots * self.engine.num_devices
+        return dict(decode_steps=steps, live_slot_steps=int(st["live"].sum()),
+                    slot_steps=self.counters["slot_steps"] + pending,
+                    refills=int(st["refills"].sum()), compactions=self.counters["compactions"],
+                    useful_tokens=self.useful_tokens)
 
     def _program(self, name: str, *extra):
         return self.engine._program(name, self.spec, *extra)
@@ -322,6 +417,7 @@ class Scheduler:
                 toks[r, : len(pr)] = pr
                 lens[r], gids[r], ents[r] = len(pr), g, free[r]
                 self.entry_prompt[free[r]] = g
+                self.admitted_version[g] = self.version
             t0 = time.perf_counter()
             self.pool = self._program("admit", ga)(self.params, toks, lens, ents, gids, self.stop,
                                                    self.seed_key, self.pool)[0]
@@ -334,7 +430,8 @@ class Scheduler:
     def decode(self) -> Any:
         """Launch one decode call (asynchronously); -> its summary, still on the device."""
         (self.pool, self.slots, self.kv, self.device_stats), summary = self._program("decode")(
-            self.params, self.stop, self.seed_key, np.bool_(self.next_prompt >= self.num_prompts),
+            self.params, self.stop, self.seed_key,
+            np.bool_(not self.open and self.next_prompt >= self.num_prompts),
             self.pool, self.slots, self.kv, self.device_stats)
         return summary
 
@@ -355,6 +452,7 @@ class Scheduler:
         """Fetch the groups the decode call completed, free their entries, admit more prompts;
         -> whether any group completed."""
         done = [e for e in range(self.spec.pool) if sm["complete"][e]]
+        waiting = self.next_prompt < self.num_prompts
         for e in done:
             self.ready.append((self.entry_prompt[e],
                                self._program("fetch")(np.int32(e), self.pool)[0], self.steps))
@@ -365,12 +463,17 @@ class Scheduler:
             for e in done:
                 self.entry_prompt[e] = -1
             self.admit()
+        elif waiting and min(self.entry_prompt) < 0:    # fed since the last return (open feed)
+            before = self.next_prompt
+            self.admit()
+            return self.next_prompt > before
         return bool(done)
 
     def compact(self, sm: dict) -> bool:
         """Once every prompt is admitted and no sample is pending, move the live samples into the
         smallest slot bucket that holds them; -> whether the slots were compacted."""
-        if (self.spec.lockstep or self.next_prompt < self.num_prompts or int(sm["pending"])
+        if (self.spec.lockstep or self.open or self.next_prompt < self.num_prompts
+                or int(sm["pending"])
                 or self.all_fetched):
             return False
         compacted = False
@@ -393,6 +496,10 @@ class Scheduler:
                                     for a in jax.device_get(arrays))
             group = _group(gid, tok, logp, lens, fin, len(self.prompts[gid]), step,
                            time.perf_counter() - self.started_at)
+            n = self.spec.rollouts_per_prompt
+            group = dataclasses.replace(group, versions=(
+                (self.admitted_version.pop(gid, 0), np.zeros((n,), np.int32)),
+                *self.swaps.pop(gid, ())))
             self.delivered += 1
             self.useful_tokens += int(group.lengths.sum())
             yield group
@@ -410,6 +517,9 @@ class Scheduler:
                 sm, ran = self.wait(summary, t0)
                 progressed = self.collect(sm) or ran
                 progressed = self.compact(sm) or progressed
+                if not progressed and self.open and self.in_flight == 0:
+                    raise RuntimeError("an open rollout stream was asked for a group with none "
+                                       "in flight: feed() prompts or close_feed() first")
                 if not progressed:
                     raise RuntimeError(f"rollout scheduler made no progress (a bug): summary={sm}, "
                                        f"slots={self.num_slots}, entries={self.entry_prompt}")
@@ -698,6 +808,48 @@ class Engine:
                               np.asarray(jax.random.PRNGKey(seed)))
         return RolloutStream(scheduler, functools.partial(self._run, scheduler),
                              background=background)
+
+    def open_stream(self, params: Any, *, prompt_len: int, plan_prompts: int,
+                    rollouts_per_prompt: int, max_new_tokens: int, temperature: float = 1.0,
+                    top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+                    eos_ids: Sequence[int] | None = None,
+                    memory_budget_bytes: int | None = None) -> RolloutStream:
+        """A stream with no prompts yet and an open feed (docs/rollout.md "One stream across
+        rounds and steps"): ``stream.scheduler.feed(prompts)`` adds prompts of up to
+        ``prompt_len`` tokens at any time, ``swap_params`` changes the weights between two host
+        returns, ``close_feed`` lets it end. It runs in the caller's thread (no background
+        driver): the consumer decides what to feed between the groups it takes, so what is
+        admitted when, and under which weights, follows the groups alone (reproducible).
+        Leaving the iteration suspended pauses the engine with its slots, pages and prompt pool
+        kept (the decode call launched last runs to its end). The slots are planned as for a
+        call of ``plan_prompts`` prompts; the pool holds twice the prompts the slots do, +2, so
+        a freed slot finds pending work while prompts are fed, even with several prompts held
+        by their last (long) sample."""
+        if self.mesh is not None and not isinstance(self.mesh, Mesh):
+            raise ValueError("this engine's mesh is abstract: it can only lower (lower_decode)")
+        cfg = self.cfg
+        validate_inputs(cfg, [[0]], rollouts_per_prompt, max_new_tokens, temperature, top_p,
+                        top_k)
+        if not isinstance(plan_prompts, (int, np.integer)) or plan_prompts < 1:
+            raise ValueError(f"plan_prompts must be a positive int, got {plan_prompts!r}")
+        eos = tuple(cfg.eos_token_ids) if eos_ids is None else tuple(eos_ids)
+        p = bucket_prompt_length(int(prompt_len))
+        plan = self.plan(int(plan_prompts), p, rollouts_per_prompt, max_new_tokens,
+                         memory_budget_bytes)
+        # Twice the prompts the slots hold, +2: with long-tailed lengths a prompt keeps its
+        # entry until its slowest sample stops, while its other slots already decode others.
+        held = -(-plan.slots // max(plan.share, 1))
+        plan = dataclasses.replace(plan, pool=2 * held + 2)
+        spec = self._spec(prompt_len=p, max_new_tokens=max_new_tokens, plan=plan,
+                          rollouts_per_prompt=rollouts_per_prompt, temperature=temperature,
+                          top_k=top_k, top_p=top_p)
+        params = self.rollout_params(params)
+        if self.mesh is not None:
+            params = jax.device_put(params, NamedSharding(self.mesh, P()))
+        scheduler = Scheduler(self, params, [], spec, plan, stop_table(cfg, eos),
+                              np.asarray(jax.random.PRNGKey(seed)), open_feed=True)
+        return RolloutStream(scheduler, functools.partial(self._run, scheduler),
+                             background=False)
 
     def _run(self, scheduler: Scheduler, should_stop: Callable[[], bool]) -> Iterator[GroupResult]:
         """The device loop of a stream: ``scheduler.run`` (one place to wrap it, e.g. a test that

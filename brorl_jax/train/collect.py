@@ -14,6 +14,10 @@ Per generation round (ceil(prompts_per_step * generation_batch_multiplier) promp
      algo.collect.make_group;
   4. the group filter (algo.GroupSampler) keeps groups in arrival order until the row budget
      (prompts_per_step * N) is full; the round's pass rates update the CollectState.
+With algo.stream_rounds, `stream_groups` replaces the rounds: one open rollout stream per step
+(kept in the CollectState across steps with algo.max_staleness >= 1), prompts fed by
+algo.collect.prompts_to_feed, each group scored and filtered as it comes out, too-old groups
+dropped (algo.collect.is_stale), the stream closed by `stream_ends_after`.
 Then `advantages` (the normaliser over every kept group of every process) and `update_batch`.
 Under several processes each process fills its share of the rows with its own prompts.
 """
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -64,6 +68,7 @@ class Collected:
     rollout_stats: dict             # summed rollout.RolloutStream.stats
     generated_samples: int
     cap_error: str | None = None    # the round cap was hit with cap policy "error"
+    extra: dict = dataclasses.field(default_factory=dict)   # the stream's metrics (staleness/..)
 
 
 def generate_groups(ctx: RunContext, params, state: algo.CollectState, batch_source, step: int
@@ -127,6 +132,194 @@ def generate_groups(ctx: RunContext, params, state: algo.CollectState, batch_sou
                      rows_used=sampler.rows_used, health=merge_health(healths),
                      timing={f"time/{k}": v for k, v in timing.items()}, rollout_stats=stats,
                      generated_samples=samples, cap_error=cap_error), state
+
+
+# ------------------------------------------------------------------------------------------------
+# One stream per step (algo.stream_rounds), carried across steps (algo.max_staleness >= 1)
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(eq=False)
+class LiveStream:
+    """The rollout stream a step leaves paused for the next (CollectState.stream): the engine's
+    open RolloutStream, the prompts drawn from the loader and not fed yet, and per fed prompt
+    (its prompt_index in the stream) its tokens, record and loader index. The scheduler labels
+    the weights by the RL step they were used in (swap_params(params, step)), so a group's
+    policy version is the step whose weights admitted it (GroupResult.versions[0]; the rest of
+    GroupResult.versions says from which token on each sample was drawn by later weights)."""
+    stream: Any
+    sampling: Any
+    pending: list = dataclasses.field(default_factory=list)    # [(prompt_ids, record, index)]
+    fed: dict = dataclasses.field(default_factory=dict)        # prompt_index -> FedPrompt
+    progress: dict | None = None      # scheduler.progress() at the end of the last step
+
+    @property
+    def scheduler(self):
+        return self.stream.scheduler
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class FedPrompt:
+    prompt_ids: list
+    record: dict
+    index: int
+
+
+def stream_seed(seed: int, step: int) -> int:
+    """The rollout seed of a stream opened at `step` (sample n of its g-th fed prompt draws
+    from fold_in(seed, g * N + n): the stream's schedule never changes a sample)."""
+    return call_seed(round_seed(seed, step, 0), 7)
+
+
+def stream_ends_after(ctx: RunContext, step: int) -> bool:
+    """Whether the stream is closed at the end of `step` (its groups in flight discarded): every
+    step with max_staleness = 0 (nothing may be carried), and at every checkpoint step and the
+    last one, in an uninterrupted run too, so a run resumed from any checkpoint repeats exactly
+    what the uninterrupted one did (a stop by signal checkpoints the step it stops at: its
+    carried work is lost, so that resume is exact only at train.checkpoint_every)."""
+    t = ctx.cfg.train
+    done = step + 1
+    return (ctx.collect_cfg.max_staleness == 0 or done % t.checkpoint_every == 0
+            or done >= t.steps)
+
+
+def _open_stream(ctx: RunContext, params, step: int, sampling, round_prompts: int) -> LiveStream:
+    ccfg = ctx.collect_cfg
+    st = ctx.runtime.open_stream(
+        ctx.model, params, prompt_len=ctx.cfg.data.max_prompt_len, plan_prompts=round_prompts,
+        rollouts_per_prompt=host.num_candidates(ccfg, ccfg.rollouts_per_prompt),
+        max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+        top_p=sampling.top_p, top_k=sampling.top_k, seed=stream_seed(ccfg.seed, step),
+        eos_ids=ctx.eos_ids)
+    st.scheduler.version = step
+    return LiveStream(stream=st, sampling=sampling)
+
+
+def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_source, step: int
+                  ) -> tuple[Collected, algo.CollectState]:
+    """The step's groups from one stream (docs/rollout.md "One stream across rounds and
+    steps"): prompts are fed into the running engine as groups come out, while the kept groups
+    plus the ones in flight (at the observed pass rate) cannot fill the step
+    (algo.collect.prompts_to_feed), until dynamic sampling has filled this process's rows or the
+    step's cap (max_generation_rounds x the round's prompts) is fed and done. A group admitted
+    under the weights of a step more than max_staleness steps back is dropped and counted. The
+    groups still in flight are carried into the next step in the paused engine (max_staleness
+    >= 1), else discarded (stream_ends_after). `params` as the runtime's rollout takes them:
+    a carried stream swaps them in. -> (what was collected, the state: the stream's pass-rate
+    counts and the live stream or None)."""
+    ccfg = ctx.collect_cfg
+    row_budget = ccfg.batch_rows // ctx.runtime.num_processes
+    max_rows = host.max_group_rows(ccfg)
+    sampler = algo.GroupSampler.from_config(ccfg, row_budget=row_budget, max_group_rows=max_rows)
+    sampling = ctx.train_sampling(step)
+    n = ccfg.rollouts_per_prompt
+    live: LiveStream | None = state.stream
+    discarded = 0
+    if live is not None and live.sampling != sampling:     # a scheduled temperature changed
+        discarded += live.scheduler.in_flight * host.num_candidates(ccfg, n)
+        live.close()
+        live = None
+    # a generation round's prompts on this process (the loader's batch): the step's cap and the
+    # slots' plan count in rounds
+    round_prompts = -(-algo.generation_batch_size(ccfg.prompts_per_step,
+                                                  ccfg.generation_batch_multiplier)
+                      // ctx.runtime.num_processes)
+    cap = ccfg.max_generation_rounds * round_prompts
+    if live is None:
+        live = _open_stream(ctx, params, step, sampling, round_prompts)
+    else:
+        live.scheduler.swap_params(params, step)
+    sch = live.scheduler
+    pass_rate = host.stream_pass_rate(ccfg, state)
+    every, infos, truncated, healths, ages = [], [], [], [], []
+    timing = dict.fromkeys(("rollout_s", "scoring_s"), 0.0)
+    samples = dropped = fed = 0
+    cap_error = None
+    start = live.progress or sch.progress()
+    while True:
+        needed = host.groups_needed(ccfg, row_budget - sampler.rows_used, max_rows)
+        if needed == 0:
+            break
+        want = host.prompts_to_feed(ccfg, needed=needed, step_groups=row_budget // n,
+                                    in_flight=sch.in_flight, fed=fed, cap=cap,
+                                    pool=sch.spec.pool, pass_rate=pass_rate)
+        if want:
+            while len(live.pending) < want:
+                live.pending += _prompts_of(next(batch_source))
+            take, live.pending = live.pending[:want], live.pending[want:]
+            for gid, (ids, record, index) in zip(sch.feed([t[0] for t in take]), take):
+                live.fed[gid] = FedPrompt(ids, record, index)
+            fed += len(take)
+        if sch.in_flight == 0:          # the cap is fed and done, the batch not full
+            sampler.rounds = -(-fed // round_prompts)
+            try:
+                sampler.need_more()
+            except algo.DynamicSamplingError as e:
+                cap_error = str(e)
+            break
+        t0 = time.perf_counter()
+        gr = next(live.stream)
+        timing["rollout_s"] += time.perf_counter() - t0
+        meta = live.fed.pop(gr.prompt_index)
+        version = gr.versions[0][0]        # admitted under it: its oldest tokens
+        samples += gr.lengths.size
+        if host.is_stale(ccfg, version, step):
+            dropped += gr.lengths.size
+            continue
+        t0 = time.perf_counter()
+        scored = ctx.scorer.score([meta.record] * gr.lengths.size, gr.tokens, gr.lengths)
+        timing["scoring_s"] += time.perf_counter() - t0
+        healths.append(scored.health)
+        truncated.append(gr.truncated)
+        group, info = host.make_group(ccfg, gr, scored.rewards, n=n, prompt_ids=meta.prompt_ids,
+                                      index=meta.index, step=step, round_=version,
+                                      position=gr.prompt_index)
+        infos.append(info)
+        every.append(group)
+        state = host.observe(ccfg, state, [(meta.index, info.pass_rate)])
+        rows_before = sampler.rows_used
+        sampler.add_groups([group])
+        if sampler.rows_used > rows_before:
+            ages += [step - version] * group.n
+    sampler.rounds = -(-fed // round_prompts)
+    end = sch.progress()
+    stats = _progress_delta(start, end)
+    in_flight = sch.in_flight * host.num_candidates(ccfg, n)
+    carried = 0
+    if stream_ends_after(ctx, step):
+        discarded += in_flight
+        live.close()
+        live = None
+    else:
+        carried = in_flight
+        live.progress = end
+    state = host.stream_counts_after(state, sampler.passed_groups, sampler.generated_groups)
+    state = dataclasses.replace(state, stream=live)
+    ages_arr = np.asarray(ages or [0], np.float64)
+    extra = {"staleness/mean": float(ages_arr.mean()), "staleness/max": int(ages_arr.max()),
+             "staleness/dropped_samples": dropped, "rollout/carried_samples": carried,
+             "rollout/discarded_samples": discarded, "rollout/fed_prompts": fed,
+             "rollout/step_occupancy": (stats["live_slot_steps"] / stats["slot_steps"]
+                                        if stats["slot_steps"] else 0.0)}
+    return Collected(kept=list(sampler.groups), every=every, infos=infos, truncated=truncated,
+                     n_chosen=[n] * len(every), sampler_stats=sampler.stats(),
+                     rows_used=sampler.rows_used, health=merge_health(healths),
+                     timing={f"time/{k}": v for k, v in timing.items()}, rollout_stats=stats,
+                     generated_samples=samples, cap_error=cap_error, extra=extra), state
+
+
+def _prompts_of(batch) -> list:
+    return [(list(batch["prompt_ids"][p]), batch["records"][p], int(batch["index"][p]))
+            for p in range(len(batch["index"]))]
+
+
+def _progress_delta(start: dict, end: dict) -> dict:
+    """The step's rollout statistics (add_rollout_stats' form) from two progress snapshots."""
+    out = {k: end[k] - start[k] for k in ("decode_steps", "refills", "compactions",
+                                          "useful_tokens", "live_slot_steps", "slot_steps")}
+    out["useful_tokens"] = int(out["useful_tokens"])
+    return out
 
 
 def advantages(ctx: RunContext, state: algo.CollectState, kept: Sequence[algo.Group]
@@ -194,6 +387,7 @@ def collect_metrics(ctx: RunContext, got: Collected, state: algo.CollectState,
     out.update(got.timing)
     out["perf/generated_samples"] = got.generated_samples
     out.update(rollout_metrics(got.rollout_stats))
+    out.update(got.extra)
     if ctx.temperature_schedule:
         out["rollout/temperature"] = ctx.rollout_temperature(step)
     if ccfg.adaptive_n:

@@ -166,6 +166,12 @@ class Runtime:
         return self.rollout_engine(model.config).stream(
             params, prompts, memory_budget_bytes=self.memory_budget_bytes, **kwargs)
 
+    def open_stream(self, model, params, **kwargs):
+        """An open rollout.RolloutStream (Engine.open_stream): prompts fed while it decodes,
+        paused between steps, weights swapped in (algo.stream_rounds)."""
+        return self.rollout_engine(model.config).open_stream(
+            params, memory_budget_bytes=self.memory_budget_bytes, **kwargs)
+
     def rollout_engine(self, model_cfg) -> rollout.Engine:
         """The rollout's compiled programs, held for the run (one Engine per model config; on
         the rollout mesh under shard_map, so the Pallas kernels run per device)."""

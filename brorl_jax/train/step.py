@@ -10,6 +10,12 @@
      selection of N of the candidates and reward shaping (length penalty, clipping).
   3. Dynamic sampling: groups with 0 < #correct < N kept, whole and in arrival order, until
      prompts_per_step * N rows are filled (or the round cap: error, or pad).
+     With algo.stream_rounds the rounds are one stream (collect.stream_groups): prompts enter
+     the running engine as groups come out, while the kept and in-flight groups (at the
+     observed pass rate) cannot fill the step; no round boundary drains the engine. With
+     algo.max_staleness = k >= 1 the groups still in flight are carried into the next step in
+     the paused engine (decoding on with the new weights, each token's sampling log-prob its
+     TIS behaviour policy) and a group admitted more than k steps back is dropped and counted.
   4. Verifier health: a data source whose every sample failed stops the run (before a
      dynamic-sampling error, which it would cause).
   5. Advantages: REINFORCE++-baseline (the configured estimator and normaliser) over every kept
@@ -41,7 +47,9 @@ from brorl_jax.train.context import RunContext
 
 # Rollout metrics that add up over processes (the others are averaged).
 SUMMED_METRICS = ("perf/generated_samples", "rollout/useful_tokens",
-                  "dynamic_sampling/kept_groups", "dynamic_sampling/padded_groups")
+                  "dynamic_sampling/kept_groups", "dynamic_sampling/padded_groups",
+                  "rollout/carried_samples", "rollout/discarded_samples",
+                  "staleness/dropped_samples", "rollout/fed_prompts")
 # Update metrics logged under loss/ (the rest under update/).
 LOSS_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "clip_frac_low", "clip_frac_high",
              "dual_clip_frac", "ratio_mean", "tis_dropped_frac", "tis_weight_mean")
@@ -53,7 +61,8 @@ def rl_step(ctx: RunContext, train_state: algo.TrainState, collect_state: algo.C
     where = f"step {step + 1}"
     # 1-3. rollouts, rewards, selection and shaping, dynamic sampling
     params = ctx.runtime.rollout_params(train_state.params)
-    got, collect_state = collect.generate_groups(ctx, params, collect_state, batch_source, step)
+    gather = collect.stream_groups if ctx.collect_cfg.stream_rounds else collect.generate_groups
+    got, collect_state = gather(ctx, params, collect_state, batch_source, step)
     collect_state = dataclasses.replace(collect_state, health=got.health)
     # 4. verifier health: every process's verdicts together
     if got.cap_error is not None:
@@ -67,7 +76,7 @@ def rl_step(ctx: RunContext, train_state: algo.TrainState, collect_state: algo.C
     metrics = collect.collect_metrics(ctx, got, collect_state, advs, step)
     metrics.update(health.metrics())
     metrics = ctx.runtime.reduce_metrics(metrics, sums=SUMMED_METRICS,
-                                         maxes=("response/length_max",))
+                                         maxes=("response/length_max", "staleness/max"))
     # 7. the update
     t0 = time.perf_counter()
     rng = jax.random.fold_in(jax.random.key(ctx.cfg.train.seed), step)

@@ -123,3 +123,26 @@ def test_advantages_ema_state_is_returned_not_kept():
     _, s2 = host.advantages(cfg, s1, shaped, lengths)
     assert s2.advantage_normalizer["ema_std"] == pytest.approx(s1.advantage_normalizer["ema_std"])
     assert host.advantages(cfg, s1, [], []) == ([], s1)
+
+
+def test_stream_admission_oversupplies_by_the_pass_rate_and_runs_one_step_ahead_with_k():
+    """algo.collect.prompts_to_feed: k = 0 keeps ceil(needed / pass rate) prompts in flight; k >=
+    1 one step's groups more; never more than the pool nor past the step's cap; nothing once
+    the step is full. groups_needed counts whole groups; is_stale is the bound k."""
+    k0 = collect_config(rollouts_per_prompt=8, prompts_per_step=4, generation_batch_multiplier=2.0)
+    k1 = dataclasses.replace(k0, stream_rounds=True, max_staleness=1)
+    feed = lambda cfg, **kw: host.prompts_to_feed(cfg, **{**dict(
+        needed=4, step_groups=4, in_flight=0, fed=0, cap=80, pool=100, pass_rate=0.4), **kw})
+    assert feed(k0) == 10 and feed(k1) == 20                # ceil(4 / 0.4), ceil(8 / 0.4)
+    assert feed(k0, in_flight=7) == 3 and feed(k0, in_flight=12) == 0
+    assert feed(k0, pool=6) == 6 and feed(k0, fed=78) == 2 and feed(k0, needed=0) == 0
+    assert feed(k0, pass_rate=0.0) == 80                    # nothing kept yet: up to the cap
+    assert host.groups_needed(k0, 32, 8) == 4 and host.groups_needed(k0, 7, 8) == 0
+    assert host.groups_needed(k0, 15, 8) == 1
+    s0 = host.CollectState()
+    assert host.stream_pass_rate(k0, s0) == 0.5             # 1 / generation_batch_multiplier
+    s1 = host.stream_counts_after(host.stream_counts_after(s0, 2, 5), 1, 5)
+    assert s1.stream_counts == (3, 10) and host.stream_pass_rate(k0, s1) == 0.3
+    assert host.CollectState.from_json(json.loads(json.dumps(s1.to_json()))) == s1
+    assert not host.is_stale(k1, 3, 4) and host.is_stale(k1, 2, 4) and host.is_stale(k0, 3, 4)
+    assert not host.is_stale(k0, 4, 4)
