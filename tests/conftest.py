@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import fcntl
 import os
 import shutil
 import subprocess
@@ -22,27 +23,30 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     atexit.register(shutil.rmtree, _CACHE, True)
 
-# The suite compiles hundreds of tiny programs, and LLVM's optimisation is most of each CPU
-# compile while buying nothing at these shapes: off for the session (subprocesses inherit it).
-# It changes the last bits of float results (vectorised reductions), which no tolerance-based
-# test sees; the tests that pin exact numbers of the default build (the recorded tiny run and the
-# runs it is compared with bit for bit: tests/train/test_loop.py and the shared warm start) run
-# their subprocesses with EXACT_ENV, the environment as it came.
-FAST_COMPILE_FLAGS = ["--xla_backend_optimization_level=0",
-                      "--xla_llvm_disable_expensive_passes=true"]
-EXACT_ENV = dict(os.environ)
-os.environ["XLA_FLAGS"] = " ".join(os.environ.get("XLA_FLAGS", "").split() + FAST_COMPILE_FLAGS)
+# LLVM optimisation off for the session, except for the exactly pinned runs (EXACT_ENV):
+# tests/compile_env.py says why.
+from compile_env import EXACT_ENV  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_warm_start(tmp_path_factory) -> list[str]:
     """Command-line overrides that start configs/tiny.py from its supervised warm start, built
     once per session (`main` with train.steps=0 saves it as warm_start_model/): the loop tests
-    then spend their time on RL steps, not on repeating the same 60 supervised steps."""
-    work = tmp_path_factory.mktemp("tiny_warm_start")
-    out = subprocess.run(
-        [sys.executable, "-m", "brorl_jax.main", "--config=configs/tiny.py", f"--workdir={work}",
-         "--config.train.steps=0", "--config.train.tensorboard=False"],
-        cwd=ROOT, env=EXACT_ENV, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    then spend their time on RL steps, not on repeating the same 60 supervised steps. Under
+    pytest-xdist the workers share it (their temporary directories sit below one directory of
+    this session): the first to need it builds it under a lock, the others wait and read it."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    work = base / "tiny_warm_start"
+    with open(base / "tiny_warm_start.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (work / "BUILT").exists():
+            shutil.rmtree(work, ignore_errors=True)
+            out = subprocess.run(
+                [sys.executable, "-m", "brorl_jax.main", "--config=configs/tiny.py",
+                 f"--workdir={work}", "--config.train.steps=0", "--config.train.tensorboard=False"],
+                cwd=ROOT, env=EXACT_ENV, capture_output=True, text=True, timeout=600)
+            assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+            (work / "BUILT").touch()
     return [f"--config.model.path={work / 'warm_start_model'}", "--config.sft.steps=0"]

@@ -364,8 +364,8 @@ class Scheduler:
         busy = [(e, g) for e, g in enumerate(self.entry_prompt) if g >= 0]
         if self.slots is None or not busy:
             return
-        sl = jax.device_get({k: self.slots[k] for k in ("entry", "sample", "t")})
-        pool = jax.device_get({k: self.pool[k] for k in ("queue", "qlen", "qnext")})
+        sl = jax.device_get({k: getattr(self.slots, k) for k in ("entry", "sample", "t")})
+        pool = jax.device_get({k: getattr(self.pool, k) for k in ("queue", "qlen", "qnext")})
         share, n, s = self.spec.share, self.spec.rollouts_per_prompt, self.spec.max_new_tokens
         for e, g in busy:
             first = np.full((self.engine.num_devices * share,), s, np.int32)
@@ -384,11 +384,11 @@ class Scheduler:
             return dict(decode_steps=0, live_slot_steps=0, slot_steps=0, refills=0,
                         compactions=0, useful_tokens=0)
         st = jax.device_get(self.device_stats)
-        steps = int(st["steps"][0])
+        steps = int(st.steps[0])
         pending = (steps - self.steps) * self.num_slots * self.engine.num_devices
-        return dict(decode_steps=steps, live_slot_steps=int(st["live"].sum()),
+        return dict(decode_steps=steps, live_slot_steps=int(st.live.sum()),
                     slot_steps=self.counters["slot_steps"] + pending,
-                    refills=int(st["refills"].sum()), compactions=self.counters["compactions"],
+                    refills=int(st.refills.sum()), compactions=self.counters["compactions"],
                     useful_tokens=self.useful_tokens)
 
     def _program(self, name: str, *extra):

@@ -10,7 +10,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import EXACT_ENV
+from compile_env import EXACT_ENV
 
 from brorl_jax.train.logger import read_metrics
 from brorl_jax.train.loop import restore_params
