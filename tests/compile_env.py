@@ -10,5 +10,11 @@ import os
 # their subprocesses with EXACT_ENV, the environment as it came.
 FAST_COMPILE_FLAGS = ["--xla_backend_optimization_level=0",
                       "--xla_llvm_disable_expensive_passes=true"]
-EXACT_ENV = dict(os.environ)
-os.environ["XLA_FLAGS"] = " ".join(os.environ.get("XLA_FLAGS", "").split() + FAST_COMPILE_FLAGS)
+# pytest-xdist workers inherit the controller's environment, flags already added: the flags as
+# they came are kept in OUTER, set by whichever process imports this first.
+OUTER = "BRORL_TESTS_OUTER_XLA_FLAGS"
+os.environ.setdefault(OUTER, os.environ.get("XLA_FLAGS", ""))
+EXACT_ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+if os.environ[OUTER]:
+    EXACT_ENV["XLA_FLAGS"] = os.environ[OUTER]
+os.environ["XLA_FLAGS"] = " ".join(os.environ[OUTER].split() + FAST_COMPILE_FLAGS)
