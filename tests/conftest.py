@@ -5,7 +5,6 @@ import atexit
 import fcntl
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 
@@ -25,6 +24,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 # LLVM optimisation off for the session, except for the exactly pinned runs (EXACT_ENV):
 # tests/compile_env.py says why.
+import procs  # noqa: E402 - started commands fork from a preloaded interpreter (tests/zygote.py)
 from compile_env import EXACT_ENV  # noqa: E402
 
 
@@ -43,7 +43,7 @@ def tiny_warm_start(tmp_path_factory) -> list[str]:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (work / "BUILT").exists():
             shutil.rmtree(work, ignore_errors=True)
-            out = subprocess.run(
+            out = procs.run(
                 [sys.executable, "-m", "brorl_jax.main", "--config=configs/tiny.py",
                  f"--workdir={work}", "--config.train.steps=0", "--config.train.tensorboard=False"],
                 cwd=ROOT, env=EXACT_ENV, capture_output=True, text=True, timeout=600)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import ml_collections
+import procs
 import pytest
 
 from brorl_jax.config import ConfigError, _flatten, default_config, derived_learning_rate, validate
@@ -234,7 +235,7 @@ def test_bad_values_are_named(key, value, pattern):
 
 
 def test_command_line_typo_stops_main_with_message(tmp_path):
-    out = subprocess.run(
+    out = procs.run(
         [sys.executable, "-m", "brorl_jax.main", "--config=configs/demo.py",
          f"--workdir={tmp_path}", "--config.rollout.rollout_per_prompt=4"],
         capture_output=True, text=True, timeout=120)
@@ -243,7 +244,7 @@ def test_command_line_typo_stops_main_with_message(tmp_path):
 
 
 def test_command_line_bad_value_stops_main_with_message(tmp_path):
-    out = subprocess.run(
+    out = procs.run(
         [sys.executable, "-m", "brorl_jax.main", "--config=configs/demo.py",
          f"--workdir={tmp_path}", "--config.algo.advantage=ppo"],
         capture_output=True, text=True, timeout=120)
@@ -265,8 +266,8 @@ def test_command_modules_import_together():
 
 @pytest.mark.parametrize("module", CLI_MODULES)
 def test_command_help_lists_its_flags(module):
-    out = subprocess.run([sys.executable, "-m", module, "--helpshort"], capture_output=True,
-                         text=True, timeout=120)
+    out = procs.run([sys.executable, "-m", module, "--helpshort"], capture_output=True,
+                    text=True, timeout=120)
     # absl's help flags print and exit 1; the flags must have been defined when run as a command.
     assert "Traceback" not in out.stderr, out.stderr
     assert "--config:" in out.stdout, out.stdout

@@ -179,6 +179,11 @@ class ScoringService:
         w.conn.close()
         self._workers.remove(w)
 
+    @property
+    def verifiers(self) -> list[str]:
+        """The verifiers this service's workers load (the `rewards` it was built with)."""
+        return sorted(self._specs)
+
     def worker_pids(self) -> list[int]:
         """pids of the current workers (for monitoring and tests)."""
         return [w.proc.pid for w in self._workers]

@@ -29,6 +29,7 @@ from brorl_jax.config import (
 from brorl_jax.errors import ConfigError, DataError, ModelError, VerifierError
 from brorl_jax.rewards import ScoringService, custom as custom_reward
 from brorl_jax.rewards.health import VerifierFailure, VerifierHealth, check_records
+from brorl_jax.rewards.registry import resolve_reward_name
 from brorl_jax.train.runtime import Runtime, make_runtime
 
 # Seed offset of the held-out evaluation's rollouts (distinct from every training round's).
@@ -280,10 +281,21 @@ def make_prompt_tokenizer(cfg, model: models.Model) -> data.PromptTokenizer:
         use_chat_template=cfg.data.use_chat_template)
 
 
-def build_context(cfg, eval_records: Sequence[dict], *, model: models.Model | None = None
-                  ) -> RunContext:
+def verifiers_for(records: Sequence[dict], reward_map: dict, reward_options: dict) -> list[str]:
+    """The verifiers a run can call: those its records' data sources resolve to, and every one
+    rewards.map or a verifier option names. The scoring workers load only these (each imports
+    what its verifiers need: math_verify, reasoning_gym, the code sandbox, a user's file)."""
+    sources = {str(r.get("data_source")) for r in records}
+    return sorted({resolve_reward_name(s, reward_map) for s in sources}
+                  | set(reward_map.values()) | set(reward_options))
+
+
+def build_context(cfg, eval_records: Sequence[dict], *, model: models.Model | None = None,
+                  records: Sequence[dict] | None = None) -> RunContext:
     """The run's context from a validated config and its held-out records: the model (loaded
-    here unless given), the runtime, the scoring pool and the evaluation prompts."""
+    here unless given), the runtime, the scoring pool and the evaluation prompts. `records`:
+    every record the run will score (default: the held-out ones); the workers load the
+    verifiers those need."""
     model = load_model(cfg) if model is None else model
     prompt_tokenizer = make_prompt_tokenizer(cfg, model)
     tok = model.tokenizer
@@ -298,7 +310,9 @@ def build_context(cfg, eval_records: Sequence[dict], *, model: models.Model | No
     service = ScoringService(num_workers=cfg.rewards.num_workers, timeout_s=cfg.rewards.timeout_s,
                              batch_deadline_s=cfg.rewards.batch_deadline_s,
                              recycle_after=cfg.rewards.recycle_after,
-                             reward_map=reward_map, reward_options=reward_options)
+                             reward_map=reward_map, reward_options=reward_options,
+                             rewards=verifiers_for(eval_records if records is None else records,
+                                                   reward_map, reward_options))
     return RunContext(
         cfg=cfg, model=model, tokenizer=tok, prompt_tokenizer=prompt_tokenizer,
         eos_ids=tuple(model.generation_eos_ids),

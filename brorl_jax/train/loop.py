@@ -101,7 +101,8 @@ class Trainer:
         self.loader = self._make_loader(train_records, make_prompt_tokenizer(cfg, model))
         self.logger_args = dict(loggers=cfg.train.loggers, config=cfg, lr=self.lr,
                                 lr_note=self.lr_note)
-        self.ctx: RunContext = build_context(cfg, eval_records, model=model)
+        self.ctx: RunContext = build_context(cfg, eval_records, model=model,
+                                             records=train_records + eval_records)
         try:                            # the scoring workers run from here: stop them on error
             workdir_lib.check_lock(self.lock, self.runtime.allgather_json)
             self.checkpointer = Checkpointer(

@@ -3,6 +3,7 @@ full-logits reference: values and gradients, float32 and bfloat16."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import procs
 import pytest
 
 from pallas_kernels import fused_logprob, fused_logprob_stats, interpret_mode
@@ -165,14 +166,13 @@ def test_vocab_split_over_a_mesh_axis_matches_reference():
     per-shard kernel/chunked stats merged with collectives, values and both gradients against the
     unsharded reference; also through brorl_jax.parallel.vocab_parallel_logprob(impl="pallas")."""
     import os
-    import subprocess
     import sys
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(os.path.dirname(here))
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=4",
                PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    proc = subprocess.run([sys.executable, os.path.join(here, "_vocab_shard_worker.py")], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = procs.run([sys.executable, os.path.join(here, "_vocab_shard_worker.py")], env=env,
+                     capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.count(" ok ") == 3, proc.stdout

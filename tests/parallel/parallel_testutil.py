@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
+
+import procs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -29,9 +30,9 @@ def device_env(num_devices: int) -> dict:
 def run_script(script: str, args: list[str], num_devices: int, timeout: float = 600):
     """Runs tests/parallel/<script> with `num_devices` CPU devices; raises with its output on
     failure."""
-    proc = subprocess.run([sys.executable, os.path.join(HERE, script), *args],
-                          env=device_env(num_devices), cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = procs.run([sys.executable, os.path.join(HERE, script), *args],
+                     env=device_env(num_devices), cwd=REPO, capture_output=True, text=True,
+                     timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{script} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-8000:]}")

@@ -14,6 +14,7 @@ import sys
 
 import jax
 import numpy as np
+import procs
 import pytest
 from parallel_testutil import HERE, REPO, device_env, free_port
 
@@ -43,18 +44,18 @@ def _single_process_params():
 def test_two_processes_train_and_agree(tmp_path):
     port = free_port()
     env = device_env(2)
-    procs = [subprocess.Popen(
+    workers = [procs.Popen(
         [sys.executable, os.path.join(HERE, "_multiprocess_worker.py"), str(i), "2", str(port),
          str(tmp_path), str(STEPS)], env=env, cwd=REPO, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True) for i in range(2)]
     outs = []
     try:
-        for p in procs:
+        for p in workers:
             out, err = p.communicate(timeout=420)
             assert p.returncode == 0, f"worker failed:\n{out[-3000:]}\n{err[-6000:]}"
             outs.append(out)
     finally:
-        for p in procs:
+        for p in workers:
             if p.poll() is None:
                 p.kill()
     reports = [json.loads(o.strip().splitlines()[-1]) for o in outs]

@@ -2,6 +2,7 @@
 import os
 
 import ml_collections
+import procs
 import pytest
 
 from brorl_jax.config import default_config, validate
@@ -170,10 +171,9 @@ def test_a_verl_scorer_runs_unchanged_through_main(tmp_path, tiny_warm_start):
     """issue 27's goal: a veRL-style file (float and dict returns, a raise every third call)
     drives `main` on configs/tiny.py; the raises are counted per data source, not fatal."""
     import json
-    import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(HERE))
-    out = subprocess.run(
+    out = procs.run(
         [sys.executable, "-m", "brorl_jax.main", "--config=configs/tiny.py",
          f"--workdir={tmp_path / 'run'}", "--config.train.steps=1",
          "--config.train.tensorboard=False",

@@ -100,6 +100,24 @@ def test_routing_by_data_source():
         resolve_reward_name("gsm8k", {"gsm8k": "nope"})
 
 
+def test_a_run_loads_only_the_verifiers_its_data_and_config_name():
+    """train/context.py: the scoring workers import what their verifiers need (math_verify,
+    reasoning_gym, the code sandbox), so a run loads the ones its records resolve to plus those
+    rewards.map or a verifier option names, not every registered one."""
+    from brorl_jax.train.context import verifiers_for
+    records = [{"data_source": "reasoning_gym/basic_arithmetic"}, {"data_source": "openai/gsm8k"},
+               {"data_source": "reasoning_gym/leg_counting"}]
+    assert verifiers_for(records, {}, {}) == ["final_number", "reasoning_gym"]
+    assert verifiers_for(records, {"taco": "code"}, {"math": {"x": 1}}) == [
+        "code", "final_number", "math", "reasoning_gym"]
+    assert verifiers_for(records, {"openai/gsm8k": "math"}, {}) == ["math", "reasoning_gym"]
+    with ScoringService(num_workers=1, rewards=["final_number"]) as service:
+        assert service.verifiers == ["final_number"]
+        out = service.score_batch([{"data_source": "openai/gsm8k", "ground_truth": "4"}],
+                                  ["so #### 4"])
+        assert out[0].score == 1.0
+
+
 def test_bad_calls_are_clear_errors(test_verifiers):
     with pytest.raises(ValueError, match="not registered"):
         ScoringService(num_workers=1, rewards=["nope"])

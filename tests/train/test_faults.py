@@ -3,7 +3,8 @@ real command in a subprocess on the tiny config, checking the exit code, that th
 the key / file / line, and that checkpoints and metrics already written are unchanged (hashes).
 
 One finished tiny run (2 steps) is shared by every test that needs a run (each test works on a
-copy); the subprocesses share a JAX compilation cache so only that run compiles. Commands that
+copy); the subprocesses share the session's JAX compilation cache and fork from a preloaded
+interpreter (tests/procs.py). Commands that
 fail at the door run in parallel.
 """
 import glob
@@ -18,6 +19,7 @@ import time
 
 import jax
 import numpy as np
+import procs
 import pytest
 
 from brorl_jax.train.logger import read_metrics
@@ -30,17 +32,16 @@ STEPS = 2
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("jax_cache")
-    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                JAX_COMPILATION_CACHE_DIR=str(cache),
-                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+def env():
+    """The session's environment: its JAX compilation cache (tests/conftest.py) already holds the
+    tiny config's programs when another file compiled them first."""
+    return dict(os.environ)
 
 
 def start(env, module, *args, extra_env=None):
-    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT,
-                            env=dict(env, **(extra_env or {})), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return procs.Popen([sys.executable, "-m", module, *args], cwd=ROOT,
+                       env=dict(env, **(extra_env or {})), stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True)
 
 
 def finish(proc, timeout=300):
@@ -134,9 +135,9 @@ def test_errors_at_the_door_are_short_with_exit_code_2(env, finished, tmp_path):
     assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "hf")
     assert hashes(finished) == before
     # A bug is not a user error: its traceback is shown (exit code 1).
-    out = subprocess.run([sys.executable, "-c", "from brorl_jax import cli\n"
-                          "cli.run(lambda values: 1 // 0)"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = procs.run([sys.executable, "-c", "from brorl_jax import cli\n"
+                     "cli.run(lambda values: 1 // 0)"], cwd=ROOT, env=env,
+                    capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "Traceback" in out.stderr and "ZeroDivisionError" in out.stderr
 
 
@@ -486,8 +487,8 @@ def wait_for_holder(workdir, pid, proc, timeout=300):
 
 
 def test_a_work_directory_belongs_to_one_run_at_a_time(env, copy, tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, copy], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, text=True)
+    holder = procs.Popen([sys.executable, "-c", HOLD, copy], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         before, state = all_files(copy), untouched(copy)

@@ -9,6 +9,7 @@ import time
 
 import jax
 import numpy as np
+import procs
 import pytest
 from compile_env import EXACT_ENV
 
@@ -29,8 +30,8 @@ def _cmd(workdir, warm):
 
 def _run(workdir, warm, env_extra=None, timeout=600):
     env = dict(EXACT_ENV, **(env_extra or {}))
-    return subprocess.run(_cmd(workdir, warm), cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return procs.run(_cmd(workdir, warm), cwd=ROOT, env=env, capture_output=True, text=True,
+                     timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +73,8 @@ def test_kill_and_resume_is_bit_identical(uninterrupted, tmp_path, tiny_warm_sta
     # 1. SIGKILL at an arbitrary moment after step 2 was logged (checkpoints are every step)
     #    and a checkpoint is complete (orbax commits asynchronously; on a loaded machine the
     #    step-1 save can still be running when step 2 is logged).
-    proc = subprocess.Popen(_cmd(workdir, tiny_warm_start), cwd=ROOT, env=EXACT_ENV,
-                            stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = procs.Popen(_cmd(workdir, tiny_warm_start), cwd=ROOT, env=EXACT_ENV,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     committed = lambda: any((workdir / "checkpoints" / str(s) / "commit_success.txt").exists()
                             for s in range(1, STEPS))
     deadline = time.time() + 600

@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import numpy as np
+import procs
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -34,9 +35,9 @@ def _env(num_devices: int, **extra) -> dict:
 
 
 def _run(num_devices, workdir, out, *overrides, timeout=600):
-    proc = subprocess.run([sys.executable, WORKER, str(workdir), str(out), *overrides],
-                          env=_env(num_devices), cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = procs.run([sys.executable, WORKER, str(workdir), str(out), *overrides],
+                     env=_env(num_devices), cwd=REPO, capture_output=True, text=True,
+                     timeout=timeout)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout
 
@@ -70,19 +71,19 @@ def test_mesh_run_matches_single_device(tmp_path, tiny_warm_start):
 
 def _two_processes(workdir, outs, overrides, timeout=600):
     port = free_port()
-    procs = [subprocess.Popen(
+    workers = [procs.Popen(
         [sys.executable, WORKER, str(workdir), str(outs[i]), *overrides],
         env=_env(2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=2,
                  JAX_PROCESS_ID=i),
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     texts = []
     try:
-        for p in procs:
+        for p in workers:
             out, err = p.communicate(timeout=timeout)
             assert p.returncode == 0, f"process failed:\n{out[-3000:]}\n{err[-6000:]}"
             texts.append(out)
     finally:
-        for p in procs:
+        for p in workers:
             if p.poll() is None:
                 p.kill()
     return [json.loads(t.strip().splitlines()[-1]) for t in texts], texts
@@ -134,7 +135,7 @@ def test_two_process_training_run_agrees_and_resumes(tmp_path, tiny_warm_start):
      "algo.prompts_per_step x rollout.rollouts_per_prompt = 6"),
 ])
 def test_mesh_that_does_not_fit_stops_main_with_message(tmp_path, overrides, message):
-    out = subprocess.run(
+    out = procs.run(
         [sys.executable, "-m", "brorl_jax.main", "--config=configs/tiny.py",
          f"--workdir={tmp_path}", *overrides],
         env=_env(4), cwd=REPO, capture_output=True, text=True, timeout=300)
