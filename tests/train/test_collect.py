@@ -180,7 +180,7 @@ def test_adaptive_n_does_not_recompile_once_buckets_are_warm(options_trainer):
     (fixed row budget), not the advantages."""
     trainer = options_trainer
     ctx = trainer.ctx
-    assert ctx.scorer.service.verifiers == ["reasoning_gym"]     # what the tiny data needs
+    assert ctx.scorer.real.service.verifiers == ["reasoning_gym"]   # what the tiny data needs
     shapes_seen, rollouts, batches = set(), [], []
     real_rollouts = ctx.rollouts
 
