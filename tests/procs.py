@@ -102,8 +102,10 @@ class _ForkedPopen(subprocess.Popen):
     def _status(self):
         try:
             return self._zygote.request({"op": "poll", "pid": self.pid})["status"]
-        except OSError:           # the zygote is gone (interpreter exit): the child with it
-            return 0
+        except OSError:
+            # The zygote is gone, so the child's exit status is unknown: report it as killed
+            # (waitpid status 9 = SIGKILL) so no caller reads an unknown end as success.
+            return 9
 
     def _internal_poll(self, _deadstate=None, *args, **kwargs):
         if self.returncode is None and self._waitpid_lock.acquire(False):
