@@ -138,12 +138,12 @@ def _deterministic(record: dict) -> dict:
 
 
 def test_metrics_equal_the_recorded_run(uninterrupted):
-    """The tiny run from the shared warm start logs, step for step, exactly the metrics recorded
-    in tests/train/golden/tiny_metrics.json (losses, rewards, pass rates, eval pass@k, rollout
-    counts; timings aside): the warm start, rl_step and the loop compute what the train layer
-    computed before it was split into context / step / CollectState (recorded at commit
-    db2ec30; how: the file's "command"). Re-record only for an intended change of the numbers,
-    and say why in the commit."""
+    """The tiny run from the shared warm start logs, step for step, the metrics recorded in
+    tests/train/golden/tiny_metrics.json (losses and gradient statistics to float32 rounding;
+    rewards, pass rates, eval pass@k and rollout counts exactly; timings aside): the warm start,
+    rl_step and the loop compute what the train layer computed before it was split into
+    context / step / CollectState (recorded at commit db2ec30; how: the file's "command").
+    Re-record only for an intended change of the numbers, and say why in the commit."""
     with open(GOLDEN) as f:
         golden = json.load(f)
     records = read_metrics(os.path.join(uninterrupted[0], "metrics.jsonl"))
@@ -151,8 +151,23 @@ def test_metrics_equal_the_recorded_run(uninterrupted):
     for got, want in zip(records, golden["records"]):
         got = _deterministic(got)
         assert sorted(got) == sorted(want), (got["step"], set(got) ^ set(want))
-        diff = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
+        diff = {k: (got[k], want[k]) for k in want if not _same(k, got[k], want[k])}
         assert not diff, f"step {got['step']}: {diff}"
+
+
+# Float reductions of the update (loss, entropy, gradient statistics) differ in their last bits
+# between CPU models: XLA's CPU code generation follows the host's vector units (the recording
+# machine and a Zen 4 with AVX-512 differ by ~1e-7 in the entropy, and a loss that is ~1e-8,
+# zero in exact arithmetic, changes sign). Those keys are compared to float32 rounding; every
+# other key (rewards, pass rates, eval pass@k, rollout and filter counts: what the samples are)
+# must be equal exactly, so a change of the samples still fails.
+ROUNDING = ("loss/", "update/")
+
+
+def _same(key: str, got, want) -> bool:
+    if key.startswith(ROUNDING) and isinstance(want, float):
+        return got == pytest.approx(want, rel=1e-4, abs=1e-6)
+    return got == want
 
 
 def _cli_config(overrides):
