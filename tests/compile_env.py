@@ -10,6 +10,17 @@ import os
 # their subprocesses with EXACT_ENV, the environment as it came.
 FAST_COMPILE_FLAGS = ["--xla_backend_optimization_level=0",
                       "--xla_llvm_disable_expensive_passes=true"]
+# XLA's newer CPU fusion emitters (MLIR) cost more to compile than the classic elemental ones:
+# with them off, the 8-device worker of tests/parallel/test_sharded_steps.py (cold cache) went
+# from 54 s to 24-32 s on jaxlib 0.10.2. An XLA that no longer knows a flag aborts at start-up,
+# so this one is set only for the jaxlib it was measured on; re-measure when jax moves.
+_NEW_EMITTERS_OFF = "--xla_cpu_use_fusion_emitters=false"
+try:
+    from importlib.metadata import version as _version
+    if _version("jaxlib").startswith("0.10."):
+        FAST_COMPILE_FLAGS.append(_NEW_EMITTERS_OFF)
+except Exception:  # noqa: BLE001 - no jaxlib metadata: keep the long-standing flags only
+    pass
 # pytest-xdist workers inherit the controller's environment, flags already added: the flags as
 # they came are kept in OUTER, set by whichever process imports this first.
 OUTER = "BRORL_TESTS_OUTER_XLA_FLAGS"

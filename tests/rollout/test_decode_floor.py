@@ -182,7 +182,9 @@ def test_samples_do_not_depend_on_check_every():
     assert want.stats["refills"] > 0 and got.stats["decode_steps"] >= want.stats["decode_steps"]
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_array_equal(got.lengths, want.lengths)
-    np.testing.assert_array_equal(got.logprobs, want.logprobs)
+    # The draws are the same; their log-probs come out of two different compiled loops, whose
+    # fused reductions XLA may order differently (1 ulp with the tests' fast CPU compiles).
+    np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-6, atol=1e-6)
 
 
 def test_check_every_is_validated():
