@@ -22,10 +22,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     atexit.register(shutil.rmtree, _CACHE, True)
 
-# LLVM optimisation off for the session, except for the exactly pinned runs (EXACT_ENV):
-# tests/compile_env.py says why.
+# The session's compile flags (LLVM optimisation off): tests/compile_env.py says why.
+import compile_env  # noqa: E402, F401
 import procs  # noqa: E402 - started commands fork from a preloaded interpreter (tests/zygote.py)
-from compile_env import EXACT_ENV  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +45,7 @@ def tiny_warm_start(tmp_path_factory) -> list[str]:
             out = procs.run(
                 [sys.executable, "-m", "brorl_jax.main", "--config=configs/tiny.py",
                  f"--workdir={work}", "--config.train.steps=0", "--config.train.tensorboard=False"],
-                cwd=ROOT, env=EXACT_ENV, capture_output=True, text=True, timeout=600)
+                cwd=ROOT, capture_output=True, text=True, timeout=600)
             assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
             (work / "BUILT").touch()
     return [f"--config.model.path={work / 'warm_start_model'}", "--config.sft.steps=0"]
