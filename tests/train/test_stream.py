@@ -109,6 +109,7 @@ def test_stream_at_k0_uses_only_on_policy_samples_with_their_behaviour_logprobs(
         del trainer.ctx.runtime.update
     for m, _ in out:
         assert m["staleness/max"] == 0 and m["staleness/mean"] == 0
+        assert m["staleness/age0_samples"] > 0 and "staleness/age1_samples" not in m
         assert m["rollout/carried_samples"] == 0 and m["staleness/dropped_samples"] == 0
         assert m["dynamic_sampling/kept_groups"] == trainer.cfg.algo.prompts_per_step
         assert 0 < m["rollout/step_occupancy"] <= 1
@@ -131,6 +132,11 @@ def test_stream_at_k1_carries_groups_each_used_once_none_lost_none_too_old(train
     m_cand = trainer.cfg.rollout.rollouts_per_prompt
     for s, m in enumerate(metrics):
         assert m["staleness/max"] <= 1
+        # the histogram: the samples the update used at ages 0 and 1, agreeing with mean and max
+        h0, h1 = m["staleness/age0_samples"], m["staleness/age1_samples"]
+        assert h0 + h1 > 0 and "staleness/age2_samples" not in m
+        assert m["staleness/mean"] == pytest.approx(h1 / (h0 + h1))
+        assert m["staleness/max"] == int(h1 > 0)
         if (s + 1) % CHECKPOINT_EVERY == 0:           # a checkpoint step closes the stream
             assert m["rollout/carried_samples"] == 0
     assert any(m["rollout/carried_samples"] > 0 for m in metrics)
