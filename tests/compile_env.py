@@ -2,6 +2,7 @@
 jax. Every process of the session (pytest's and the commands it starts) compiles with the same
 flags, so the persistent compilation cache serves them all."""
 import os
+from importlib import metadata as _metadata
 
 # The suite compiles hundreds of tiny programs, and LLVM's optimisation is most of each CPU
 # compile while buying nothing at these shapes: off for the session (subprocesses inherit it).
@@ -18,10 +19,9 @@ FAST_COMPILE_FLAGS = ["--xla_backend_optimization_level=0",
 # so this one is set only for the jaxlib it was measured on; re-measure when jax moves.
 _NEW_EMITTERS_OFF = "--xla_cpu_use_fusion_emitters=false"
 try:
-    from importlib.metadata import version as _version
-    if _version("jaxlib").startswith("0.10."):
+    if _metadata.version("jaxlib").startswith("0.10."):
         FAST_COMPILE_FLAGS.append(_NEW_EMITTERS_OFF)
-except Exception:  # noqa: BLE001 - no jaxlib metadata: keep the long-standing flags only
+except _metadata.PackageNotFoundError:   # no jaxlib metadata: the long-standing flags only
     pass
 # pytest-xdist workers inherit the controller's environment, flags already added: the flags as
 # they came are kept in OUTER, set by whichever process imports this first.

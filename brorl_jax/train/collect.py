@@ -299,8 +299,8 @@ def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_sourc
     ages_arr = np.asarray(ages or [0], np.float64)
     extra = {"staleness/mean": float(ages_arr.mean()), "staleness/max": int(ages_arr.max()),
              # the histogram: samples the update used at each age 0..max_staleness (steps)
-             **{staleness_key(a): sum(1 for x in ages if x == a)
-                for a in range(ccfg.max_staleness + 1)},
+             **{key: sum(1 for x in ages if x == a)
+                for a, key in enumerate(staleness_keys(ccfg.max_staleness))},
              "staleness/dropped_samples": dropped, "rollout/carried_samples": carried,
              "rollout/discarded_samples": discarded, "rollout/fed_prompts": fed,
              "rollout/step_occupancy": (stats["live_slot_steps"] / stats["slot_steps"]
@@ -312,10 +312,10 @@ def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_sourc
                      generated_samples=samples, cap_error=cap_error, extra=extra), state
 
 
-def staleness_key(age: int) -> str:
-    """The metric counting the samples the update used that were admitted ``age`` steps back
-    (stream mode; one key per age 0..algo.max_staleness, every step)."""
-    return f"staleness/age{age}_samples"
+def staleness_keys(max_staleness: int) -> tuple[str, ...]:
+    """The staleness histogram's metrics: the key at index a counts the samples the update used
+    that were admitted a steps back (stream mode; ages 0..algo.max_staleness, every step)."""
+    return tuple(f"staleness/age{a}_samples" for a in range(max_staleness + 1))
 
 
 def _prompts_of(batch) -> list:

@@ -75,9 +75,9 @@ def rl_step(ctx: RunContext, train_state: algo.TrainState, collect_state: algo.C
     batch = collect.update_batch(ctx, got.kept, advs)
     metrics = collect.collect_metrics(ctx, got, collect_state, advs, step)
     metrics.update(health.metrics())
-    ages = tuple(collect.staleness_key(a) for a in range(ctx.collect_cfg.max_staleness + 1))
-    metrics = ctx.runtime.reduce_metrics(metrics, sums=SUMMED_METRICS + ages,
-                                         maxes=("response/length_max", "staleness/max"))
+    metrics = ctx.runtime.reduce_metrics(
+        metrics, sums=SUMMED_METRICS + collect.staleness_keys(ctx.collect_cfg.max_staleness),
+        maxes=("response/length_max", "staleness/max"))
     # 7. the update
     t0 = time.perf_counter()
     rng = jax.random.fold_in(jax.random.key(ctx.cfg.train.seed), step)
