@@ -181,3 +181,39 @@ def test_main_refuses_at_the_door_before_data_or_weights_load(tmp_path, monkeypa
     with pytest.raises(ConfigError, match="'rollout.memory_budget_gb' = 1e-06 is too small"):
         loop.Trainer(cfg, str(tmp_path / "run"))
     assert not os.path.exists(tmp_path / "run")        # refused before the work directory
+
+
+def test_the_engine_paused_across_the_update_is_counted_beside_it(monkeypatch):
+    """With samples carried across the update (algo.stream_rounds, algo.max_staleness >= 1)
+    the paused stream's slots, pages and pool (rollout.plan.stream_plan) sit beside the
+    training state: a device the update alone fits is refused at k = 1, naming the key, and the
+    remat policy plans with the memory left (Runtime.update_device_bytes)."""
+    import jax
+
+    from brorl_jax.algo import update
+    from brorl_jax.models.hf import param_shapes
+    over = {"model.remat": True, "algo.micro_batch_size": 64, "rollout.memory_budget_gb": 0.004,
+            "algo.stream_rounds": True}
+    k0 = _plan_config(over)
+    k1 = _plan_config({**over, "algo.max_staleness": 1})
+    assert memory_plan.paused_engine_bytes(k0, MODEL, num_devices=1) == 0
+    paused = memory_plan.paused_engine_bytes(k1, MODEL, num_devices=1)
+    call, _ = memory_plan.rollout_calls(k1)
+    plan = rollout_plan.plan_slots(MODEL, call.num_prompts, 32, call.rollouts_per_prompt,
+                                   call.max_new_tokens, int(0.004 * 2**30))
+    assert paused == rollout_plan.stream_plan(MODEL, plan, 32, call.max_new_tokens).bytes_per_device
+    n_params = sum(int(x.size) for x in jax.tree.leaves(param_shapes(MODEL)))
+    alone = (update.train_state_bytes(MODEL, n_params)
+             + update.remat_saved_bytes(MODEL, 64 * 32, "full"))
+    device = alone + paused // 2
+    _check(k0, device)
+    with pytest.raises(ConfigError, match=r"algo.micro_batch_size' = 64: .* GB of the rollout "
+                                          r"engine paused across the update .*max_staleness=1"):
+        _check(k1, device)
+    _check(k1, alone + paused)
+    from brorl_jax.train.runtime import LocalRuntime
+    monkeypatch.setattr(update, "device_memory_bytes", lambda: device)
+    for cfg, less in ((k0, 0), (k1, memory_plan.paused_engine_bytes(
+            k1, MODEL, num_devices=jax.local_device_count()))):
+        assert LocalRuntime(cfg, MODEL, None, diagnostics_n=None).update_device_bytes() \
+            == device - less

@@ -62,6 +62,7 @@ from brorl_jax.rollout.plan import (
     resolve_eos_ids,
     slot_buckets,
     stop_table,
+    stream_plan,
     validate_inputs,
 )
 from pallas_kernels.decode_attention import resolve_impl as _resolve_attention_impl
@@ -822,9 +823,9 @@ class Engine:
         admitted when, and under which weights, follows the groups alone (reproducible).
         Leaving the iteration suspended pauses the engine with its slots, pages and prompt pool
         kept (the decode call launched last runs to its end). The slots are planned as for a
-        call of ``plan_prompts`` prompts; the pool holds twice the prompts the slots do, +2, so
-        a freed slot finds pending work while prompts are fed, even with several prompts held
-        by their last (long) sample."""
+        call of ``plan_prompts`` prompts; the pool holds twice the prompts the slots do, +2
+        (rollout.plan.stream_plan), so a freed slot finds pending work while prompts are fed,
+        even with several prompts held by their last (long) sample."""
         if self.mesh is not None and not isinstance(self.mesh, Mesh):
             raise ValueError("this engine's mesh is abstract: it can only lower (lower_decode)")
         cfg = self.cfg
@@ -834,12 +835,9 @@ class Engine:
             raise ValueError(f"plan_prompts must be a positive int, got {plan_prompts!r}")
         eos = tuple(cfg.eos_token_ids) if eos_ids is None else tuple(eos_ids)
         p = bucket_prompt_length(int(prompt_len))
-        plan = self.plan(int(plan_prompts), p, rollouts_per_prompt, max_new_tokens,
-                         memory_budget_bytes)
-        # Twice the prompts the slots hold, +2: with long-tailed lengths a prompt keeps its
-        # entry until its slowest sample stops, while its other slots already decode others.
-        held = -(-plan.slots // max(plan.share, 1))
-        plan = dataclasses.replace(plan, pool=2 * held + 2)
+        plan = stream_plan(cfg, self.plan(int(plan_prompts), p, rollouts_per_prompt,
+                                          max_new_tokens, memory_budget_bytes),
+                           p, max_new_tokens)
         spec = self._spec(prompt_len=p, max_new_tokens=max_new_tokens, plan=plan,
                           rollouts_per_prompt=rollouts_per_prompt, temperature=temperature,
                           top_k=top_k, top_p=top_p)

@@ -267,6 +267,24 @@ def plan_slots(cfg: ModelConfig, num_prompts: int, prompt_len: int, rollouts_per
                     bytes_per_device=need(slots, pages))
 
 
+def stream_pool_size(slots: int, share: int) -> int:
+    """Prompt-pool entries of an open stream (Engine.open_stream): twice the prompts the slots
+    hold, +2. With long-tailed lengths a prompt keeps its entry until its slowest sample stops,
+    while its other slots already decode others, so the pool holds more than one call's."""
+    return 2 * -(-int(slots) // max(int(share), 1)) + 2
+
+
+def stream_plan(cfg: ModelConfig, plan: SlotPlan, prompt_len: int,
+                max_new_tokens: int) -> SlotPlan:
+    """``plan`` (:func:`plan_slots` for the stream's ``plan_prompts``) with an open stream's
+    prompt pool (:func:`stream_pool_size`) and its bytes: the layout the engine allocates for a
+    stream and holds while paused between RL steps (the memory plan counts it beside the update
+    when samples are carried, train/memory_plan.py)."""
+    pool = stream_pool_size(plan.slots, plan.share)
+    extra = (pool - plan.pool) * pool_entry_bytes(cfg, prompt_len, plan.share, max_new_tokens)
+    return dataclasses.replace(plan, pool=pool, bytes_per_device=plan.bytes_per_device + extra)
+
+
 def validate_inputs(
     cfg: ModelConfig, prompts: Any, rollouts_per_prompt: int, max_new_tokens: int,
     temperature: float, top_p: float, top_k: int,

@@ -11,7 +11,11 @@ Each fact comes from the plan that acts on it; nothing is restated here:
     up to data.max_prompt_len (bucketed as the engine buckets them);
   * the update's rows per micro-batch (algo.update.micro_batch_rows over config.row_width) and,
     on one device whose memory is known, the training state and the activations a micro-batch
-    keeps under full rematerialisation (algo.update.train_state_bytes, remat_saved_bytes).
+    keeps under full rematerialisation (algo.update.train_state_bytes, remat_saved_bytes), plus
+    the paused rollout engine when samples are carried across the update (algo.stream_rounds
+    with algo.max_staleness >= 1: `paused_engine_bytes`, the stream's rollout.plan.stream_plan).
+    The same reservation is taken off the device memory the update's remat policy plans with
+    (train/runtime.py, algo.update.plan_remat_policy).
 Device memory is known on GPU/TPU (algo.update.device_memory_bytes) and unknown on CPU, where
 only the checks that need none run. Each refusal is a ConfigError naming the key, its value, the
 limit the plan computed and the key to change.
@@ -69,6 +73,23 @@ def rollout_calls(cfg, num_processes: int = 1) -> tuple[RolloutCall, RolloutCall
     return train, evaluation
 
 
+def paused_engine_bytes(cfg, model_cfg, *, num_devices: int, num_processes: int = 1) -> int:
+    """Device memory (per device) of the rollout stream an RL step leaves paused across the
+    update: with algo.stream_rounds and algo.max_staleness >= 1 the engine keeps its slots, KV
+    pages and prompt pool for the groups still in flight (train/collect.py), so they sit beside
+    the update's state and activations. 0 when nothing is carried (rounds, or k = 0: the stream
+    is closed before the update) or without a model config."""
+    if model_cfg is None or not (cfg.algo.stream_rounds and cfg.algo.max_staleness >= 1):
+        return 0
+    train, _ = rollout_calls(cfg, num_processes)
+    prompt_len = rollout_plan.bucket_prompt_length(cfg.data.max_prompt_len)
+    plan = rollout_plan.plan_slots(model_cfg, train.num_prompts, prompt_len,
+                                   train.rollouts_per_prompt, train.max_new_tokens,
+                                   rollout_memory_budget_bytes(cfg), num_devices=num_devices)
+    return rollout_plan.stream_plan(model_cfg, plan, prompt_len,
+                                    train.max_new_tokens).bytes_per_device
+
+
 def _gb(nbytes: float, up: bool) -> str:
     """nbytes in GB at 3 significant digits, rounded up (a minimum) or down (a maximum), so the
     value printed is one the plan accepts."""
@@ -112,7 +133,8 @@ def check_memory_plan(cfg, model_cfg, *, num_devices: int, num_processes: int = 
             errors += _rollout_call(cfg, model_cfg, call, num_devices, device_bytes, n_params)
         if (update and device_bytes is not None and num_devices == 1 and num_processes == 1
                 and cfg.model.remat):       # one device: the update plan is not sharded
-            errors += _update_micro_batch(cfg, model_cfg, device_bytes, n_params)
+            errors += _update_micro_batch(cfg, model_cfg, device_bytes, n_params,
+                                          paused_engine_bytes(cfg, model_cfg, num_devices=1))
     if errors:
         raise ConfigError("the memory plan cannot hold this config:\n  " + "\n  ".join(errors))
 
@@ -146,6 +168,8 @@ def _rollout_call(cfg, model_cfg, call: RolloutCall, devices: int, device_bytes,
                 f" Raise rollout.memory_budget_gb to at least {_gb(least, True)}, set it to 0 "
                 f"(a slot per sample), or {lower}."]
     plan = rollout_plan.plan_slots(*shapes, budget, num_devices=devices)
+    if call.what == "training" and cfg.algo.stream_rounds:     # an open stream's larger pool
+        plan = rollout_plan.stream_plan(model_cfg, plan, prompt_len, call.max_new_tokens)
     if plan.num_pages + 1 > INT32_MAX:
         return [f"{key}: the {call.what} rollouts ({sizes}) would take {plan.num_pages + 1:,} "
                 f"KV pages of {plan.page_size} positions per device ({plan.slots:,} decode "
@@ -171,15 +195,17 @@ def _rollout_call(cfg, model_cfg, call: RolloutCall, devices: int, device_bytes,
             + fix]
 
 
-def _update_micro_batch(cfg, model_cfg, device_bytes: int, n_params: int) -> list[str]:
-    """One device: the training state and one micro-batch's activations under full remat (the
-    least any remat policy keeps) fit the device."""
+def _update_micro_batch(cfg, model_cfg, device_bytes: int, n_params: int, paused: int = 0
+                        ) -> list[str]:
+    """One device: the training state, one micro-batch's activations under full remat (the
+    least any remat policy keeps) and the paused rollout engine (`paused` bytes) fit the
+    device."""
     update = algo.update
     acfg, width = algo_config(cfg), row_width(cfg)
     mini = max(1, cfg.algo.prompts_per_step * cfg.rollout.rollouts_per_prompt
                // cfg.algo.ppo_mini_batches)
     rows = min(update.micro_batch_rows(acfg, width), mini)
-    state = update.train_state_bytes(model_cfg, n_params)
+    state = update.train_state_bytes(model_cfg, n_params) + paused
     saved = update.remat_saved_bytes(model_cfg, rows * width, "full")
     if state + saved <= device_bytes:
         return []
@@ -192,8 +218,11 @@ def _update_micro_batch(cfg, model_cfg, device_bytes: int, n_params: int) -> lis
            "rollout.max_new_tokens." if fit >= 1 else
            "Not even one row fits: lower data.max_prompt_len / rollout.max_new_tokens, or use a "
            "smaller model.")
+    beside = (f"{_gb(state - paused, True)} GB of training state (algo.update.train_state_bytes)"
+              + (f" and {_gb(paused, True)} GB of the rollout engine paused across the update "
+                 f"with its samples in flight (algo.max_staleness={cfg.algo.max_staleness}; "
+                 "set it to 0, or lower rollout.memory_budget_gb, to free it)" if paused else ""))
     return [f"config key '{key}' = {cfg.algo[key.split('.')[1]]}: a micro-batch of {rows} "
             f"row(s) x {width} tokens keeps {_gb(saved, True)} GB of activations for the "
-            f"backward pass even with full rematerialisation, beside {_gb(state, True)} GB of "
-            f"training state (algo.update.train_state_bytes): more than the "
+            f"backward pass even with full rematerialisation, beside {beside}: more than the "
             f"{_gb(device_bytes, False)} GB of the device. " + fix]

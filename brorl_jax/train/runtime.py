@@ -80,6 +80,11 @@ class Runtime:
         self.diagnostics_n = diagnostics_n
         self.rollout_impl = cfg.rollout.impl
         self.memory_budget_bytes = rollout_memory_budget_bytes(cfg)
+        # the stream left paused across the update (samples carried, algo.max_staleness >= 1)
+        from brorl_jax.train.memory_plan import paused_engine_bytes
+        self.paused_engine_bytes = paused_engine_bytes(
+            cfg, model_cfg, num_devices=jax.local_device_count(),
+            num_processes=jax.process_count())
         self._steps: dict[Any, Any] = {}
         self._rollout: rollout.Engine | None = None
         self._rollout_copy: tuple | None = None     # (source params, the rollout's copy)
@@ -183,6 +188,13 @@ class Runtime:
     def update(self, algo_cfg, state, batch: dict, rng):
         raise NotImplementedError
 
+    def update_device_bytes(self) -> int | None:
+        """The device memory the update's remat policy plans with (make_update_step's
+        device_bytes): the device's, less the rollout engine paused beside the update
+        (train/memory_plan.paused_engine_bytes); None where unknown (CPU)."""
+        mem = algo.update.device_memory_bytes()
+        return None if mem is None else max(0, mem - self.paused_engine_bytes)
+
 
 @dataclasses.dataclass
 class _LocalSteps:
@@ -206,7 +218,8 @@ class LocalRuntime(Runtime):
         if algo_cfg not in self._steps:
             self._steps[algo_cfg] = _LocalSteps(
                 jax.jit(algo.make_update_step(self.model_cfg, algo_cfg, self.optimizer,
-                                              diagnostics_n=self.diagnostics_n),
+                                              diagnostics_n=self.diagnostics_n,
+                                              device_bytes=self.update_device_bytes()),
                         donate_argnums=(0,)),
                 jax.jit(algo.make_logprob_fn(self.model_cfg, algo_cfg)))
         return self._steps[algo_cfg]
@@ -292,7 +305,8 @@ class MeshRuntime(Runtime):
             abstract["ref_logprobs"] = jax.ShapeDtypeStruct((rows, t), np.float32)
         update, sh = algo_sharded.make_sharded_update(
             self.model_cfg, algo_cfg, self.optimizer, self.mesh, state, abstract,
-            rules=self.rules, diagnostics_n=self.diagnostics_n)
+            rules=self.rules, diagnostics_n=self.diagnostics_n,
+            device_bytes=self.update_device_bytes())
         logprob = None
         if algo_cfg.kl_coef > 0:
             no_ref = {k: v for k, v in abstract.items() if k != "ref_logprobs"}

@@ -118,3 +118,20 @@ def test_an_open_stream_with_nothing_in_flight_says_feed(model, engine):
     st2 = _open(engine, model.params)
     with pytest.raises(ValueError, match="at most 32"):
         st2.scheduler.feed([list(range(4, 40))])
+
+
+def test_the_plan_of_an_open_stream_is_the_layout_it_allocates(model, engine):
+    """rollout.plan.stream_plan (what the memory plan counts for a stream, paused across the
+    update with samples in flight) is the layout open_stream builds, and its bytes cover the
+    device state the stream holds (pool, slots, KV pages)."""
+    import jax
+
+    from brorl_jax.rollout import plan as rollout_plan
+    st = _open(engine, model.params)
+    want = rollout_plan.stream_plan(model.config, engine.plan(2, 32, N, S), 32, S)
+    sch = st.scheduler
+    assert sch.plan == want and want.pool > engine.plan(2, 32, N, S).pool
+    sch.start()
+    held = sum(x.nbytes for x in jax.tree.leaves((sch.pool, sch.slots, sch.kv)))
+    assert 0.5 * want.bytes_per_device <= held <= want.bytes_per_device, (held, want)
+    st.close()
