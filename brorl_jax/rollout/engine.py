@@ -255,6 +255,40 @@ class RolloutStream:
         return assemble(self._delivered, self.stats)
 
 
+class _Waiter:
+    """A daemon thread that waits for each decode call's summary in turn and notes when it was
+    ready (Scheduler's device-idle clock): the host may be elsewhere when a call ends. ``floor``:
+    ends are never counted before it (Scheduler.resume)."""
+
+    def __init__(self):
+        self._queue: queue.Queue = queue.Queue()
+        self._ended: queue.Queue = queue.Queue()
+        self.floor = 0.0
+        self._thread = threading.Thread(target=self._run, name="rollout-waiter", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                jax.block_until_ready(item)
+            except Exception:  # noqa: BLE001 - the host's own wait reports a failed call
+                pass
+            self._ended.put(time.perf_counter())
+
+    def watch(self, summary: Any) -> None:
+        self._queue.put(summary)
+
+    def ended(self) -> float | None:
+        """When the oldest watched call was ready (its summary was just fetched by the host)."""
+        try:
+            return self._ended.get(timeout=5.0)
+        except queue.Empty:       # never expected: the summary is on the host already
+            return None
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+
 def _pow2_at_least(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
@@ -299,6 +333,13 @@ class Scheduler:
         self.decode_calls: list = []           # (slots, steps, seconds) of each decode call
         self.counters = dict(slot_steps=0, compactions=0, round_trips=0, admissions=0)
         self.seconds = dict(init=0.0, prefill=0.0, decode=0.0)
+        # Who waited for whom (docs/rollout.md "Waits"): host_wait = the host blocked on the
+        # device (a decode call's summary, a prefill); device_idle = from the end of one device
+        # call to the launch of the next, the end timed by a waiter thread (so a consumer that
+        # holds the stream, e.g. scoring a group, is seen), never across a pause (resume()).
+        self.waits = dict(host_wait=0.0, device_idle=0.0)
+        self._idle_since: float | None = None      # when the device last went idle
+        self._waiter: _Waiter | None = None
         self.pool = self.slots = self.kv = self.device_stats = None
         self.started_at: float | None = None
         self.ended_at: float | None = None
@@ -383,17 +424,38 @@ class Scheduler:
         statistics of a stream spanning RL steps (take differences)."""
         if self.device_stats is None:
             return dict(decode_steps=0, live_slot_steps=0, slot_steps=0, refills=0,
-                        compactions=0, useful_tokens=0)
+                        compactions=0, useful_tokens=0, host_wait=0.0, device_idle=0.0)
         st = jax.device_get(self.device_stats)
         steps = int(st.steps[0])
         pending = (steps - self.steps) * self.num_slots * self.engine.num_devices
         return dict(decode_steps=steps, live_slot_steps=int(st.live.sum()),
                     slot_steps=self.counters["slot_steps"] + pending,
                     refills=int(st.refills.sum()), compactions=self.counters["compactions"],
-                    useful_tokens=self.useful_tokens)
+                    useful_tokens=self.useful_tokens, **self.waits)
 
     def _program(self, name: str, *extra):
         return self.engine._program(name, self.spec, *extra)
+
+    def _launch(self) -> None:
+        """A device call is about to start: the time since the device went idle counts as
+        device idle (time the device waited for the host)."""
+        if self._idle_since is not None:
+            self.waits["device_idle"] += max(0.0, time.perf_counter() - self._idle_since)
+        self._idle_since = None
+
+    def _blocked(self, since: float) -> None:
+        """The host has just waited (from ``since``) for a device call that is now done."""
+        now = time.perf_counter()
+        self.waits["host_wait"] += now - since
+        self._idle_since = now
+
+    def resume(self) -> None:
+        """The consumer takes the stream up again after a pause (an RL step's update ran in
+        between): the device's idle time is counted from now, not from the pause."""
+        if self._idle_since is not None:
+            self._idle_since = max(self._idle_since, time.perf_counter())
+        if self._waiter is not None:
+            self._waiter.floor = time.perf_counter()
 
     def start(self) -> None:
         self.started_at = time.perf_counter()
@@ -401,6 +463,7 @@ class Scheduler:
         self.pool, self.slots, self.kv, self.device_stats = state
         jax.block_until_ready(self.kv.pages_k)
         self.seconds["init"] = time.perf_counter() - self.started_at
+        self._idle_since = time.perf_counter()
 
     def admit(self) -> None:
         spec, k_pool = self.spec, self.spec.pool
@@ -420,9 +483,11 @@ class Scheduler:
                 self.entry_prompt[free[r]] = g
                 self.admitted_version[g] = self.version
             t0 = time.perf_counter()
+            self._launch()
             self.pool = self._program("admit", ga)(self.params, toks, lens, ents, gids, self.stop,
                                                    self.seed_key, self.pool)[0]
             jax.block_until_ready(self.pool.gid)
+            self._blocked(t0)
             self.seconds["prefill"] += time.perf_counter() - t0
             self.counters["admissions"] += 1
             self.next_prompt += take
@@ -430,15 +495,24 @@ class Scheduler:
 
     def decode(self) -> Any:
         """Launch one decode call (asynchronously); -> its summary, still on the device."""
+        self._launch()
         (self.pool, self.slots, self.kv, self.device_stats), summary = self._program("decode")(
             self.params, self.stop, self.seed_key,
             np.bool_(not self.open and self.next_prompt >= self.num_prompts),
             self.pool, self.slots, self.kv, self.device_stats)
+        if self._waiter is None:
+            self._waiter = _Waiter()
+        self._waiter.watch(summary)
         return summary
 
     def wait(self, summary: Any, launched_at: float) -> tuple[dict, bool]:
         """(the decode call's summary on the host, whether it ran any steps)."""
+        t0 = time.perf_counter()
         sm = jax.device_get(summary)
+        self._blocked(t0)
+        ended = self._waiter.ended() if self._waiter is not None else None
+        if ended is not None:        # the call ended before the host asked (it was elsewhere)
+            self._idle_since = min(self._idle_since, max(ended, self._waiter.floor))
         seconds = time.perf_counter() - launched_at
         self.seconds["decode"] += seconds
         steps = int(sm["steps"])
@@ -527,6 +601,9 @@ class Scheduler:
             yield from self.hand_out()
         finally:
             self.ended_at = time.perf_counter()
+            if self._waiter is not None:
+                self._waiter.stop()
+                self._waiter = None
 
     def stats(self) -> dict:
         """The call's statistics (docs/rollout.md), for logging and benchmarks; {} before start."""
@@ -550,6 +627,8 @@ class Scheduler:
             admissions=c["admissions"], prefill_seconds=sec["prefill"],
             decode_seconds=sec["decode"], init_seconds=sec["init"],
             host_seconds=total - sec["prefill"] - sec["decode"] - sec["init"],
+            host_wait_seconds=self.waits["host_wait"],
+            device_idle_seconds=self.waits["device_idle"],
             total_seconds=total, padded_prompt_len=self.spec.prompt_len,
             padded_num_prompts=self.num_prompts, memory_bytes_per_device=plan.bytes_per_device,
             decode_calls=list(self.decode_calls))

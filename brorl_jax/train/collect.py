@@ -41,6 +41,9 @@ from brorl_jax.train.monitoring import (
 )
 
 ROLLOUT_STAT_KEYS = ("useful_tokens", "decode_steps", "refills", "compactions")
+# time/<key>: the host blocked on the rollout's device calls, and the rollout's device idle
+# between two of its calls (rollout.Scheduler.waits), summed over the step's decoding
+WAIT_KEYS = ("host_waited_for_device_s", "device_waited_for_host_s")
 
 
 def round_seed(seed: int, step: int, round_: int) -> int:
@@ -83,7 +86,7 @@ def generate_groups(ctx: RunContext, params, state: algo.CollectState, batch_sou
     sampling = ctx.train_sampling(step)
     every, infos, truncated, n_chosen, healths = [], [], [], [], []
     timing = dict.fromkeys(("rollout_s", "scoring_s", "scoring_waited_for_rollout_s",
-                            "rollout_idle_for_scoring_s"), 0.0)
+                            "rollout_idle_for_scoring_s", *WAIT_KEYS), 0.0)
     stats = {**dict.fromkeys(ROLLOUT_STAT_KEYS, 0), "live_slot_steps": 0.0, "slot_steps": 0}
     samples, cap_error = 0, None
     while True:
@@ -124,6 +127,8 @@ def generate_groups(ctx: RunContext, params, state: algo.CollectState, batch_sou
             stats = add_rollout_stats(stats, st.stats)
             timing["scoring_waited_for_rollout_s"] += st.wait_seconds
             timing["rollout_idle_for_scoring_s"] += max(0.0, done - st.finished_at)
+            for key, stat in zip(WAIT_KEYS, ("host_wait_seconds", "device_idle_seconds")):
+                timing[key] += float(st.stats.get(stat, 0.0))
         state = host.observe(ccfg, state, observed)
         every += groups
         sampler.add_round(groups)
@@ -237,6 +242,7 @@ def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_sourc
     samples = dropped = fed = 0
     cap_error = None
     start = live.progress or sch.progress()
+    sch.resume()                        # the pause (the last update) is not the device's idle
     while True:
         needed = host.groups_needed(ccfg, row_budget - sampler.rows_used, max_rows)
         if needed == 0:
@@ -285,6 +291,8 @@ def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_sourc
     sampler.rounds = -(-fed // round_prompts)
     end = sch.progress()
     stats = _progress_delta(start, end)
+    timing.update(zip(WAIT_KEYS, (end["host_wait"] - start["host_wait"],
+                                  end["device_idle"] - start["device_idle"])))
     in_flight = sch.in_flight * host.num_candidates(ccfg, n)
     carried = 0
     if stream_ends_after(ctx, step):

@@ -172,6 +172,45 @@ def test_stream_at_k1_carries_groups_each_used_once_none_lost_none_too_old(train
     assert cstate.stream is None             # the last step closed it (a checkpoint step)
 
 
+class SlowScorer:
+    """The trainer's scorer, `delay` seconds slower per group (a verifier with latency), and
+    two groups in three all wrong (dropped by the filter), so a step needs more prompts decoded
+    after the groups being scored: the engine has work to wait for the verifier with."""
+
+    def __init__(self, inner, delay):
+        self.inner, self.delay, self.calls = inner, delay, 0
+
+    def score(self, records, tokens, lengths):
+        import time
+        time.sleep(self.delay)
+        self.calls += 1
+        got = self.inner.score(records, tokens, lengths)
+        return got if self.calls % 3 == 0 else Scored(np.zeros_like(got.rewards), got.health)
+
+
+def test_who_waited_for_whom_is_measured(trainer, monkeypatch):
+    """time/device_waited_for_host_s: the engine idle between two of its device calls, timed by
+    the scheduler's waiter thread, so a consumer that holds the stream (here a verifier taking
+    0.25 s a group) shows as device idle; time/host_waited_for_device_s: the host blocked on
+    the device. Both per step, within the step's wall time; the same schedule without the
+    latency shows (almost) none of that idle."""
+    _with_staleness(trainer, 0)
+    inner, out = trainer.ctx.scorer, []
+    for delay in (0.0, 0.25):
+        monkeypatch.setattr(trainer.ctx, "scorer", SlowScorer(inner, delay))
+        out.append(_run(trainer, 1)[2][0][0])
+    fast, slow = out
+    for m in (fast, slow):
+        idle, wait = m["time/device_waited_for_host_s"], m["time/host_waited_for_device_s"]
+        assert 0 <= idle <= m["time/rollout_s"] + m["time/scoring_s"]
+        assert 0 < wait <= m["time/rollout_s"]
+    groups = slow["perf/generated_samples"] // trainer.cfg.rollout.rollouts_per_prompt
+    assert groups == fast["perf/generated_samples"] // trainer.cfg.rollout.rollouts_per_prompt
+    assert groups >= 4
+    assert slow["time/device_waited_for_host_s"] - fast["time/device_waited_for_host_s"] \
+        >= 0.5 * 0.25 * (groups - 2)
+
+
 def test_restart_from_a_checkpoint_steps_state_repeats_the_run(trainer):
     """What a checkpoint saves at a checkpoint step (train state, collect state's JSON, data
     position), restored into fresh objects, gives the uninterrupted run's parameters bit for
