@@ -85,6 +85,11 @@ def default_config() -> ml_collections.ConfigDict:
     # no round drains it; False = today's rounds. Not in the paper.
     c.algo.stream_rounds = False
     c.algo.max_staleness = 0                   # k: train on samples up to k updates old (TIS); needs the stream
+    # With samples carried (k >= 1): decode calls the engine runs, under the weights it has,
+    # while the update runs (docs/rollout.md "Decoding during the update"). -1 = with
+    # mesh.rollout_devices, until the update is done (timing-dependent, so not reproducible run
+    # to run), else none; D >= 0 = exactly D (a reproducible schedule). Not in the paper.
+    c.algo.decode_during_update = -1
     c.algo.clip_eps_low = 0.2                  # [ProRLv2]
     c.algo.clip_eps_high = 0.28                # [ProRLv2]
     c.algo.dual_clip_c = 3.0                   # A < 0: loss <= -c A; 0 = off [veRL default clip_ratio_c]
@@ -194,6 +199,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh.fsdp = 1
     c.mesh.tensor = 1
     c.mesh.rules = "default"              # a rule set of brorl_jax.parallel.rules.PARAM_RULES
+    # Disaggregated rollout (one process): the first R devices decode (their own mesh), the
+    # mesh above is laid over the others and trains; weights move after each update by a
+    # reshard. 0 = colocated (every device does both).
+    c.mesh.rollout_devices = 0
     return c
 
 
@@ -237,7 +246,7 @@ POSITIVE = (
 )
 NON_NEGATIVE = (
     "algo.kl_coef", "algo.clip_eps_high", "algo.ref_reset_every", "algo.micro_batch_tokens",
-    "algo.max_staleness",
+    "algo.max_staleness", "mesh.rollout_devices",
     "algo.advantage_eps", "algo.whiten_eps", "algo.entropy_coef", "algo.length_penalty_on_steps",
     "algo.length_penalty_off_steps", "train.steps", "eval.every", "sft.steps",
     "optim.warmup_steps", "rollout.memory_budget_gb", "train.seed", "data.seed",
@@ -427,17 +436,33 @@ def _validate_numbers(schema: dict, given: dict) -> list[str]:
     return errors
 
 
-def check_mesh(cfg: ml_collections.ConfigDict, num_devices: int) -> None:
+def check_mesh(cfg: ml_collections.ConfigDict, num_devices: int,
+               num_processes: int = 1) -> None:
     """ConfigError unless mesh.data x mesh.fsdp x mesh.tensor (-1 = the rest) uses exactly the
-    `num_devices` devices JAX sees; on one device too (where the mesh is otherwise unused)."""
+    devices JAX sees less mesh.rollout_devices (the rollout's own, when disaggregated); on one
+    device too (where the mesh is otherwise unused)."""
     from brorl_jax.parallel.mesh import AXES, mesh_shape
+    rollout = int(cfg.mesh.get("rollout_devices", 0))
+    if rollout:
+        if num_processes > 1:
+            raise ConfigError(f"config key 'mesh.rollout_devices'={rollout}: a disaggregated "
+                              f"rollout runs in one process for now ({num_processes} were "
+                              "started); set mesh.rollout_devices=0 (every process decodes on "
+                              "its own devices).")
+        if rollout >= num_devices:
+            raise ConfigError(f"config key 'mesh.rollout_devices'={rollout} leaves none of the "
+                              f"{num_devices} device{'s' if num_devices != 1 else ''} JAX sees "
+                              f"to train on; set it below {num_devices} (or 0: colocated).")
+    train = num_devices - rollout
     sizes = {a: int(cfg.mesh[a]) for a in AXES}
     try:
-        mesh_shape(sizes, num_devices)
+        mesh_shape(sizes, train)
     except ValueError as e:
         given = ", ".join(f"mesh.{a}={v}" for a, v in sizes.items())
-        raise ConfigError(f"config keys {given} do not match the {num_devices} device"
-                          f"{'s' if num_devices != 1 else ''} JAX sees ({e}). Set the sizes so "
+        seen = (f"the {num_devices} device{'s' if num_devices != 1 else ''} JAX sees" if not
+                rollout else f"the {train} training devices ({num_devices} JAX sees less "
+                f"mesh.rollout_devices={rollout})")
+        raise ConfigError(f"config keys {given} do not match {seen} ({e}). Set the sizes so "
                           "their product is the device count, or one of them to -1 (the rest; "
                           "the default is mesh.data=-1, mesh.fsdp=1, mesh.tensor=1).") from None
 
@@ -560,6 +585,14 @@ def _validate_options(cfg: ml_collections.ConfigDict) -> list[str]:
                       "older weights, corrected per token by the truncated IS weight "
                       "pi_old / behaviour; it needs algo.tis_mode != 'off' and "
                       "algo.recompute_old_logprobs=True (or algo.max_staleness=0).")
+    if a.decode_during_update < -1:
+        errors.append(f"config key 'algo.decode_during_update' must be -1 (until the update is "
+                      f"done, when disaggregated) or a count >= 0, got {a.decode_during_update}.")
+    if a.decode_during_update > 0 and a.max_staleness == 0:
+        errors.append(f"config key 'algo.decode_during_update'={a.decode_during_update} decodes "
+                      "the carried samples while the update runs, and nothing is carried at "
+                      "algo.max_staleness=0; set algo.max_staleness >= 1 (with "
+                      "algo.stream_rounds=True) or algo.decode_during_update to -1 or 0.")
     if a.stream_rounds and r.adaptive_n:
         errors.append("config key 'algo.stream_rounds'=True decodes one N for every prompt; "
                       "turn off rollout.adaptive_n or algo.stream_rounds.")

@@ -76,6 +76,35 @@ def test_mesh_sizes_must_match_the_devices_on_one_device_too(sizes, devices, ok)
             check_mesh(cfg, devices)
 
 
+@pytest.mark.parametrize("rollout,data,devices,processes,says", [
+    (4, 4, 8, 1, None), (4, -1, 8, 1, None),
+    (4, 8, 8, 1, r"do not match the 4 training devices \(8 JAX sees less mesh.rollout_devices=4"),
+    (8, -1, 8, 1, r"'mesh.rollout_devices'=8 leaves none of the 8 devices .* below 8"),
+    (2, -1, 4, 2, r"'mesh.rollout_devices'=2: a disaggregated rollout runs in one process")])
+def test_a_disaggregated_rollout_takes_its_devices_from_the_mesh(rollout, data, devices,
+                                                                  processes, says):
+    cfg = demo.get_config()
+    cfg.mesh.rollout_devices, cfg.mesh.data = rollout, data
+    if says is None:
+        check_mesh(cfg, devices, processes)
+    else:
+        with pytest.raises(ConfigError, match=says):
+            check_mesh(cfg, devices, processes)
+
+
+def test_decoding_during_the_update_needs_carried_samples():
+    cfg = demo.get_config()
+    cfg.algo.decode_during_update = 2
+    with pytest.raises(ConfigError, match=r"'algo.decode_during_update'=2 .* nothing is carried "
+                                          r"at algo.max_staleness=0"):
+        validate(cfg)
+    cfg.algo.stream_rounds, cfg.algo.max_staleness = True, 1
+    validate(cfg)
+    cfg.algo.decode_during_update = -2
+    with pytest.raises(ConfigError, match=r"'algo.decode_during_update' must be -1"):
+        validate(cfg)
+
+
 # -- the memory plans (train/memory_plan.py): what the plans cannot hold, refused before the
 # weights load, each fix the message names accepted by the same plan ---------------------------
 from brorl_jax.models.demo_model import demo_model_config  # noqa: E402
@@ -197,6 +226,8 @@ def test_the_engine_paused_across_the_update_is_counted_beside_it(monkeypatch):
     k0 = _plan_config(over)
     k1 = _plan_config({**over, "algo.max_staleness": 1})
     assert memory_plan.paused_engine_bytes(k0, MODEL, num_devices=1) == 0
+    apart = _plan_config({**over, "algo.max_staleness": 1, "mesh.rollout_devices": 4})
+    assert memory_plan.paused_engine_bytes(apart, MODEL, num_devices=4) == 0   # not beside it
     paused = memory_plan.paused_engine_bytes(k1, MODEL, num_devices=1)
     call, _ = memory_plan.rollout_calls(k1)
     plan = rollout_plan.plan_slots(MODEL, call.num_prompts, 32, call.rollouts_per_prompt,

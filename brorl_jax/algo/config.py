@@ -126,6 +126,7 @@ class CollectConfig:
     dynamic_sampling_cap_policy: str
     stream_rounds: bool
     max_staleness: int
+    decode_during_update: int
     reward_clip_low: float
     reward_clip_high: float
     pack_sequences: bool

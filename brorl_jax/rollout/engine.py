@@ -33,6 +33,7 @@ devices (psum/pmax), so all devices return to the host together.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import queue
@@ -182,6 +183,7 @@ class RolloutStream:
         self.finished_at: float | None = None     # when the device loop returned for good
         self.stats: dict = {}
         self._gen = run(lambda: self._closed)
+        self._buffer: collections.deque = collections.deque()     # advance()'s groups
         self._queue: queue.Queue | None = None
         if background:
             self._queue = queue.Queue()
@@ -195,7 +197,8 @@ class RolloutStream:
     def _drive(self) -> None:
         try:
             for group in self._gen:
-                self._queue.put(("group", group))
+                if group is not HOST_RETURN:
+                    self._queue.put(("group", group))
             self._loop_ended()
         except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
             self.finished_at = time.perf_counter()
@@ -203,13 +206,51 @@ class RolloutStream:
         self._queue.put(("end", None))
 
     def _next_item(self):
+        if self._buffer:
+            return self._buffer.popleft()
+        while (got := self._raw())[0] == "return":
+            pass
+        return got
+
+    def _raw(self):
+        """The device loop's next item: ("group", GroupResult), ("return", None) at a return to
+        the host (open streams), ("end", None) or ("error", exception)."""
         if self._queue is None:
             try:
-                return "group", next(self._gen)
+                item = next(self._gen)
             except StopIteration:
                 self._loop_ended()
                 return "end", None
+            return ("return", None) if item is HOST_RETURN else ("group", item)
         return self._queue.get()
+
+    @property
+    def buffered(self) -> int:
+        """Groups advance() has kept that __next__ has not handed out yet."""
+        return sum(1 for kind, _ in self._buffer if kind == "group")
+
+    def advance(self, calls: int | None = None, until: Callable[[], bool] | None = None) -> int:
+        """Drives the device loop of a stream without background thread, with no consumer
+        taking groups, for ``calls`` more returns to the host (None: no limit) or until
+        ``until()`` is true at one; the groups that complete meanwhile are kept, in order, for
+        ``__next__``. Stops early when nothing is in flight. It ends at a return to the host,
+        before the next device call: a weight swap then applies to the very next call. Used to
+        keep decoding while the update runs (docs/rollout.md "Decoding during the update").
+        -> the returns to the host it ran."""
+        if self._queue is not None:
+            raise RuntimeError("advance() drives a stream that runs in the caller's thread "
+                               "(Engine.open_stream), not one with a background driver")
+        done = 0
+        while (not self._ended and (calls is None or done < calls)
+               and not (until is not None and until()) and self._scheduler.in_flight > 0):
+            kind, item = self._raw()
+            if kind == "return":
+                done += 1
+                continue
+            self._buffer.append((kind, item))
+            if kind != "group":
+                break
+        return done
 
     def __iter__(self) -> "RolloutStream":
         return self
@@ -289,6 +330,10 @@ class _Waiter:
         self._queue.put(None)
 
 
+# What Scheduler.run yields at each return to the host of an open stream (never a group).
+HOST_RETURN = object()
+
+
 def _pow2_at_least(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
@@ -320,6 +365,7 @@ class Scheduler:
         # An open feed (Engine.open_stream): more prompts may come (feed()), so the loop never
         # treats the call as drained (no "final" tail shrink, no compaction) until close_feed().
         self.open = bool(open_feed)
+        self.marks_returns = bool(open_feed)   # yield HOST_RETURN at each return to the host
         self.version = 0                       # the caller's label of the current weights
         self.admitted_version: dict = {}       # prompt -> version its prefill (and token 0) ran
         self.swaps: dict = {}                  # prompt -> [(version, first new token [N])]
@@ -598,6 +644,8 @@ class Scheduler:
                 if not progressed:
                     raise RuntimeError(f"rollout scheduler made no progress (a bug): summary={sm}, "
                                        f"slots={self.num_slots}, entries={self.entry_prompt}")
+                if self.marks_returns:     # an open stream: RolloutStream.advance stops here
+                    yield HOST_RETURN
             yield from self.hand_out()
         finally:
             self.ended_at = time.perf_counter()

@@ -27,6 +27,7 @@ import dataclasses
 import time
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 
 from brorl_jax import algo
@@ -160,6 +161,12 @@ class LiveStream:
     def scheduler(self):
         return self.stream.scheduler
 
+    @property
+    def in_flight(self) -> int:
+        """Fed prompts whose group the step has not taken: in the engine, or complete and kept
+        by RolloutStream.advance (decode_during_update) for the next step."""
+        return self.scheduler.in_flight + self.stream.buffered
+
     def close(self) -> None:
         self.stream.close()
 
@@ -222,7 +229,7 @@ def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_sourc
     live: LiveStream | None = state.stream
     discarded = 0
     if live is not None and live.sampling != sampling:     # a scheduled temperature changed
-        discarded += live.scheduler.in_flight * host.num_candidates(ccfg, n)
+        discarded += live.in_flight * host.num_candidates(ccfg, n)
         live.close()
         live = None
     # a generation round's prompts on this process (the loader's batch): the step's cap and the
@@ -248,7 +255,7 @@ def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_sourc
         if needed == 0:
             break
         want = host.prompts_to_feed(ccfg, needed=needed, step_groups=row_budget // n,
-                                    in_flight=sch.in_flight, fed=fed, cap=cap,
+                                    in_flight=live.in_flight, fed=fed, cap=cap,
                                     pool=sch.spec.pool, pass_rate=pass_rate)
         if want:
             while len(live.pending) < want:
@@ -257,7 +264,7 @@ def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_sourc
             for gid, (ids, record, index) in zip(sch.feed([t[0] for t in take]), take):
                 live.fed[gid] = FedPrompt(ids, record, index)
             fed += len(take)
-        if sch.in_flight == 0:          # the cap is fed and done, the batch not full
+        if live.in_flight == 0:         # the cap is fed and done, the batch not full
             sampler.rounds = -(-fed // round_prompts)
             try:
                 sampler.need_more()
@@ -293,7 +300,7 @@ def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_sourc
     stats = _progress_delta(start, end)
     timing.update(zip(WAIT_KEYS, (end["host_wait"] - start["host_wait"],
                                   end["device_idle"] - start["device_idle"])))
-    in_flight = sch.in_flight * host.num_candidates(ccfg, n)
+    in_flight = live.in_flight * host.num_candidates(ccfg, n)
     carried = 0
     if stream_ends_after(ctx, step):
         discarded += in_flight
@@ -318,6 +325,28 @@ def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_sourc
                      rows_used=sampler.rows_used, health=merge_health(healths),
                      timing={f"time/{k}": v for k, v in timing.items()}, rollout_stats=stats,
                      generated_samples=samples, cap_error=cap_error, extra=extra), state
+
+
+def decode_during_update(ctx: RunContext, state: algo.CollectState, pending) -> dict:
+    """While the update just dispatched runs (``pending``: any of its outputs, not waited for),
+    the stream carried into the next step keeps decoding under the weights it has
+    (docs/rollout.md "Decoding during the update"): algo.decode_during_update = D >= 0 decode
+    calls exactly (a reproducible schedule; with the rollout colocated they queue behind the
+    update), -1 = until the update is done when disaggregated (mesh.rollout_devices), else none.
+    The groups that complete are kept for the next step's stream_groups, in order; the calls'
+    statistics count in the next step's. -> the step's metrics of it."""
+    live: LiveStream | None = state.stream
+    d = ctx.collect_cfg.decode_during_update
+    if live is None or d == 0 or (d < 0 and not ctx.runtime.rollout_devices):
+        return {}
+    t0 = time.perf_counter()
+    if d > 0:
+        calls = live.stream.advance(d)
+    else:
+        leaves = [x for x in jax.tree.leaves(pending) if hasattr(x, "is_ready")]
+        calls = live.stream.advance(until=lambda: all(x.is_ready() for x in leaves))
+    return {"rollout/decode_calls_during_update": calls,
+            "time/decode_during_update_s": time.perf_counter() - t0}
 
 
 def staleness_keys(max_staleness: int) -> tuple[str, ...]:

@@ -71,7 +71,7 @@ class Trainer:
     def __init__(self, cfg, workdir: str, *, allow_config_change=()):
         # Checks first, cheapest first: nothing expensive starts before they pass.
         validate(cfg)
-        check_mesh(cfg, jax.device_count())
+        check_mesh(cfg, jax.device_count(), jax.process_count())
         check_config(cfg)                 # train.loggers: a missing extra is named here
         check_model_path(cfg.model.path)
         self._model_cfg = read_model_config(cfg)      # config.json only: no weights yet

@@ -13,7 +13,8 @@ Each fact comes from the plan that acts on it; nothing is restated here:
     on one device whose memory is known, the training state and the activations a micro-batch
     keeps under full rematerialisation (algo.update.train_state_bytes, remat_saved_bytes), plus
     the paused rollout engine when samples are carried across the update (algo.stream_rounds
-    with algo.max_staleness >= 1: `paused_engine_bytes`, the stream's rollout.plan.stream_plan).
+    with algo.max_staleness >= 1: train/rollout_calls.paused_engine_bytes, the stream's
+    rollout.plan.stream_plan).
     The same reservation is taken off the device memory the update's remat policy plans with
     (train/runtime.py, algo.update.plan_remat_policy).
 Device memory is known on GPU/TPU (algo.update.device_memory_bytes) and unknown on CPU, where
@@ -22,72 +23,38 @@ limit the plan computed and the key to change.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from brorl_jax import algo
-from brorl_jax.algo import collect as host
 from brorl_jax.config import (
     INT32_MAX,
     algo_config,
-    collect_config,
     rollout_memory_budget_bytes,
     row_width,
 )
 from brorl_jax.errors import ConfigError
 from brorl_jax.rollout import plan as rollout_plan
+from brorl_jax.train.rollout_calls import (  # noqa: F401 - RolloutCall re-exported
+    RolloutCall,
+    paused_engine_bytes,
+    rollout_device_count,
+    training_call,
+)
 
 GB = 2**30
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutCall:
-    """The largest rollout call of one kind in a run, per process, and the keys that size it."""
-    what: str                   # "training" | "evaluation"
-    num_prompts: int
-    rollouts_per_prompt: int
-    max_new_tokens: int
-    n_keys: str                 # the keys that set rollouts_per_prompt
-    length_key: str             # the key that sets max_new_tokens
 
 
 def rollout_calls(cfg, num_processes: int = 1) -> tuple[RolloutCall, RolloutCall]:
     """The largest training-round call and the largest evaluation call of a run (per process)."""
     from brorl_jax.train.context import eval_sampling
     from brorl_jax.train.evaluation import prompts_per_call
-    ccfg = collect_config(cfg)
-    r = cfg.rollout
-    n_keys = "rollout.adaptive_n_buckets" if r.adaptive_n else "rollout.rollouts_per_prompt"
-    if r.overgenerate_factor > 1.0:
-        n_keys += " x rollout.overgenerate_factor"
-    gen = algo.generation_batch_size(cfg.algo.prompts_per_step,
-                                     cfg.algo.generation_batch_multiplier)
-    train = RolloutCall("training", -(-gen // num_processes),
-                        host.num_candidates(ccfg, host.max_group_rows(ccfg)), r.max_new_tokens,
-                        n_keys, "rollout.max_new_tokens")
+    train = training_call(cfg, num_processes)
     k = cfg.eval.samples_per_prompt
     evaluation = RolloutCall(
         "evaluation", min(prompts_per_call(k), -(-cfg.eval.num_prompts // num_processes)), k,
         eval_sampling(cfg).max_new_tokens, "eval.samples_per_prompt",
         "eval.max_new_tokens" if cfg.eval.max_new_tokens > 0 else "rollout.max_new_tokens")
     return train, evaluation
-
-
-def paused_engine_bytes(cfg, model_cfg, *, num_devices: int, num_processes: int = 1) -> int:
-    """Device memory (per device) of the rollout stream an RL step leaves paused across the
-    update: with algo.stream_rounds and algo.max_staleness >= 1 the engine keeps its slots, KV
-    pages and prompt pool for the groups still in flight (train/collect.py), so they sit beside
-    the update's state and activations. 0 when nothing is carried (rounds, or k = 0: the stream
-    is closed before the update) or without a model config."""
-    if model_cfg is None or not (cfg.algo.stream_rounds and cfg.algo.max_staleness >= 1):
-        return 0
-    train, _ = rollout_calls(cfg, num_processes)
-    prompt_len = rollout_plan.bucket_prompt_length(cfg.data.max_prompt_len)
-    plan = rollout_plan.plan_slots(model_cfg, train.num_prompts, prompt_len,
-                                   train.rollouts_per_prompt, train.max_new_tokens,
-                                   rollout_memory_budget_bytes(cfg), num_devices=num_devices)
-    return rollout_plan.stream_plan(model_cfg, plan, prompt_len,
-                                    train.max_new_tokens).bytes_per_device
 
 
 def _gb(nbytes: float, up: bool) -> str:
@@ -111,7 +78,7 @@ def check_at_door(cfg, model_cfg, *, update: bool = True) -> None:
     """check_memory_plan with this process's devices: the rollout runs on its local devices
     (train/runtime.py), the device memory is the first local device's (None on CPU)."""
     import jax
-    check_memory_plan(cfg, model_cfg, num_devices=jax.local_device_count(),
+    check_memory_plan(cfg, model_cfg, num_devices=rollout_device_count(cfg),
                       num_processes=jax.process_count(),
                       device_bytes=algo.update.device_memory_bytes(), update=update)
 

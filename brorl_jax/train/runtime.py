@@ -33,6 +33,11 @@ The RL step (train/step.py), the evaluation and the warm start talk to one inter
                  fills its share
                  of the update batch. Only the update and small gathers (advantage normalisation,
                  metrics, evaluation rewards, data-iterator states) cross processes.
+                 Disaggregated (mesh.rollout_devices = R, one process): the rollout mesh is the
+                 first R devices, the update's mesh the others; rollout_params casts on the
+                 training devices and moves the copy to the rollout devices (jax.device_put
+                 between the meshes), so the engine can decode while the update runs
+                 (algo.decode_during_update, collect.decode_during_update).
 
 Compiled programs live on the runtime object the run context holds (one per AlgoConfig, e.g. per
 scheduled temperature; collect-only settings are not in it), never in module-level caches.
@@ -81,9 +86,9 @@ class Runtime:
         self.rollout_impl = cfg.rollout.impl
         self.memory_budget_bytes = rollout_memory_budget_bytes(cfg)
         # the stream left paused across the update (samples carried, algo.max_staleness >= 1)
-        from brorl_jax.train.memory_plan import paused_engine_bytes
+        from brorl_jax.train.rollout_calls import paused_engine_bytes, rollout_device_count
         self.paused_engine_bytes = paused_engine_bytes(
-            cfg, model_cfg, num_devices=jax.local_device_count(),
+            cfg, model_cfg, num_devices=rollout_device_count(cfg),
             num_processes=jax.process_count())
         self._steps: dict[Any, Any] = {}
         self._rollout: rollout.Engine | None = None
@@ -159,6 +164,7 @@ class Runtime:
         return out
 
     rollout_mesh = None             # None: one device (LocalRuntime)
+    rollout_devices = 0             # > 0: disaggregated (MeshRuntime, mesh.rollout_devices)
 
     def generate(self, model, params, prompts, **kwargs):
         """Rollouts (rollout.RolloutResult) through the runtime's rollout Engine."""
@@ -191,7 +197,7 @@ class Runtime:
     def update_device_bytes(self) -> int | None:
         """The device memory the update's remat policy plans with (make_update_step's
         device_bytes): the device's, less the rollout engine paused beside the update
-        (train/memory_plan.paused_engine_bytes); None where unknown (CPU)."""
+        (train/rollout_calls.paused_engine_bytes); None where unknown (CPU)."""
         mem = algo.update.device_memory_bytes()
         return None if mem is None else max(0, mem - self.paused_engine_bytes)
 
@@ -245,15 +251,21 @@ class MeshRuntime(Runtime):
     def __init__(self, cfg, model_cfg, optimizer, *, diagnostics_n: int | None):
         super().__init__(cfg, model_cfg, optimizer, diagnostics_n=diagnostics_n)
         self.rules = cfg.mesh.rules
+        self.rollout_devices = int(cfg.mesh.rollout_devices)
+        devices = jax.devices()
         try:
-            self.mesh = mesh_from_config(cfg.mesh)
+            self.mesh = mesh_from_config(cfg.mesh, devices[self.rollout_devices:])
         except ValueError as e:     # sizes that do not fit the devices JAX sees
             raise ConfigError(str(e)) from None
         self.num_processes = jax.process_count()
         self.process_index = jax.process_index()
-        # Rollouts: the global mesh in one process; each process's own devices otherwise.
-        self.rollout_mesh = (self.mesh if self.num_processes == 1 else
-                             make_mesh({"data": -1, "fsdp": 1, "tensor": 1}, jax.local_devices()))
+        # Rollouts: the global mesh in one process; each process's own devices otherwise; the
+        # first mesh.rollout_devices devices when disaggregated (the update has the others).
+        row = {"data": -1, "fsdp": 1, "tensor": 1}
+        self.rollout_mesh = (make_mesh(row, devices[:self.rollout_devices])
+                             if self.rollout_devices else
+                             self.mesh if self.num_processes == 1 else
+                             make_mesh(row, jax.local_devices()))
         rows = cfg.algo.prompts_per_step * cfg.rollout.rollouts_per_prompt
         split = batch_axis_size(self.mesh)
         if rows % split:
@@ -288,6 +300,14 @@ class MeshRuntime(Runtime):
         all-gather runs on device over the global mesh, and each process's replicas become
         arrays of its own rollout mesh (its local devices) without a copy."""
         local = NamedSharding(self.rollout_mesh, P())
+        if self.rollout_devices:      # cast on the training devices, then moved: a reshard
+            held = self._rollout_copy
+            if held is not None and held[0] is params:
+                return held[1]
+            moved = jax.device_put(self._rollout_layout(params, NamedSharding(self.mesh, P())),
+                                   local)
+            self._rollout_copy = (params, moved)        # the training devices' copy is dropped
+            return moved
         if self.num_processes == 1:
             return self._rollout_layout(params, local)
         full = self._rollout_layout(params, NamedSharding(self.mesh, P()))

@@ -22,7 +22,9 @@
      group of every process.
   6. The update batch: fixed-shape, packed rows.
   7. The update: reference log-probs when the KL term is on, then PPO (clip-higher, TIS, KL) in
-     mini-batches; a non-finite loss or gradient skips it.
+     mini-batches; a non-finite loss or gradient skips it. With samples carried, the stream
+     decodes on while it runs (algo.decode_during_update: on a disaggregated mesh, on the
+     rollout devices; collect.decode_during_update).
   8. The periodic reference reset.
 
 `ctx` is the run's context (train/context.py), `train_state` an algo.TrainState, `collect_state`
@@ -82,8 +84,11 @@ def rl_step(ctx: RunContext, train_state: algo.TrainState, collect_state: algo.C
     t0 = time.perf_counter()
     rng = jax.random.fold_in(jax.random.key(ctx.cfg.train.seed), step)
     train_state, upd = ctx.runtime.update(ctx.update_config(step), train_state, batch, rng)
+    # the carried stream decodes on while the update runs (algo.decode_during_update)
+    ahead = collect.decode_during_update(ctx, collect_state, upd)
     metrics.update(update_metrics(jax.device_get(upd)))
     metrics["time/update_s"] = time.perf_counter() - t0
+    metrics.update(ahead)
     # 8. the reference reset
     train_state, reset = algo.maybe_reset_reference(train_state, ctx.algo_cfg, ctx.optimizer)
     if reset:

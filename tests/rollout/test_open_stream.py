@@ -68,6 +68,29 @@ def test_fed_prompts_give_the_one_shot_calls_samples_and_a_pause_keeps_them(mode
     assert 0 < prog["live_slot_steps"] <= prog["slot_steps"]
 
 
+def test_advance_decodes_with_no_consumer_and_keeps_the_groups_in_order(model, engine):
+    """RolloutStream.advance (decoding while the update runs): it runs exactly the returns to
+    the host it is asked for (none when `until` holds at once), stops at one (no device call in
+    flight), keeps the groups that completed for __next__ in completion order, and changes no
+    sample."""
+    want = _all_at_once(engine, model.params)
+    st = _open(engine, model.params)
+    sch = st.scheduler
+    sch.feed(PROMPTS)
+    assert st.advance(until=lambda: True) == 0 and sch.delivered == 0
+    assert st.advance(2) == 2
+    assert sch.counters["round_trips"] == 2
+    buffered = sch.delivered
+    sch.close_feed()
+    got = list(st)
+    assert buffered > 0 and [g.decode_step for g in got] == sorted(g.decode_step for g in got)
+    assert sorted(g.prompt_index for g in got) == list(range(len(PROMPTS)))
+    for gr in got:
+        np.testing.assert_array_equal(gr.tokens, want.tokens[gr.prompt_index])
+        np.testing.assert_allclose(gr.logprobs, want.logprobs[gr.prompt_index], atol=2e-4)
+    assert st.advance(3) == 0                 # nothing in flight: no call, no error
+
+
 def test_weight_swap_applies_at_the_next_device_call(model, engine):
     """Prompt 0 runs under the first weights; after a pause the weights are swapped: prompts
     fed after the swap sample exactly what the new weights give (their versions say so); a

@@ -40,9 +40,12 @@ def main(workdir: str, out: str, overrides: list[str]) -> None:
         flat = {jax.tree_util.keystr(p): np.asarray(x)
                 for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
         np.savez(out, **flat)
+        rt = trainer.runtime
+        ids = lambda mesh: sorted(int(d.id) for d in mesh.devices.flat) if mesh else None
         print(json.dumps({"pid": jax.process_index(), "devices": jax.device_count(),
-                          "mesh": dict(getattr(trainer.runtime, "mesh", {}) and
-                                       trainer.runtime.mesh.shape) or None}), flush=True)
+                          "mesh": dict(getattr(rt, "mesh", {}) and rt.mesh.shape) or None,
+                          "train_devices": ids(getattr(rt, "mesh", None)),
+                          "rollout_devices": ids(rt.rollout_mesh)}), flush=True)
     finally:
         trainer.close()
     if jax.process_count() > 1:
