@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.packed_attention import packed_attention
+from brorl_jax.parallel.attention import packed_attention_on_mesh
 
 from .config import ModelConfig
 
@@ -369,7 +369,8 @@ def forward(
         # causal flash attention over segments (a padding mask is one segment per row): the
         # Pallas kernel on GPU/TPU, its jnp reference where Pallas only interprets
         seg = segment_ids if segment_ids is not None else mask.astype(jnp.int32)
-        attend = lambda q, k, v: packed_attention(q, k, v, seg)
+        # under a sharded step's mesh the kernel runs per device inside shard_map
+        attend = lambda q, k, v: packed_attention_on_mesh(q, k, v, seg)
     elif cfg.attention_impl == "reference":
         allowed = jnp.tril(jnp.ones((t, t), bool))[None] & mask[:, None, :]  # [B,T,T]
         if segment_ids is not None:

@@ -1,0 +1,112 @@
+"""The packed-attention kernel on a mesh (brorl_jax.parallel.attention): inside shard_map, rows
+over the batch axes and heads over the heads axis when it divides both head counts.
+
+* On 8 simulated CPU devices (2 x 2 x 2) the interpreted kernel per device equals the jnp
+  reference on one device, in values and in the gradients of q, k, v (_attention_worker.py).
+* Lowered for cuda and for tpu under an abstract 2 x 2 x 2 mesh (what the sharded update and
+  log-prob steps trace under), the forward + backward holds the kernels' custom calls with the
+  per-device shapes and no [T, T] array; so does the whole packed update step, with the model's
+  default attention_impl. Before, "auto" fell back to the reference there.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from parallel_testutil import run_script
+
+import pallas_kernels as pk
+from brorl_jax.parallel.attention import attention_specs, packed_attention_on_mesh
+
+CUSTOM_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
+AXES = ("data", "fsdp", "tensor")
+
+
+def _mesh(platform, sizes=(2, 2, 2)):
+    if platform == "tpu":
+        return pk.tpu_abstract_mesh(sizes, AXES)
+    return jax.sharding.AbstractMesh(sizes, AXES)
+
+
+def _square(text, t):
+    return re.search(rf"\b{t}x{t}x", text) is not None
+
+
+@pytest.mark.slow     # a subprocess on 8 devices, interpreted kernels
+def test_on_eight_devices_the_kernel_per_device_equals_the_reference():
+    out = json.loads(run_script("_attention_worker.py", [], num_devices=8).stdout.splitlines()[-1])
+    for name, err in out.items():
+        assert err["shard_map"], name
+        assert err["value"] < 1e-5, (name, err)
+        for g in ("dq", "dk", "dv"):
+            assert err[g] < 5e-5, (name, g, err)
+
+
+def test_specs_split_rows_and_whole_head_groups_only():
+    mesh = _mesh("cuda")
+    q, kv, seg = attention_specs(mesh, (8, 64, 4, 16), (8, 64, 2, 16))
+    assert q == kv == jax.sharding.PartitionSpec(("data", "fsdp"), None, ("tensor",), None)
+    assert seg == jax.sharding.PartitionSpec(("data", "fsdp"), None)
+    q, kv, _ = attention_specs(mesh, (2, 64, 4, 16), (2, 64, 1, 16))   # 1 kv head: not split
+    assert q == kv == jax.sharding.PartitionSpec(("data",), None, None, None)
+    assert attention_specs(_mesh("cuda", (1, 1, 1)), (2, 64, 4, 16), (2, 64, 2, 16)) is None
+
+
+@pytest.mark.parametrize("platform", list(CUSTOM_CALL))
+def test_under_a_mesh_the_kernel_lowers_per_device_without_a_square(platform):
+    b, t, h, hkv, dh = 8, 256, 4, 2, 128
+    sds = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
+
+    def fwd_bwd(q, k, v, seg):
+        f = lambda q, k, v: jnp.sum(packed_attention_on_mesh(q, k, v, seg).astype(jnp.float32))
+        return jax.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
+
+    with pk.compile_target(platform), jax.sharding.use_abstract_mesh(_mesh(platform)):
+        text = jax.jit(fwd_bwd).trace(sds(b, t, h, dh), sds(b, t, hkv, dh), sds(b, t, hkv, dh),
+                                      sds(b, t, dt=jnp.int32)).lower(
+            lowering_platforms=(platform,)).as_text()
+    assert text.count(CUSTOM_CALL[platform]) == 3
+    assert "manual_computation" in text
+    assert "tensor<2x256x2x128xbf16>" in text      # per device: 8 / (2 x 2) rows, 4 / 2 heads
+    assert not _square(text, t)
+
+
+@pytest.mark.parametrize("platform", list(CUSTOM_CALL))
+def test_the_packed_update_step_lowers_with_the_kernel_on_a_mesh(platform):
+    """The packed update step (pi_old pass, remat, two mini-batches, the default
+    attention_impl) traced under an abstract data x fsdp x tensor mesh: the attention kernels
+    are in the program, no [T, T] array is."""
+    import optax
+
+    from brorl_jax.algo import create_train_state, make_update_step
+    from brorl_jax.config import algo_config, default_config
+    from brorl_jax.models import ModelConfig, init_params
+    t, rows = 384, 8        # no other dimension of the program is 384
+    mc = ModelConfig(model_type="qwen2", vocab_size=640, hidden_size=256, intermediate_size=192,
+                     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                     head_dim=128, rope_theta=1e4, rope_scaling=None, rms_norm_eps=1e-6,
+                     attention_bias=True, qk_norm=False, tie_word_embeddings=True,
+                     max_position_embeddings=512, bos_token_id=None, eos_token_ids=(1,),
+                     dtype="bfloat16", attention_impl=default_config().model.attention_impl)
+    cfg = algo_config(rollouts_per_prompt=4, prompts_per_step=2, micro_batch_size=4,
+                      ppo_mini_batches=2, kl_coef=0.0)
+    opt = optax.adam(1e-3)
+    params = jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0)))
+    state = jax.eval_shape(lambda p: create_train_state(p, opt, with_reference=False), params)
+    i32 = lambda: jax.ShapeDtypeStruct((rows, t), jnp.int32)
+    f32 = lambda: jax.ShapeDtypeStruct((rows, t), jnp.float32)
+    batch = {"input_tokens": i32(), "positions": i32(), "targets": i32(), "segment_ids": i32(),
+             "loss_mask": jax.ShapeDtypeStruct((rows, t), jnp.bool_), "old_logprobs": f32(),
+             "ref_logprobs": f32(), "advantages": f32()}
+    step = make_update_step(mc, cfg, opt, remat_policy="dots")
+    with pk.compile_target(platform), jax.sharding.use_abstract_mesh(_mesh(platform)):
+        text = jax.jit(step).trace(state, batch, None).lower(
+            lowering_platforms=(platform,)).as_text()
+    names = ("mha_forward", "mha_backward") if platform == "cuda" else ("flash_attention",)
+    for name in names:
+        assert name in text
+    assert "manual_computation" in text
+    assert not _square(text, t)
