@@ -78,35 +78,12 @@ def test_under_a_mesh_the_kernel_lowers_per_device_without_a_square(platform):
 def test_the_packed_update_step_lowers_with_the_kernel_on_a_mesh(platform):
     """The packed update step (pi_old pass, remat, two mini-batches, the default
     attention_impl) traced under an abstract data x fsdp x tensor mesh: the attention kernels
-    are in the program, no [T, T] array is."""
-    import optax
-
-    from brorl_jax.algo import create_train_state, make_update_step
-    from brorl_jax.config import algo_config, default_config
-    from brorl_jax.models import ModelConfig, init_params
-    t, rows = 384, 8        # no other dimension of the program is 384
-    mc = ModelConfig(model_type="qwen2", vocab_size=640, hidden_size=256, intermediate_size=192,
-                     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                     head_dim=128, rope_theta=1e4, rope_scaling=None, rms_norm_eps=1e-6,
-                     attention_bias=True, qk_norm=False, tie_word_embeddings=True,
-                     max_position_embeddings=512, bos_token_id=None, eos_token_ids=(1,),
-                     dtype="bfloat16", attention_impl=default_config().model.attention_impl)
-    cfg = algo_config(rollouts_per_prompt=4, prompts_per_step=2, micro_batch_size=4,
-                      ppo_mini_batches=2, kl_coef=0.0)
-    opt = optax.adam(1e-3)
-    params = jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0)))
-    state = jax.eval_shape(lambda p: create_train_state(p, opt, with_reference=False), params)
-    i32 = lambda: jax.ShapeDtypeStruct((rows, t), jnp.int32)
-    f32 = lambda: jax.ShapeDtypeStruct((rows, t), jnp.float32)
-    batch = {"input_tokens": i32(), "positions": i32(), "targets": i32(), "segment_ids": i32(),
-             "loss_mask": jax.ShapeDtypeStruct((rows, t), jnp.bool_), "old_logprobs": f32(),
-             "ref_logprobs": f32(), "advantages": f32()}
-    step = make_update_step(mc, cfg, opt, remat_policy="dots")
+    are in the program, inside shard_map, and no [T, T] array is."""
+    from lowering import T, kernel_names, packed_update_text
     with pk.compile_target(platform), jax.sharding.use_abstract_mesh(_mesh(platform)):
-        text = jax.jit(step).trace(state, batch, None).lower(
-            lowering_platforms=(platform,)).as_text()
-    names = ("mha_forward", "mha_backward") if platform == "cuda" else ("flash_attention",)
-    for name in names:
+        text = packed_update_text(platform, rows=8, hidden=256, kv_heads=2,
+                                  rollouts_per_prompt=4, micro_batch_size=4)
+    for name in kernel_names(platform):
         assert name in text
     assert "manual_computation" in text
-    assert not _square(text, t)
+    assert not _square(text, T)

@@ -1,0 +1,44 @@
+"""A tiny packed update step (pi_old pass, remat "dots", two mini-batches, the model's default
+attention_impl) lowered for a GPU/TPU target from abstract shapes, for the tests that look for
+the attention kernels and for the absence of a [T, T] array in it (tests/kernels and
+tests/parallel). T = 384 is no other dimension of the program."""
+from __future__ import annotations
+
+T = 384
+
+
+def packed_update_text(platform: str, *, rows: int, hidden: int, kv_heads: int,
+                       rollouts_per_prompt: int, micro_batch_size: int) -> str:
+    """The lowered module text of the step, traced under whatever mesh and compile target the
+    caller has entered."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from brorl_jax.algo import create_train_state, make_update_step
+    from brorl_jax.config import algo_config, default_config
+    from brorl_jax.models import ModelConfig, init_params
+    mc = ModelConfig(model_type="qwen2", vocab_size=640, hidden_size=hidden,
+                     intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=kv_heads, head_dim=128, rope_theta=1e4,
+                     rope_scaling=None, rms_norm_eps=1e-6, attention_bias=True, qk_norm=False,
+                     tie_word_embeddings=True, max_position_embeddings=512, bos_token_id=None,
+                     eos_token_ids=(1,), dtype="bfloat16",
+                     attention_impl=default_config().model.attention_impl)
+    cfg = algo_config(rollouts_per_prompt=rollouts_per_prompt, prompts_per_step=2,
+                      micro_batch_size=micro_batch_size, ppo_mini_batches=2, kl_coef=0.0)
+    opt = optax.adam(1e-3)
+    params = jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0)))
+    state = jax.eval_shape(lambda p: create_train_state(p, opt, with_reference=False), params)
+    i32 = lambda: jax.ShapeDtypeStruct((rows, T), jnp.int32)
+    f32 = lambda: jax.ShapeDtypeStruct((rows, T), jnp.float32)
+    batch = {"input_tokens": i32(), "positions": i32(), "targets": i32(), "segment_ids": i32(),
+             "loss_mask": jax.ShapeDtypeStruct((rows, T), jnp.bool_), "old_logprobs": f32(),
+             "ref_logprobs": f32(), "advantages": f32()}
+    step = make_update_step(mc, cfg, opt, remat_policy="dots")
+    return jax.jit(step).trace(state, batch, None).lower(
+        lowering_platforms=(platform,)).as_text()
+
+
+def kernel_names(platform: str) -> tuple[str, ...]:
+    return ("mha_forward", "mha_backward") if platform == "cuda" else ("flash_attention",)
