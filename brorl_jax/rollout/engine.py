@@ -224,6 +224,14 @@ class RolloutStream:
             return ("return", None) if item is HOST_RETURN else ("group", item)
         return self._queue.get()
 
+    def unread(self, group: GroupResult) -> None:
+        """Gives back the group ``__next__`` handed out last: it comes out again first (a
+        consumer that took it one group early, e.g. while a verdict was pending)."""
+        if not self._delivered or self._delivered[-1] is not group:
+            raise ValueError("unread() takes back only the group handed out last")
+        self._delivered.pop()
+        self._buffer.appendleft(("group", group))
+
     @property
     def buffered(self) -> int:
         """Groups advance() has kept that __next__ has not handed out yet."""

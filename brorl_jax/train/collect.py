@@ -23,6 +23,7 @@ Under several processes each process fills its share of the rows with its own pr
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 from typing import Any, Sequence
@@ -156,10 +157,24 @@ class LiveStream:
     pending: list = dataclasses.field(default_factory=list)    # [(prompt_ids, record, index)]
     fed: dict = dataclasses.field(default_factory=dict)        # prompt_index -> FedPrompt
     progress: dict | None = None      # scheduler.progress() at the end of the last step
+    _scoring: Any = None              # the thread that scores a group while the next decodes
 
     @property
     def scheduler(self):
         return self.stream.scheduler
+
+    def score(self, scorer, record: dict, gr):
+        """Scores one group in the stream's scoring thread (one at a time, in order), while the
+        caller goes on decoding; -> a future of (Scored, seconds)."""
+        if self._scoring is None:
+            self._scoring = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="stream-scoring")
+
+        def run():
+            t0 = time.perf_counter()
+            scored = scorer.score([record] * gr.lengths.size, gr.tokens, gr.lengths)
+            return scored, time.perf_counter() - t0
+        return self._scoring.submit(run)
 
     @property
     def in_flight(self) -> int:
@@ -169,6 +184,9 @@ class LiveStream:
 
     def close(self) -> None:
         self.stream.close()
+        if self._scoring is not None:
+            self._scoring.shutdown(wait=True)
+            self._scoring = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,44 +263,18 @@ def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_sourc
     sch = live.scheduler
     pass_rate = host.stream_pass_rate(ccfg, state)
     every, infos, truncated, healths, ages = [], [], [], [], []
-    timing = dict.fromkeys(("rollout_s", "scoring_s"), 0.0)
+    timing = dict.fromkeys(("rollout_s", "scoring_s", "scoring_waited_s"), 0.0)
     samples = dropped = fed = 0
     cap_error = None
-    start = live.progress or sch.progress()
-    sch.resume()                        # the pause (the last update) is not the device's idle
-    while True:
-        needed = host.groups_needed(ccfg, row_budget - sampler.rows_used, max_rows)
-        if needed == 0:
-            break
-        want = host.prompts_to_feed(ccfg, needed=needed, step_groups=row_budget // n,
-                                    in_flight=live.in_flight, fed=fed, cap=cap,
-                                    pool=sch.spec.pool, pass_rate=pass_rate)
-        if want:
-            while len(live.pending) < want:
-                live.pending += _prompts_of(next(batch_source))
-            take, live.pending = live.pending[:want], live.pending[want:]
-            for gid, (ids, record, index) in zip(sch.feed([t[0] for t in take]), take):
-                live.fed[gid] = FedPrompt(ids, record, index)
-            fed += len(take)
-        if live.in_flight == 0:         # the cap is fed and done, the batch not full
-            sampler.rounds = -(-fed // round_prompts)
-            try:
-                sampler.need_more()
-            except algo.DynamicSamplingError as e:
-                cap_error = str(e)
-            break
+    verdict = None          # (group, its FedPrompt, version, its scoring future): one in flight
+
+    def settle(v, state):
+        """The group's verdict (waited for), its group and the filter: in arrival order."""
+        gr, meta, version, future = v
         t0 = time.perf_counter()
-        gr = next(live.stream)
-        timing["rollout_s"] += time.perf_counter() - t0
-        meta = live.fed.pop(gr.prompt_index)
-        version = gr.versions[0][0]        # admitted under it: its oldest tokens
-        samples += gr.lengths.size
-        if host.is_stale(ccfg, version, step):
-            dropped += gr.lengths.size
-            continue
-        t0 = time.perf_counter()
-        scored = ctx.scorer.score([meta.record] * gr.lengths.size, gr.tokens, gr.lengths)
-        timing["scoring_s"] += time.perf_counter() - t0
+        scored, seconds = future.result()
+        timing["scoring_waited_s"] += time.perf_counter() - t0
+        timing["scoring_s"] += seconds
         healths.append(scored.health)
         truncated.append(gr.truncated)
         group, info = host.make_group(ccfg, gr, scored.rewards, n=n, prompt_ids=meta.prompt_ids,
@@ -294,7 +286,53 @@ def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_sourc
         rows_before = sampler.rows_used
         sampler.add_groups([group])
         if sampler.rows_used > rows_before:
-            ages += [step - version] * group.n
+            ages.extend([step - version] * group.n)
+        return state
+
+    start = live.progress or sch.progress()
+    sch.resume()                        # the pause (the last update) is not the device's idle
+    while True:
+        needed = host.groups_needed(ccfg, row_budget - sampler.rows_used, max_rows)
+        if needed == 0:
+            break
+        want = host.prompts_to_feed(ccfg, needed=needed, step_groups=row_budget // n,
+                                    in_flight=live.in_flight + (verdict is not None), fed=fed,
+                                    cap=cap,
+                                    pool=sch.spec.pool, pass_rate=pass_rate)
+        if want:
+            while len(live.pending) < want:
+                live.pending += _prompts_of(next(batch_source))
+            take, live.pending = live.pending[:want], live.pending[want:]
+            for gid, (ids, record, index) in zip(sch.feed([t[0] for t in take]), take):
+                live.fed[gid] = FedPrompt(ids, record, index)
+            fed += len(take)
+        if live.in_flight == 0:
+            if verdict is not None:         # no group comes before the last one's verdict
+                state = settle(verdict, state)
+                verdict = None
+                continue
+            sampler.rounds = -(-fed // round_prompts)     # the cap is fed and done, not full
+            try:
+                sampler.need_more()
+            except algo.DynamicSamplingError as e:
+                cap_error = str(e)
+            break
+        t0 = time.perf_counter()
+        gr = next(live.stream)
+        timing["rollout_s"] += time.perf_counter() - t0
+        if verdict is not None:             # the previous group, scored while this one decoded
+            state = settle(verdict, state)
+            verdict = None
+            if host.groups_needed(ccfg, row_budget - sampler.rows_used, max_rows) == 0:
+                live.stream.unread(gr)      # taken one group early: the next step's, if carried
+                break
+        meta = live.fed.pop(gr.prompt_index)
+        version = gr.versions[0][0]        # admitted under it: its oldest tokens
+        samples += gr.lengths.size
+        if host.is_stale(ccfg, version, step):
+            dropped += gr.lengths.size
+            continue
+        verdict = (gr, meta, version, live.score(ctx.scorer, meta.record, gr))
     sampler.rounds = -(-fed // round_prompts)
     end = sch.progress()
     stats = _progress_delta(start, end)

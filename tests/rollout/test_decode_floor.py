@@ -215,3 +215,18 @@ def test_sampling_lowers_without_a_logits_pad(gpu_program):
     assert calls
     for i in calls:     # the kernel takes the [slots, V] logits as they are
         assert hw.operands_of(i)[0][1] == (CALL["slots"], engine.cfg.vocab_size), i.type
+
+
+def test_the_walker_counts_an_in_place_update_once():
+    """bench/_hlo_walk.py: a fusion rooted at an in-place dynamic-update-slice reads what the
+    update is computed from and writes the update, nothing of the rest of the buffer (the KV
+    cache writes of the decode loop, the saved activations of the update step)."""
+    def f(buf, y, i):
+        return jax.lax.dynamic_update_slice(buf, (y * 2.0)[None], (i, 0))
+
+    sds = jax.ShapeDtypeStruct
+    text = jax.jit(f, donate_argnums=0).lower(
+        sds((64, 1024), jnp.float32), sds((1024,), jnp.float32), sds((), jnp.int32)
+    ).compile().as_text()
+    assert "dynamic-update-slice" in text
+    assert hw.walk(text).bytes == 2 * 1024 * 4 + 4        # y read, the row written, the index

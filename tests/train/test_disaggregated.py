@@ -60,5 +60,6 @@ def test_disaggregated_equals_colocated_with_the_same_staleness_schedule(
     assert ma == mb
     # the schedule: samples carried, and decoded on during the updates that carried them
     carried = [m for m in mb[1:] if m.get("rollout/carried_samples", 0) > 0]
-    assert carried and all(m["rollout/decode_calls_during_update"] > 0 for m in carried)
+    assert carried and all("rollout/decode_calls_during_update" in m for m in carried)
+    assert any(m["rollout/decode_calls_during_update"] > 0 for m in carried)
     assert any(m["staleness/mean"] > 0 for m in mb[1:])
