@@ -347,12 +347,15 @@ class _Walker:
         roots = ([fused.by_name[o] for o in root.operands] if root.opcode == "tuple" else [root])
         write = 0.0
         for r_ in roots:
+            # in place on a parameter: the kernel writes the update's elements over the
+            # buffer (whole elements: the old ones are not read); what the update is computed
+            # from is counted among the parameters' reads above
             if r_.opcode == "dynamic-update-slice" and len(r_.operands) > 1:
                 upd = fused.by_name.get(r_.operands[1])
-                write += 2 * (upd.bytes if upd else 0)      # read-modify-write of the update
+                write += upd.bytes if upd else 0
             elif r_.opcode == "scatter" and len(r_.operands) > 2:
                 upd = fused.by_name.get(r_.operands[-1])
-                write += 2 * (upd.bytes if upd else 0)
+                write += upd.bytes if upd else 0
             else:
                 write += r_.bytes
         dots = [i for i in fused.instrs if i.opcode in ("dot", "convolution")]
