@@ -322,7 +322,7 @@ def test_packed_update_with_the_flash_kernel_equals_the_reference_update(monkeyp
     import functools
 
     from brorl_jax.models import init_params, transformer
-    from pallas_kernels.packed_attention import packed_attention
+    from brorl_jax.parallel.attention import packed_attention_on_mesh
     ref_mc = _tiny_model()
     params = jax.tree.map(lambda x: 3 * x if x.ndim >= 2 else x, init_params(ref_mc, jax.random.PRNGKey(1)))
     batch = _packed_batch()
@@ -330,8 +330,8 @@ def test_packed_update_with_the_flash_kernel_equals_the_reference_update(monkeyp
     sgd = optax.sgd(1.0)
     state = create_train_state(params, sgd, with_reference=False)
     ref_state, ref_m = jax.jit(make_update_step(ref_mc, cfg, sgd, remat_policy="full"))(state, batch, None)
-    monkeypatch.setattr(transformer, "packed_attention",
-                        functools.partial(packed_attention, impl="pallas", block=16))
+    monkeypatch.setattr(transformer, "packed_attention_on_mesh",
+                        functools.partial(packed_attention_on_mesh, impl="pallas", block=16))
     flash_mc = _tiny_model(attention_impl="flash")
     # the kernel under the "dots" policy against the reference under "full": both changes at once
     new, m = jax.jit(make_update_step(flash_mc, cfg, sgd, remat_policy="dots"))(state, batch, None)

@@ -35,8 +35,11 @@ def test_update_step_matches_single_device(results, layout):
     keys = [k for k in results if k.startswith("ref/params/")]
     assert len(keys) >= 10
     for k in keys:
-        # one AdamW step with lr 1e-2: |update| <= ~1e-2 per entry, so 1e-4 is 1% of a step
-        np.testing.assert_allclose(results[layout + k[3:]], results[k], atol=1e-4, rtol=1e-4,
+        # one AdamW step with lr 1e-2: |update| <= ~1e-2 per entry, so 2e-4 is 2% of a step.
+        # 1e-4 held on a Zen 4; on an Intel Xeon (AVX-512, AMX) one lm_head entry of 16,384
+        # differs by 1.36e-4 under data x fsdp x tensor, at this session's start too (the
+        # tensor-parallel sums' float32 order; loss and grad_norm still agree to 1e-5)
+        np.testing.assert_allclose(results[layout + k[3:]], results[k], atol=2e-4, rtol=1e-4,
                                    err_msg=k)
 
 
