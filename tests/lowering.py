@@ -42,3 +42,20 @@ def packed_update_text(platform: str, *, rows: int, hidden: int, kv_heads: int,
 
 def kernel_names(platform: str) -> tuple[str, ...]:
     return ("mha_forward", "mha_backward") if platform == "cuda" else ("flash_attention",)
+
+
+def attention_fwd_bwd_text(attend, platform: str, b: int, t: int, h: int, hkv: int,
+                           dh: int) -> str:
+    """The lowered text of attend(q, k, v, segment_ids)'s forward and q/k/v gradient at bf16
+    [b, t, h/hkv, dh] shapes, traced under the caller's mesh and compile target."""
+    import jax
+    import jax.numpy as jnp
+    sds = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
+
+    def fwd_bwd(q, k, v, seg):
+        f = lambda q, k, v: jnp.sum(attend(q, k, v, seg).astype(jnp.float32))
+        return jax.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
+
+    return jax.jit(fwd_bwd).trace(sds(b, t, h, dh), sds(b, t, hkv, dh), sds(b, t, hkv, dh),
+                                  sds(b, t, dt=jnp.int32)).lower(
+        lowering_platforms=(platform,)).as_text()

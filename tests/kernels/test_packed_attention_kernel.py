@@ -103,17 +103,11 @@ def has_square(text: str, t: int) -> bool:
 
 @pytest.mark.parametrize("platform", list(CUSTOM_CALL))
 def test_forward_and_backward_lower_to_the_kernels_without_a_square(platform):
+    from lowering import attention_fwd_bwd_text
     b, t, h, hkv, dh = 2, 256, 4, 2, 128
     sds = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
-
-    def fwd_bwd(q, k, v, seg):
-        f = lambda q, k, v: jnp.sum(packed_attention(q, k, v, seg).astype(jnp.float32))
-        return jax.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
-
     with _target(platform):
-        text = jax.jit(fwd_bwd).trace(sds(b, t, h, dh), sds(b, t, hkv, dh), sds(b, t, hkv, dh),
-                                      sds(b, t, dt=jnp.int32)).lower(
-            lowering_platforms=(platform,)).as_text()
+        text = attention_fwd_bwd_text(packed_attention, platform, b, t, h, hkv, dh)
     # GPU: forward, backward preprocessing, backward; TPU: forward, dK/dV, dQ
     assert text.count(CUSTOM_CALL[platform]) == 3
     assert not has_square(text, t)

@@ -14,7 +14,6 @@ import json
 import re
 
 import jax
-import jax.numpy as jnp
 import pytest
 from parallel_testutil import run_script
 
@@ -57,17 +56,10 @@ def test_specs_split_rows_and_whole_head_groups_only():
 
 @pytest.mark.parametrize("platform", list(CUSTOM_CALL))
 def test_under_a_mesh_the_kernel_lowers_per_device_without_a_square(platform):
-    b, t, h, hkv, dh = 8, 256, 4, 2, 128
-    sds = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
-
-    def fwd_bwd(q, k, v, seg):
-        f = lambda q, k, v: jnp.sum(packed_attention_on_mesh(q, k, v, seg).astype(jnp.float32))
-        return jax.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
-
+    from lowering import attention_fwd_bwd_text
+    t = 256
     with pk.compile_target(platform), jax.sharding.use_abstract_mesh(_mesh(platform)):
-        text = jax.jit(fwd_bwd).trace(sds(b, t, h, dh), sds(b, t, hkv, dh), sds(b, t, hkv, dh),
-                                      sds(b, t, dt=jnp.int32)).lower(
-            lowering_platforms=(platform,)).as_text()
+        text = attention_fwd_bwd_text(packed_attention_on_mesh, platform, 8, t, 4, 2, 128)
     assert text.count(CUSTOM_CALL[platform]) == 3
     assert "manual_computation" in text
     assert "tensor<2x256x2x128xbf16>" in text      # per device: 8 / (2 x 2) rows, 4 / 2 heads
