@@ -199,9 +199,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh.fsdp = 1
     c.mesh.tensor = 1
     c.mesh.rules = "default"              # a rule set of brorl_jax.parallel.rules.PARAM_RULES
-    # Disaggregated rollout (one process): the first R devices decode (their own mesh), the
-    # mesh above is laid over the others and trains; weights move after each update by a
-    # reshard. 0 = colocated (every device does both).
+    # Disaggregated rollout: R devices decode (their own mesh; with P processes the first R / P
+    # of each process's, a multiple of P), the mesh above is laid over the others and trains;
+    # weights move after each update by a reshard. 0 = colocated (every device does both).
     c.mesh.rollout_devices = 0
     return c
 
@@ -439,16 +439,16 @@ def _validate_numbers(schema: dict, given: dict) -> list[str]:
 def check_mesh(cfg: ml_collections.ConfigDict, num_devices: int,
                num_processes: int = 1) -> None:
     """ConfigError unless mesh.data x mesh.fsdp x mesh.tensor (-1 = the rest) uses exactly the
-    devices JAX sees less mesh.rollout_devices (the rollout's own, when disaggregated); on one
-    device too (where the mesh is otherwise unused)."""
+    devices JAX sees less mesh.rollout_devices (the rollout's own, when disaggregated: an equal
+    share of every process's devices); on one device too (where the mesh is otherwise unused)."""
     from brorl_jax.parallel.mesh import AXES, mesh_shape
     rollout = int(cfg.mesh.get("rollout_devices", 0))
     if rollout:
-        if num_processes > 1:
-            raise ConfigError(f"config key 'mesh.rollout_devices'={rollout}: a disaggregated "
-                              f"rollout runs in one process for now ({num_processes} were "
-                              "started); set mesh.rollout_devices=0 (every process decodes on "
-                              "its own devices).")
+        if rollout % num_processes:
+            raise ConfigError(f"config key 'mesh.rollout_devices'={rollout} does not split over "
+                              f"the {num_processes} processes: each process decodes on its own "
+                              f"first mesh.rollout_devices / {num_processes} devices; make it a "
+                              f"multiple of {num_processes} (or 0: colocated).")
         if rollout >= num_devices:
             raise ConfigError(f"config key 'mesh.rollout_devices'={rollout} leaves none of the "
                               f"{num_devices} device{'s' if num_devices != 1 else ''} JAX sees "

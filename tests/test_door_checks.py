@@ -80,7 +80,9 @@ def test_mesh_sizes_must_match_the_devices_on_one_device_too(sizes, devices, ok)
     (4, 4, 8, 1, None), (4, -1, 8, 1, None),
     (4, 8, 8, 1, r"do not match the 4 training devices \(8 JAX sees less mesh.rollout_devices=4"),
     (8, -1, 8, 1, r"'mesh.rollout_devices'=8 leaves none of the 8 devices .* below 8"),
-    (2, -1, 4, 2, r"'mesh.rollout_devices'=2: a disaggregated rollout runs in one process")])
+    (2, -1, 4, 2, None), (4, 4, 8, 2, None),
+    (3, -1, 8, 2, r"'mesh.rollout_devices'=3 does not split over the 2 processes: .* multiple "
+                  r"of 2")])
 def test_a_disaggregated_rollout_takes_its_devices_from_the_mesh(rollout, data, devices,
                                                                   processes, says):
     cfg = demo.get_config()

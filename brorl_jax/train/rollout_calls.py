@@ -39,10 +39,10 @@ def training_call(cfg, num_processes: int = 1) -> RolloutCall:
 
 
 def rollout_device_count(cfg) -> int:
-    """The devices this process's rollouts run on (train/runtime.py): mesh.rollout_devices when
-    disaggregated, else every local device."""
+    """The devices this process's rollouts run on (train/runtime.py): its share of
+    mesh.rollout_devices when disaggregated, else every local device."""
     import jax
-    return int(cfg.mesh.rollout_devices) or jax.local_device_count()
+    return int(cfg.mesh.rollout_devices) // jax.process_count() or jax.local_device_count()
 
 
 def paused_engine_bytes(cfg, model_cfg, *, num_devices: int, num_processes: int = 1) -> int:

@@ -33,10 +33,13 @@ The RL step (train/step.py), the evaluation and the warm start talk to one inter
                  fills its share
                  of the update batch. Only the update and small gathers (advantage normalisation,
                  metrics, evaluation rewards, data-iterator states) cross processes.
-                 Disaggregated (mesh.rollout_devices = R, one process): the rollout mesh is the
-                 first R devices, the update's mesh the others; rollout_params casts on the
-                 training devices and moves the copy to the rollout devices (jax.device_put
-                 between the meshes), so the engine can decode while the update runs
+                 Disaggregated (mesh.rollout_devices = R): the rollout mesh is the first R
+                 devices (with P processes: the first R / P of each process's, so rollouts
+                 stay per-process), the update's mesh the others; rollout_params casts on the
+                 training devices and moves the copy to the rollout devices (one process:
+                 jax.device_put between the meshes; several: the gather on the training mesh,
+                 then a device-to-device copy of a local replica to each own rollout device),
+                 so the engine can decode while the update runs
                  (algo.decode_during_update, collect.decode_during_update).
 
 Compiled programs live on the runtime object the run context holds (one per AlgoConfig, e.g. per
@@ -238,6 +241,33 @@ class LocalRuntime(Runtime):
         return steps.update(state, batch, rng)
 
 
+def disaggregated_devices(rollout_devices: int) -> tuple[list, list]:
+    """(this process's rollout devices, the training devices) for mesh.rollout_devices = R:
+    in one process the first R devices and the rest; with P processes the first R / P of each
+    process's devices (config.check_mesh: R a multiple of P) and, for training, the rest of
+    every process's, in jax.devices() order. R = 0: ([], every device)."""
+    devices = jax.devices()
+    if not rollout_devices:
+        return [], list(devices)
+    share = rollout_devices // jax.process_count()
+    local = {d.process_index: [] for d in devices}
+    for d in devices:
+        local[d.process_index].append(d)
+    rollout = {d for own in local.values() for d in own[:share]}
+    return (local[jax.process_index()][:share], [d for d in devices if d not in rollout])
+
+
+def _local_replicas(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """`x` (replicated over the training mesh, which spans every process) as an array of
+    `sharding` (replicated over this process's rollout devices): each rollout device gets a
+    device-to-device copy of a replica on one of this process's training devices. JAX's
+    cross-host reshard needs one device set on both sides, so the gather runs on the training
+    mesh (its collectives) and only the local copies cross to the rollout devices."""
+    replica = x.addressable_shards[0].data
+    return jax.make_array_from_single_device_arrays(
+        x.shape, sharding, [jax.device_put(replica, d) for d in sharding.addressable_devices])
+
+
 @dataclasses.dataclass
 class _MeshSteps:
     update: Callable
@@ -252,18 +282,18 @@ class MeshRuntime(Runtime):
         super().__init__(cfg, model_cfg, optimizer, diagnostics_n=diagnostics_n)
         self.rules = cfg.mesh.rules
         self.rollout_devices = int(cfg.mesh.rollout_devices)
-        devices = jax.devices()
-        try:
-            self.mesh = mesh_from_config(cfg.mesh, devices[self.rollout_devices:])
-        except ValueError as e:     # sizes that do not fit the devices JAX sees
-            raise ConfigError(str(e)) from None
         self.num_processes = jax.process_count()
         self.process_index = jax.process_index()
-        # Rollouts: the global mesh in one process; each process's own devices otherwise; the
-        # first mesh.rollout_devices devices when disaggregated (the update has the others).
+        own, train = disaggregated_devices(self.rollout_devices)
+        try:
+            self.mesh = mesh_from_config(cfg.mesh, train)
+        except ValueError as e:     # sizes that do not fit the devices JAX sees
+            raise ConfigError(str(e)) from None
+        # Rollouts: the global mesh in one process; each process's own devices otherwise; when
+        # disaggregated, this process's share of the mesh.rollout_devices devices (the update
+        # has the others).
         row = {"data": -1, "fsdp": 1, "tensor": 1}
-        self.rollout_mesh = (make_mesh(row, devices[:self.rollout_devices])
-                             if self.rollout_devices else
+        self.rollout_mesh = (make_mesh(row, own) if self.rollout_devices else
                              self.mesh if self.num_processes == 1 else
                              make_mesh(row, jax.local_devices()))
         rows = cfg.algo.prompts_per_step * cfg.rollout.rollouts_per_prompt
@@ -304,8 +334,11 @@ class MeshRuntime(Runtime):
             held = self._rollout_copy
             if held is not None and held[0] is params:
                 return held[1]
-            moved = jax.device_put(self._rollout_layout(params, NamedSharding(self.mesh, P())),
-                                   local)
+            full = self._rollout_layout(params, NamedSharding(self.mesh, P()))
+            if self.num_processes == 1:
+                moved = jax.device_put(full, local)
+            else:   # each process copies a local replica of the gathered copy to its own
+                moved = jax.tree.map(lambda x: _local_replicas(x, local), full)
             self._rollout_copy = (params, moved)        # the training devices' copy is dropped
             return moved
         if self.num_processes == 1:

@@ -43,3 +43,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_all(workers, timeout: float) -> list[str]:
+    """The stdouts of started processes (text pipes), each asserted to exit 0 (its output in
+    the message otherwise); any still running at the end is killed."""
+    outs = []
+    try:
+        for p in workers:
+            out, err = p.communicate(timeout=timeout)
+            assert p.returncode == 0, f"process failed:\n{out[-3000:]}\n{err[-6000:]}"
+            outs.append(out)
+    finally:
+        for p in workers:
+            if p.poll() is None:
+                p.kill()
+    return outs

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import procs
 import pytest
-from parallel_testutil import HERE, REPO, device_env, free_port
+from parallel_testutil import HERE, REPO, device_env, free_port, wait_all
 
 pytestmark = pytest.mark.slow     # end-to-end or many compiles: out of `-m "not slow"`
 
@@ -48,16 +48,7 @@ def test_two_processes_train_and_agree(tmp_path):
         [sys.executable, os.path.join(HERE, "_multiprocess_worker.py"), str(i), "2", str(port),
          str(tmp_path), str(STEPS)], env=env, cwd=REPO, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True) for i in range(2)]
-    outs = []
-    try:
-        for p in workers:
-            out, err = p.communicate(timeout=420)
-            assert p.returncode == 0, f"worker failed:\n{out[-3000:]}\n{err[-6000:]}"
-            outs.append(out)
-    finally:
-        for p in workers:
-            if p.poll() is None:
-                p.kill()
+    outs = wait_all(workers, timeout=420)
     reports = [json.loads(o.strip().splitlines()[-1]) for o in outs]
     assert sorted(r["pid"] for r in reports) == [0, 1]
     assert reports[0]["checksum"] == reports[1]["checksum"]

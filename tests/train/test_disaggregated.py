@@ -3,24 +3,15 @@ the first 4 decode on their own mesh, the other 4 train; after each update the w
 reshard (jax.device_put between the meshes) and the carried stream decodes on during the update
 (algo.decode_during_update). With the same staleness schedule (a fixed number of decode calls
 during each update) it equals the colocated run on 4 devices bit for bit: same samples, same
-metrics, same parameters."""
+metrics, same parameters. Over two processes (4 devices each, 2 of each decoding) it equals two
+colocated processes of 2 devices each."""
 from __future__ import annotations
 
-import json
-import os
-import sys
-
 import numpy as np
-import procs
 import pytest
+from mesh_runs import metrics, run_one, run_two
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-WORKER = os.path.join(HERE, "_mesh_worker.py")
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "parallel"))
-from parallel_testutil import device_env  # noqa: E402
-
-pytestmark = pytest.mark.slow     # two end-to-end mesh runs
+pytestmark = pytest.mark.slow     # end-to-end mesh runs
 
 STEPS = 3
 FLAGS = ["--config.algo.stream_rounds=true", "--config.algo.max_staleness=1",
@@ -31,17 +22,27 @@ TIMING = ("time/", "perf/samples_per_s", "perf/tokens_per_s", "verifier_cost/", 
 
 
 def _run(num_devices, workdir, out, *overrides):
-    proc = procs.run([sys.executable, WORKER, str(workdir), str(out), *overrides],
-                     env=device_env(num_devices), cwd=REPO, capture_output=True, text=True,
-                     timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_one(num_devices, workdir, out, *overrides)[0]
 
 
 def _metrics(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [{k: v for k, v in json.loads(line).items() if not k.startswith(TIMING)}
-                for line in f]
+    return metrics(workdir, drop=TIMING)
+
+
+def _same_run(a_npz, b_npz, a_dir, b_dir) -> list[dict]:
+    """Asserts both runs end with the same parameters and metrics; the second's metrics."""
+    a, b = np.load(a_npz), np.load(b_npz)
+    assert sorted(a.files) == sorted(b.files)
+    for key in a.files:
+        np.testing.assert_array_equal(b[key], a[key], err_msg=key)
+    ma, mb = _metrics(a_dir), _metrics(b_dir)
+    assert ma == mb
+    # the schedule: samples carried, and decoded on during the updates that carried them
+    carried = [m for m in mb[1:] if m.get("rollout/carried_samples", 0) > 0]
+    assert carried and all("rollout/decode_calls_during_update" in m for m in carried)
+    assert any(m["rollout/decode_calls_during_update"] > 0 for m in carried)
+    assert any(m["staleness/mean"] > 0 for m in mb[1:])
+    return mb
 
 
 def test_disaggregated_equals_colocated_with_the_same_staleness_schedule(
@@ -52,14 +53,27 @@ def test_disaggregated_equals_colocated_with_the_same_staleness_schedule(
     assert colo["rollout_devices"] == colo["train_devices"] == [0, 1, 2, 3]
     assert dis["rollout_devices"] == [0, 1, 2, 3] and dis["train_devices"] == [4, 5, 6, 7]
     assert dis["mesh"] == colo["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}
-    a, b = np.load(tmp_path / "colo.npz"), np.load(tmp_path / "dis.npz")
-    assert sorted(a.files) == sorted(b.files)
-    for key in a.files:
-        np.testing.assert_array_equal(b[key], a[key], err_msg=key)
-    ma, mb = _metrics(tmp_path / "colo"), _metrics(tmp_path / "dis")
-    assert ma == mb
-    # the schedule: samples carried, and decoded on during the updates that carried them
-    carried = [m for m in mb[1:] if m.get("rollout/carried_samples", 0) > 0]
-    assert carried and all("rollout/decode_calls_during_update" in m for m in carried)
-    assert any(m["rollout/decode_calls_during_update"] > 0 for m in carried)
-    assert any(m["staleness/mean"] > 0 for m in mb[1:])
+    _same_run(tmp_path / "colo.npz", tmp_path / "dis.npz", tmp_path / "colo", tmp_path / "dis")
+
+
+def test_two_process_disaggregated_equals_two_process_colocated(tmp_path, tiny_warm_start):
+    """Two processes: each decodes its own prompts on its first 2 of 4 devices (rollouts stay
+    per-process, as colocated) and the update's mesh is the other 2 of each; the weights reach
+    the rollout devices by the gather on the training mesh and local copies. Equal, bit for bit,
+    to two colocated processes of 2 devices each (rollouts on the same 2, the same 4-device
+    update mesh)."""
+    flags = FLAGS + ["--config.rewards.num_workers=1", *tiny_warm_start]
+    colo, _ = run_two(tmp_path / "colo", [tmp_path / "c0.npz", tmp_path / "c1.npz"], flags)
+    dis, _ = run_two(tmp_path / "dis", [tmp_path / "d0.npz", tmp_path / "d1.npz"],
+                     flags + ["--config.mesh.rollout_devices=4"], devices_per_process=4)
+    for r in colo:
+        assert r["train_devices"] == [0, 1, 2048, 2049]
+        assert r["rollout_devices"] == ([0, 1] if r["pid"] == 0 else [2048, 2049])
+    for r in dis:
+        assert r["train_devices"] == [2, 3, 2050, 2051]
+        assert r["rollout_devices"] == ([0, 1] if r["pid"] == 0 else [2048, 2049])
+    assert all(r["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1} for r in colo + dis)
+    _same_run(tmp_path / "c0.npz", tmp_path / "d0.npz", tmp_path / "colo", tmp_path / "dis")
+    d0, d1 = np.load(tmp_path / "d0.npz"), np.load(tmp_path / "d1.npz")
+    for key in d0.files:
+        np.testing.assert_array_equal(d0[key], d1[key], err_msg=key)

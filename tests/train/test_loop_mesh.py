@@ -10,41 +10,14 @@
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 
 import numpy as np
 import procs
 import pytest
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-WORKER = os.path.join(HERE, "_mesh_worker.py")
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "parallel"))
-from parallel_testutil import device_env, free_port  # noqa: E402
+from mesh_runs import REPO, metrics as _metrics, run_one as _run, run_two, worker_env
 
 pytestmark = pytest.mark.slow     # end-to-end or many compiles: out of `-m "not slow"`
-
-
-def _env(num_devices: int, **extra) -> dict:
-    env = device_env(num_devices)
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-def _run(num_devices, workdir, out, *overrides, timeout=600):
-    proc = procs.run([sys.executable, WORKER, str(workdir), str(out), *overrides],
-                     env=_env(num_devices), cwd=REPO, capture_output=True, text=True,
-                     timeout=timeout)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout
-
-
-def _metrics(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 STEPS = ["--config.train.steps=2"]
@@ -70,23 +43,7 @@ def test_mesh_run_matches_single_device(tmp_path, tiny_warm_start):
 
 
 def _two_processes(workdir, outs, overrides, timeout=600):
-    port = free_port()
-    workers = [procs.Popen(
-        [sys.executable, WORKER, str(workdir), str(outs[i]), *overrides],
-        env=_env(2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=2,
-                 JAX_PROCESS_ID=i),
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    texts = []
-    try:
-        for p in workers:
-            out, err = p.communicate(timeout=timeout)
-            assert p.returncode == 0, f"process failed:\n{out[-3000:]}\n{err[-6000:]}"
-            texts.append(out)
-    finally:
-        for p in workers:
-            if p.poll() is None:
-                p.kill()
-    return [json.loads(t.strip().splitlines()[-1]) for t in texts], texts
+    return run_two(workdir, outs, overrides, timeout=timeout)
 
 
 # The options not in the paper run multi-process through the one collect path: adaptive N
@@ -138,7 +95,7 @@ def test_mesh_that_does_not_fit_stops_main_with_message(tmp_path, overrides, mes
     out = procs.run(
         [sys.executable, "-m", "brorl_jax.main", "--config=configs/tiny.py",
          f"--workdir={tmp_path}", *overrides],
-        env=_env(4), cwd=REPO, capture_output=True, text=True, timeout=300)
+        env=worker_env(4), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr[-3000:]
     assert message in out.stderr
     assert "Traceback" not in out.stderr
