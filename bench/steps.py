@@ -13,7 +13,12 @@ samples carried / dropped / discarded and the median step time as a ratio of the
 
     python bench/steps.py            # 4 layers, hidden 512, vocab 32000, N = 16, 8 prompts/step
     python bench/steps.py --quick    # 2 layers, hidden 256, vocab 8192, N = 8, 4 prompts/step
-Writes bench/results/steps[-quick].json. The machine's load is printed (os.getloadavg): on a
+    python bench/steps.py --model smollm2   # the real SmolLM2-135M-Instruct, N = 8, 4 prompts/step
+The SmolLM2 case (builtin:smollm2-135m-instruct, float32, nothing downloaded) decodes
+configs/smollm2_arith.py's chat-templated 2-digit additions until its own <|im_end|>: real
+response lengths instead of the random model's stop set; the verifier is the same synthetic one
+(pass rate and latency as set), so the schedule does not depend on what the model gets right.
+Writes bench/results/steps[-quick|-smollm2].json. The machine's load is printed (os.getloadavg): on a
 shared machine the absolute times move, the ratios of one run much less.
 """
 from __future__ import annotations
@@ -88,6 +93,21 @@ def prompts(vocab: int, prompt_len: int, batch: int):
         i += batch
 
 
+def smollm2_prompts(model: Model, prompt_len: int, batch: int):
+    """The loader's form over SmolLM2's chat template: 2-digit additions, a new seed per batch."""
+    from brorl_jax.data import PromptTokenizer
+    from configs.smollm2_arith import arith_records
+    encode = PromptTokenizer(model.tokenizer, max_prompt_len=prompt_len).encode_batch
+    i = 0
+    while True:
+        records = arith_records(batch, 2, "+", seed=1000 + i)
+        idx = list(range(i, i + batch))
+        yield {"prompt_ids": encode(records),
+               "records": [{**r, "index": j} for r, j in zip(records, idx)],
+               "index": np.asarray(idx)}
+        i += batch
+
+
 def make_context(args, model: Model, stop, stream: bool, k: int, runtime=None) -> RunContext:
     """The run's context for one mode; `runtime` (its compiled rollout and update programs) is
     shared by the modes: the stream keys are the collect's, not the programs'."""
@@ -124,7 +144,9 @@ class Mode:
         self.ctx = make_context(args, model, stop, stream, k, runtime)
         self.state = self.ctx.new_train_state(jax.tree.map(jnp.copy, model.params))
         self.cstate = algo.CollectState()
-        self.source = prompts(model.config.vocab_size, args.prompt_len, args.prompts)
+        self.source = (smollm2_prompts(model, args.prompt_len, args.prompts)
+                       if args.model == "smollm2" else
+                       prompts(model.config.vocab_size, args.prompt_len, args.prompts))
         self.rows: list = []
 
     def step(self, step: int, timed: bool) -> None:
@@ -190,28 +212,37 @@ def table(results: list) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--model", choices=("random", "smollm2"), default="random",
+                    help="random: the Qwen2-shaped random model; smollm2: the real one")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per mode")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per mode (compiles)")
     ap.add_argument("--pass-rate", type=float, default=0.4)
     ap.add_argument("--latency", type=float, default=0.05, help="verifier seconds per group")
     args = ap.parse_args()
+    small = args.quick or args.model == "smollm2"
     shape = QUICK if args.quick else FULL
-    args.n = 8 if args.quick else 16
-    args.prompts = 4 if args.quick else 8
-    args.new_tokens = 64 if args.quick else 128
-    args.prompt_len = 32 if args.quick else 64
-    args.steps = args.steps or (4 if args.quick else 6)
-    cfg = ModelConfig(model_type="qwen2", rope_theta=10000.0, rope_scaling=None,
-                      rms_norm_eps=1e-6, attention_bias=True, qk_norm=False,
-                      tie_word_embeddings=False, max_position_embeddings=4096,
-                      head_dim=shape["hidden_size"] // shape["num_attention_heads"],
-                      bos_token_id=None, eos_token_ids=(2,), **shape)
-    params = init_params(cfg, jax.random.PRNGKey(0))
-    rng = np.random.default_rng(0)
-    stop = sorted(rng.choice(cfg.vocab_size, cfg.vocab_size // 32, replace=False).tolist())
-    model = Model(cfg, params, None, tuple(stop))
+    args.n = 8 if small else 16
+    args.prompts = 4 if small else 8
+    args.new_tokens = 64 if small else 128
+    args.prompt_len = 32 if args.quick else 128 if args.model == "smollm2" else 64
+    args.steps = args.steps or (4 if small else 6)
+    if args.model == "smollm2":
+        from brorl_jax.models import SMOLLM2_NAME, from_pretrained
+        model = from_pretrained("builtin:" + SMOLLM2_NAME, dtype="float32")
+        stop = list(model.generation_eos_ids)
+        shape = {k: getattr(model.config, k) for k in FULL}
+    else:
+        cfg = ModelConfig(model_type="qwen2", rope_theta=10000.0, rope_scaling=None,
+                          rms_norm_eps=1e-6, attention_bias=True, qk_norm=False,
+                          tie_word_embeddings=False, max_position_embeddings=4096,
+                          head_dim=shape["hidden_size"] // shape["num_attention_heads"],
+                          bos_token_id=None, eos_token_ids=(2,), **shape)
+        params = init_params(cfg, jax.random.PRNGKey(0))
+        rng = np.random.default_rng(0)
+        stop = sorted(rng.choice(cfg.vocab_size, cfg.vocab_size // 32, replace=False).tolist())
+        model = Model(cfg, params, None, tuple(stop))
     load = os.getloadavg()
-    print(f"steps: {shape}, N={args.n}, {args.prompts} prompts/step, S={args.new_tokens}, "
+    print(f"steps: {args.model} {shape}, N={args.n}, {args.prompts} prompts/step, S={args.new_tokens}, "
           f"P<={args.prompt_len}, {len(stop)} stop ids, pass rate ~{args.pass_rate}, verifier "
           f"{args.latency * 1e3:.0f} ms/group; {os.cpu_count()} CPUs, load {load[0]:.1f}",
           flush=True)
@@ -227,11 +258,12 @@ def main():
     load_end = os.getloadavg()
     print(f"load average at start {load[0]:.1f}, at end {load_end[0]:.1f} "
           f"({os.cpu_count()} CPUs)")
-    out = Path(__file__).parent / "results" / f"steps{'-quick' if args.quick else ''}.json"
+    tag = "-smollm2" if args.model == "smollm2" else "-quick" if args.quick else ""
+    out = Path(__file__).parent / "results" / f"steps{tag}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(dict(
         machine=platform.platform(), cpus=os.cpu_count(), load_start=load, load_end=load_end,
-        model=shape, n=args.n, prompts_per_step=args.prompts, new_tokens=args.new_tokens,
+        model_name=args.model, model=shape, n=args.n, prompts_per_step=args.prompts, new_tokens=args.new_tokens,
         pass_rate=args.pass_rate, latency_s=args.latency, results=results), indent=1))
     print(f"wrote {out}")
 
