@@ -132,7 +132,10 @@ def test_declared_cost_counts_the_causal_half():
 @pytest.mark.parametrize("platform", list(CUSTOM_CALL))
 def test_packed_update_step_lowers_with_the_kernel_and_no_square(platform):
     """The whole update step (pi_old pass, remat, two mini-batches) over packed rows with the
-    default attention_impl: the attention kernels are in the program, no [T, T] array is."""
+    default attention_impl: the attention kernels are in the program, no [T, T] array is, and
+    the layers read per-layer buffers: nothing in the compute dtype (a layer's weights, a
+    rematerialised layer's saved activations) is sliced out of a layer stack (the scan's
+    dynamic_slice, a copy per layer and pass on the device; models.transformer.layer_loop_form)."""
     from lowering import T, kernel_names, packed_update_text
     with _target(platform):
         text = packed_update_text(platform, rows=4, hidden=128, kv_heads=1,
@@ -140,6 +143,8 @@ def test_packed_update_step_lowers_with_the_kernel_and_no_square(platform):
     for name in kernel_names(platform):
         assert name in text
     assert not has_square(text, T)
+    sliced = re.findall(r"stablehlo.dynamic_slice %\S+, [^:]*: \((tensor<[0-9x]*xbf16>)", text)
+    assert "stablehlo.dynamic_slice" in text and not sliced, sorted(set(sliced))
 
 
 def test_auto_falls_back_under_an_auto_partitioned_mesh():

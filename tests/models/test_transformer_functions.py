@@ -185,6 +185,39 @@ def test_forward_under_grad_and_remat_gives_same_values_and_gradients():
     np.testing.assert_allclose(np.asarray(plain), np.asarray(logits), atol=1e-6)
 
 
+@pytest.mark.parametrize("remat", [False, "full", "dots"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_unrolled_layers_give_the_scan_values_and_gradients(monkeypatch, remat, dtype):
+    """GPU/TPU run the layers one by one over per-layer buffers (transformer.layer_loop_form),
+    CPU as a lax.scan: the same function and the same stacked gradients, under each remat
+    policy; in float32 to summation-order rounding (2e-5 of the largest entry), with bf16
+    compute over float32 params (each layer's slice cast on its own) to bf16 rounding."""
+    from brorl_jax.models import transformer
+    cfg = CONFIGS["qwen3"].replace(dtype=dtype)
+    params = params_for("qwen3")
+    tokens, mask, positions = padded_batch(np.random.default_rng(5), BATCH, LENGTH, left=False)
+
+    def loss(params):
+        h = forward(params, cfg, tokens, positions=positions, attention_mask=mask,
+                    return_hidden=True, remat=remat)
+        return (h.astype(jnp.float32) ** 2 * mask[..., None]).mean()
+
+    results = {}
+    for form in ("scan", "unrolled"):
+        monkeypatch.setattr(transformer, "layer_loop_form", lambda form=form: form)
+        results[form] = jax.jit(jax.value_and_grad(loss))(params)
+    (v_scan, g_scan), (v_unrolled, g_unrolled) = results["scan"], results["unrolled"]
+    rtol = 1e-6 if dtype == "float32" else 1e-2
+    np.testing.assert_allclose(float(v_unrolled), float(v_scan), rtol=rtol)
+    assert jax.tree.structure(g_unrolled) == jax.tree.structure(g_scan)
+    for a, b in zip(jax.tree.leaves(g_unrolled), jax.tree.leaves(g_scan)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        scale = float(np.abs(np.asarray(b)).max())
+        atol = 2e-5 * scale if dtype == "float32" else 2e-2 * scale
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=atol)
+    assert float(jnp.abs(g_scan["layers"]["down_proj"]["kernel"][1]).max()) > 0
+
+
 def test_bad_inputs_raise_clear_errors():
     cfg, params = CONFIGS["qwen2"], params_for("qwen2")
     with pytest.raises(ValueError, match="tokens must have 2 dims"):
