@@ -55,8 +55,19 @@ FULL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidde
             num_attention_heads=8, num_key_value_heads=4)
 QUICK = dict(vocab_size=8192, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)
-MODES = (("rounds, k=0 (today)", False, 0), ("stream, k=0", True, 0),
-         ("stream, k=1", True, 1), ("stream, k=2", True, 2))
+# (name, algo.stream_rounds, algo.max_staleness, rewards.groups_in_flight)
+MODES = (("rounds, k=0 (today)", False, 0, 1), ("stream, k=0", True, 0, 1),
+         ("stream, k=1", True, 1, 1), ("stream, k=2", True, 2, 1))
+
+
+def modes_for(groups_in_flight: int) -> tuple:
+    """MODES, and with groups_in_flight D > 1 the rounds and the k = 1 stream with D groups
+    scored at once beside them (in the same run, so their ratios are to today's rounds)."""
+    if groups_in_flight <= 1:
+        return MODES
+    d = groups_in_flight
+    return MODES + ((f"rounds, {d} scored at once", False, 0, d),
+                    (f"stream, k=1, {d} at once", True, 1, d))
 
 
 class SlowVerifier:
@@ -108,7 +119,8 @@ def smollm2_prompts(model: Model, prompt_len: int, batch: int):
         i += batch
 
 
-def make_context(args, model: Model, stop, stream: bool, k: int, runtime=None) -> RunContext:
+def make_context(args, model: Model, stop, stream: bool, k: int, runtime=None,
+                 groups_in_flight: int = 1) -> RunContext:
     """The run's context for one mode; `runtime` (its compiled rollout and update programs) is
     shared by the modes: the stream keys are the collect's, not the programs'."""
     c = default_config()
@@ -122,6 +134,7 @@ def make_context(args, model: Model, stop, stream: bool, k: int, runtime=None) -
     c.algo.micro_batch_size = args.n
     c.algo.kl_coef = 0.0
     c.algo.stream_rounds, c.algo.max_staleness = stream, k
+    c.rewards.groups_in_flight = groups_in_flight
     c.optim.lr = 1e-5
     c.train.steps = 10**6               # the stream is never closed by the last step here
     c.train.checkpoint_every = 10**6
@@ -139,9 +152,9 @@ def make_context(args, model: Model, stop, stream: bool, k: int, runtime=None) -
 class Mode:
     """One mode's run: its context, train and collect state, prompt source and timed steps."""
 
-    def __init__(self, args, model, stop, runtime, name, stream, k):
-        self.name, self.stream, self.k = name, stream, k
-        self.ctx = make_context(args, model, stop, stream, k, runtime)
+    def __init__(self, args, model, stop, runtime, name, stream, k, groups_in_flight=1):
+        self.name, self.stream, self.k, self.groups_in_flight = name, stream, k, groups_in_flight
+        self.ctx = make_context(args, model, stop, stream, k, runtime, groups_in_flight)
         self.state = self.ctx.new_train_state(jax.tree.map(jnp.copy, model.params))
         self.cstate = algo.CollectState()
         self.source = (smollm2_prompts(model, args.prompt_len, args.prompts)
@@ -166,8 +179,9 @@ class Mode:
                 carried=m.get("rollout/carried_samples", 0),
                 dropped=m.get("staleness/dropped_samples", 0),
                 discarded=m.get("rollout/discarded_samples", 0),
-                generated=m["perf/generated_samples"]))
-        print(f"  {self.name:20s} step {step}{'' if timed else ' (warm-up)'}: {wall:6.2f} s, "
+                generated=m["perf/generated_samples"],
+                times={k: float(v) for k, v in m.items() if k.startswith("time/")}))
+        print(f"  {self.name:26s} step {step}{'' if timed else ' (warm-up)'}: {wall:6.2f} s, "
               f"occupancy {occupancy:.2f}, rounds {m['dynamic_sampling/rounds']:.0f}",
               flush=True)
 
@@ -176,7 +190,8 @@ class Mode:
             self.cstate.stream.close()
         rows = self.rows
         mean = lambda key: float(np.mean([r[key] for r in rows]))
-        return dict(mode=self.name, stream_rounds=self.stream, max_staleness=self.k, steps=rows,
+        return dict(mode=self.name, stream_rounds=self.stream, max_staleness=self.k,
+                    groups_in_flight=self.groups_in_flight, steps=rows,
                     step_s=mean("step_s"),
                     step_s_median=float(np.median([r["step_s"] for r in rows])),
                     update_s=mean("update_s"),
@@ -196,13 +211,13 @@ def table(results: list) -> str:
     over the step's decoding, rounds of prompts fed, staleness of the samples used, samples
     carried / dropped / discarded per step."""
     base = results[0]["step_s_median"]
-    lines = [f"\n{'mode':22s} {'mean s':>7s} {'median':>7s} {'ratio':>6s} {'update':>6s} "
+    lines = [f"\n{'mode':27s} {'mean s':>7s} {'median':>7s} {'ratio':>6s} {'update':>6s} "
              f"{'occup.':>6s} {'rounds':>6s} {'stale':>5s} {'max':>3s} {'carried':>7s} "
              f"{'dropped':>7s} {'discard':>7s}"]
     for r in results:
         r["ratio"] = r["step_s_median"] / base
         lines.append(
-            f"{r['mode']:22s} {r['step_s']:7.2f} {r['step_s_median']:7.2f} {r['ratio']:6.2f} "
+            f"{r['mode']:27s} {r['step_s']:7.2f} {r['step_s_median']:7.2f} {r['ratio']:6.2f} "
             f"{r['update_s_median']:6.2f} {r['occupancy']:6.2f} {r['rounds']:6.1f} "
             f"{r['staleness_mean']:5.2f} {r['staleness_max']:3d} {r['carried']:7.1f} "
             f"{r['dropped']:7.1f} {r['discarded']:7.1f}")
@@ -218,6 +233,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per mode (compiles)")
     ap.add_argument("--pass-rate", type=float, default=0.4)
     ap.add_argument("--latency", type=float, default=0.05, help="verifier seconds per group")
+    ap.add_argument("--groups-in-flight", type=int, default=1,
+                    help="D > 1: also the rounds and the k = 1 stream with rewards."
+                         "groups_in_flight = D (the other modes: 1, one group scored at once)")
     args = ap.parse_args()
     small = args.quick or args.model == "smollm2"
     shape = QUICK if args.quick else FULL
@@ -247,7 +265,7 @@ def main():
           f"{args.latency * 1e3:.0f} ms/group; {os.cpu_count()} CPUs, load {load[0]:.1f}",
           flush=True)
     runtime = make_context(args, model, stop, False, 0).runtime
-    modes = [Mode(args, model, stop, runtime, *mode) for mode in MODES]
+    modes = [Mode(args, model, stop, runtime, *mode) for mode in modes_for(args.groups_in_flight)]
     # the modes take turns step by step, so a change of the machine's load over the run moves
     # them alike (their schedules are deterministic: only the wall times feel the load)
     for step in range(args.warmup + args.steps):
@@ -258,13 +276,15 @@ def main():
     load_end = os.getloadavg()
     print(f"load average at start {load[0]:.1f}, at end {load_end[0]:.1f} "
           f"({os.cpu_count()} CPUs)")
-    tag = "-smollm2" if args.model == "smollm2" else "-quick" if args.quick else ""
+    tag = ("-smollm2" if args.model == "smollm2" else "-quick" if args.quick else "") + (
+        f"-g{args.groups_in_flight}" if args.groups_in_flight != 1 else "")
     out = Path(__file__).parent / "results" / f"steps{tag}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(dict(
         machine=platform.platform(), cpus=os.cpu_count(), load_start=load, load_end=load_end,
         model_name=args.model, model=shape, n=args.n, prompts_per_step=args.prompts, new_tokens=args.new_tokens,
-        pass_rate=args.pass_rate, latency_s=args.latency, results=results), indent=1))
+        pass_rate=args.pass_rate, latency_s=args.latency,
+        groups_in_flight=args.groups_in_flight, results=results), indent=1))
     print(f"wrote {out}")
 
 

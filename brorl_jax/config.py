@@ -161,6 +161,12 @@ def default_config() -> ml_collections.ConfigDict:
     c.rewards.custom_batch_size = 64
     c.rewards.custom_concurrency = 1
     c.rewards.custom_batch_timeout_s = 60.0
+    # Groups scored at once while decoding goes on (rounds and stream): 1 = one at a time, in
+    # order. More helps a scorer that waits (a remote sandbox, a model judge: its calls run in
+    # that many threads); the stream's filter then sees each group that many groups late (a
+    # fixed lag: runs stay reproducible). The built-in scoring service takes one call at a time
+    # (it already spreads a group's samples over its workers), so it gains nothing from more.
+    c.rewards.groups_in_flight = 1
 
     # --- supervised warm start (used by the demo; 0 steps = none) --------------------------
     c.sft = ml_collections.ConfigDict()
@@ -243,6 +249,7 @@ POSITIVE = (
     "eval.num_prompts", "train.keep_checkpoints", "train.checkpoint_every", "train.log_every",
     "rewards.batch_deadline_s", "rewards.recycle_after", "sft.batch_size", "sft.lr",
     "rewards.custom_batch_size", "rewards.custom_concurrency", "rewards.custom_batch_timeout_s",
+    "rewards.groups_in_flight",
 )
 NON_NEGATIVE = (
     "algo.kl_coef", "algo.clip_eps_high", "algo.ref_reset_every", "algo.micro_batch_tokens",

@@ -26,7 +26,7 @@ COLLECT_CROSS_SECTION = {
     "rollouts_per_prompt": "rollout", "max_new_tokens": "rollout", "adaptive_n": "rollout",
     "adaptive_n_buckets": "rollout", "adaptive_n_thresholds": "rollout",
     "adaptive_n_ema_decay": "rollout", "overgenerate_factor": "rollout", "select_rule": "rollout",
-    "seed": "train"}
+    "seed": "train", "groups_in_flight": "rewards"}
 
 
 def _from_run_config(cls, cfg: Any, overrides: dict) -> dict:
@@ -111,6 +111,7 @@ class CollectConfig:
     overgenerate_factor: float        # rollout.overgenerate_factor
     select_rule: str                  # rollout.select_rule
     seed: int                         # train.seed (the selection's random order)
+    groups_in_flight: int             # rewards.groups_in_flight (groups scored at once)
     # -- algo.* --
     prompts_per_step: int
     advantage: str

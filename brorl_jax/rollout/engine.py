@@ -225,11 +225,14 @@ class RolloutStream:
         return self._queue.get()
 
     def unread(self, group: GroupResult) -> None:
-        """Gives back the group ``__next__`` handed out last: it comes out again first (a
-        consumer that took it one group early, e.g. while a verdict was pending)."""
-        if not self._delivered or self._delivered[-1] is not group:
-            raise ValueError("unread() takes back only the group handed out last")
-        self._delivered.pop()
+        """Gives back a group ``__next__`` handed out: it comes out again first (a consumer
+        that took it early, e.g. while verdicts were pending). Groups given back last first
+        come out again in their order."""
+        at = next((i for i in range(len(self._delivered) - 1, -1, -1)
+                   if self._delivered[i] is group), None)
+        if at is None:
+            raise ValueError("unread() takes back only a group this stream handed out")
+        del self._delivered[at]
         self._buffer.appendleft(("group", group))
 
     @property

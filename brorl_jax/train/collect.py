@@ -24,6 +24,7 @@ Under several processes each process fills its share of the rows with its own pr
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import time
 from typing import Any, Sequence
@@ -46,6 +47,38 @@ ROLLOUT_STAT_KEYS = ("useful_tokens", "decode_steps", "refills", "compactions")
 # time/<key>: the host blocked on the rollout's device calls, and the rollout's device idle
 # between two of its calls (rollout.Scheduler.waits), summed over the step's decoding
 WAIT_KEYS = ("host_waited_for_device_s", "device_waited_for_host_s")
+
+
+class GroupScoring:
+    """Scores groups while decoding goes on (rewards.groups_in_flight): up to ``depth`` calls
+    of the scorer at once, each in a thread of its own; ``inline`` with depth 1 scores in the
+    caller's thread at submit. submit -> a future of (Scored, seconds the call took). The
+    caller takes the verdicts in the order it submitted them, so what it decides from them
+    does not depend on which call ends first."""
+
+    def __init__(self, scorer, depth: int, *, inline: bool = False):
+        self.scorer, self.depth = scorer, depth
+        self.inline = inline and depth == 1
+        self._pool = None
+
+    def submit(self, record: dict, gr) -> concurrent.futures.Future:
+        def run():
+            t0 = time.perf_counter()
+            scored = self.scorer.score([record] * gr.lengths.size, gr.tokens, gr.lengths)
+            return scored, time.perf_counter() - t0
+        if self.inline:
+            future = concurrent.futures.Future()
+            future.set_result(run())
+            return future
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=self.depth, thread_name_prefix="group-scoring")
+        return self._pool.submit(run)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 def round_seed(seed: int, step: int, round_: int) -> int:
@@ -91,49 +124,59 @@ def generate_groups(ctx: RunContext, params, state: algo.CollectState, batch_sou
                             "rollout_idle_for_scoring_s", *WAIT_KEYS), 0.0)
     stats = {**dict.fromkeys(ROLLOUT_STAT_KEYS, 0), "live_slot_steps": 0.0, "slot_steps": 0}
     samples, cap_error = 0, None
-    while True:
-        try:
-            if not sampler.need_more():
+    # the pool's threads end with the rounds, also when a scorer raises
+    with contextlib.closing(GroupScoring(ctx.scorer, ccfg.groups_in_flight, inline=True)) as scoring:
+        while True:
+            try:
+                if not sampler.need_more():
+                    break
+            except algo.DynamicSamplingError as e:      # cap policy "error"
+                cap_error = str(e)
                 break
-        except algo.DynamicSamplingError as e:      # cap policy "error"
-            cap_error = str(e)
-            break
-        batch = next(batch_source)
-        seed = round_seed(ccfg.seed, step, sampler.rounds)
-        ns = host.samples_per_prompt(ccfg, state, batch["index"])
-        n_chosen += ns
-        groups: list = [None] * len(ns)
-        observed = []
-        for b, (n, positions) in enumerate(algo.policies.group_by_n(ns)):
-            # each group is scored as soon as its samples are done, while decoding goes on
-            with ctx.rollouts(params, [batch["prompt_ids"][p] for p in positions],
-                              n=host.num_candidates(ccfg, n), seed=call_seed(seed, b),
-                              sampling=sampling, stream=True) as st:
-                for gr in st:
-                    p = positions[gr.prompt_index]
-                    record = batch["records"][p]
-                    t0 = time.perf_counter()
-                    scored = ctx.scorer.score([record] * gr.lengths.size, gr.tokens, gr.lengths)
-                    timing["scoring_s"] += time.perf_counter() - t0
-                    healths.append(scored.health)
-                    samples += gr.lengths.size
-                    truncated.append(gr.truncated)
-                    index = int(batch["index"][p])
-                    groups[p], info = host.make_group(
-                        ccfg, gr, scored.rewards, n=n, prompt_ids=batch["prompt_ids"][p],
-                        index=index, step=step, round_=sampler.rounds, position=p)
-                    infos.append(info)
-                    observed.append((index, info.pass_rate))
-                done = time.perf_counter()
-            timing["rollout_s"] += st.finished_at - st.started_at
-            stats = add_rollout_stats(stats, st.stats)
-            timing["scoring_waited_for_rollout_s"] += st.wait_seconds
-            timing["rollout_idle_for_scoring_s"] += max(0.0, done - st.finished_at)
-            for key, stat in zip(WAIT_KEYS, ("host_wait_seconds", "device_idle_seconds")):
-                timing[key] += float(st.stats.get(stat, 0.0))
-        state = host.observe(ccfg, state, observed)
-        every += groups
-        sampler.add_round(groups)
+            batch = next(batch_source)
+            seed = round_seed(ccfg.seed, step, sampler.rounds)
+            ns = host.samples_per_prompt(ccfg, state, batch["index"])
+            n_chosen += ns
+            groups: list = [None] * len(ns)
+            observed = []
+            for b, (n, positions) in enumerate(algo.policies.group_by_n(ns)):
+                # each group is scored as soon as its samples are done, while decoding goes on
+                with ctx.rollouts(params, [batch["prompt_ids"][p] for p in positions],
+                                  n=host.num_candidates(ccfg, n), seed=call_seed(seed, b),
+                                  sampling=sampling, stream=True) as st:
+                    scored_meanwhile = []       # (group, its position, its scoring future)
+
+                    def take(gr, p, future, n=n):
+                        nonlocal samples
+                        scored, seconds = future.result()
+                        timing["scoring_s"] += seconds
+                        healths.append(scored.health)
+                        samples += gr.lengths.size
+                        truncated.append(gr.truncated)
+                        index = int(batch["index"][p])
+                        groups[p], info = host.make_group(
+                            ccfg, gr, scored.rewards, n=n, prompt_ids=batch["prompt_ids"][p],
+                            index=index, step=step, round_=sampler.rounds, position=p)
+                        infos.append(info)
+                        observed.append((index, info.pass_rate))
+
+                    for gr in st:
+                        p = positions[gr.prompt_index]
+                        scored_meanwhile.append((gr, p, scoring.submit(batch["records"][p], gr)))
+                        if len(scored_meanwhile) >= scoring.depth:      # in arrival order
+                            take(*scored_meanwhile.pop(0))
+                    while scored_meanwhile:
+                        take(*scored_meanwhile.pop(0))
+                    done = time.perf_counter()
+                timing["rollout_s"] += st.finished_at - st.started_at
+                stats = add_rollout_stats(stats, st.stats)
+                timing["scoring_waited_for_rollout_s"] += st.wait_seconds
+                timing["rollout_idle_for_scoring_s"] += max(0.0, done - st.finished_at)
+                for key, stat in zip(WAIT_KEYS, ("host_wait_seconds", "device_idle_seconds")):
+                    timing[key] += float(st.stats.get(stat, 0.0))
+            state = host.observe(ccfg, state, observed)
+            every += groups
+            sampler.add_round(groups)
     return Collected(kept=list(sampler.groups), every=every, infos=infos, truncated=truncated,
                      n_chosen=n_chosen, sampler_stats=sampler.stats(),
                      rows_used=sampler.rows_used, health=merge_health(healths),
@@ -157,24 +200,18 @@ class LiveStream:
     pending: list = dataclasses.field(default_factory=list)    # [(prompt_ids, record, index)]
     fed: dict = dataclasses.field(default_factory=dict)        # prompt_index -> FedPrompt
     progress: dict | None = None      # scheduler.progress() at the end of the last step
-    _scoring: Any = None              # the thread that scores a group while the next decodes
+    _scoring: Any = None              # GroupScoring: groups scored while the next ones decode
 
     @property
     def scheduler(self):
         return self.stream.scheduler
 
-    def score(self, scorer, record: dict, gr):
-        """Scores one group in the stream's scoring thread (one at a time, in order), while the
+    def score(self, scorer, record: dict, gr, depth: int = 1):
+        """Scores one group in the stream's scoring threads (`depth` calls at once) while the
         caller goes on decoding; -> a future of (Scored, seconds)."""
         if self._scoring is None:
-            self._scoring = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="stream-scoring")
-
-        def run():
-            t0 = time.perf_counter()
-            scored = scorer.score([record] * gr.lengths.size, gr.tokens, gr.lengths)
-            return scored, time.perf_counter() - t0
-        return self._scoring.submit(run)
+            self._scoring = GroupScoring(scorer, depth)
+        return self._scoring.submit(record, gr)
 
     @property
     def in_flight(self) -> int:
@@ -185,7 +222,7 @@ class LiveStream:
     def close(self) -> None:
         self.stream.close()
         if self._scoring is not None:
-            self._scoring.shutdown(wait=True)
+            self._scoring.close()
             self._scoring = None
 
 
@@ -266,7 +303,12 @@ def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_sourc
     timing = dict.fromkeys(("rollout_s", "scoring_s", "scoring_waited_s"), 0.0)
     samples = dropped = fed = 0
     cap_error = None
-    verdict = None          # (group, its FedPrompt, version, its scoring future): one in flight
+    # (group, its FedPrompt, version, its scoring future), in arrival order: the groups being
+    # scored while the next ones decode, at most rewards.groups_in_flight; each is settled when
+    # that many later groups have come out (or none comes), so the filter and the feed see it
+    # at a fixed lag
+    verdicts: list = []
+    depth = ccfg.groups_in_flight
 
     def settle(v, state):
         """The group's verdict (waited for), its group and the filter: in arrival order."""
@@ -289,14 +331,25 @@ def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_sourc
             ages.extend([step - version] * group.n)
         return state
 
+    def give_back():
+        """The groups taken and not settled when the step is full go back to the stream, last
+        first: the next step's, if carried (their verdicts are asked again there)."""
+        nonlocal samples
+        while verdicts:
+            gr, meta, _, _ = verdicts.pop()
+            live.stream.unread(gr)
+            live.fed[gr.prompt_index] = meta
+            samples -= gr.lengths.size
+
     start = live.progress or sch.progress()
     sch.resume()                        # the pause (the last update) is not the device's idle
     while True:
         needed = host.groups_needed(ccfg, row_budget - sampler.rows_used, max_rows)
         if needed == 0:
+            give_back()
             break
         want = host.prompts_to_feed(ccfg, needed=needed, step_groups=row_budget // n,
-                                    in_flight=live.in_flight + (verdict is not None), fed=fed,
+                                    in_flight=live.in_flight + len(verdicts), fed=fed,
                                     cap=cap,
                                     pool=sch.spec.pool, pass_rate=pass_rate)
         if want:
@@ -307,9 +360,8 @@ def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_sourc
                 live.fed[gid] = FedPrompt(ids, record, index)
             fed += len(take)
         if live.in_flight == 0:
-            if verdict is not None:         # no group comes before the last one's verdict
-                state = settle(verdict, state)
-                verdict = None
+            if verdicts:                    # no group comes before these verdicts
+                state = settle(verdicts.pop(0), state)
                 continue
             sampler.rounds = -(-fed // round_prompts)     # the cap is fed and done, not full
             try:
@@ -320,11 +372,11 @@ def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_sourc
         t0 = time.perf_counter()
         gr = next(live.stream)
         timing["rollout_s"] += time.perf_counter() - t0
-        if verdict is not None:             # the previous group, scored while this one decoded
-            state = settle(verdict, state)
-            verdict = None
+        if len(verdicts) >= depth:          # the oldest, scored while later ones decoded
+            state = settle(verdicts.pop(0), state)
             if host.groups_needed(ccfg, row_budget - sampler.rows_used, max_rows) == 0:
-                live.stream.unread(gr)      # taken one group early: the next step's, if carried
+                live.stream.unread(gr)      # taken early: the next step's, if carried
+                give_back()
                 break
         meta = live.fed.pop(gr.prompt_index)
         version = gr.versions[0][0]        # admitted under it: its oldest tokens
@@ -332,7 +384,7 @@ def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_sourc
         if host.is_stale(ccfg, version, step):
             dropped += gr.lengths.size
             continue
-        verdict = (gr, meta, version, live.score(ctx.scorer, meta.record, gr))
+        verdicts.append((gr, meta, version, live.score(ctx.scorer, meta.record, gr, depth)))
     sampler.rounds = -(-fed // round_prompts)
     end = sch.progress()
     stats = _progress_delta(start, end)

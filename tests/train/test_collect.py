@@ -2,6 +2,7 @@
 algo/collect.py): with every option off it is the paper's recipe step by step; with options on
 it changes what they say, compiles no more once its shapes are warm, and its CollectState
 survives a checkpoint (exact resume)."""
+import dataclasses
 import json
 import math
 import os
@@ -324,9 +325,30 @@ def test_groups_are_scored_while_decoding_goes_on(tmp_path):
         t0 = time.perf_counter()
         batch, stats = collect_only()
         wall = time.perf_counter() - t0
+        ctx.rollouts = real_rollouts
+        # four groups scored at once, their verdicts ending out of order: the same batch
+        ctx.collect_cfg = dataclasses.replace(ctx.collect_cfg, groups_in_flight=4)
+        jittery = FakeScorer(delay=0.1)
+        jitter = iter(np.random.default_rng(3).uniform(0.0, 0.1, 64))
+        spans, real_score = [], jittery.score
+
+        def jittery_score(*a):
+            t = time.perf_counter()
+            time.sleep(next(jitter))
+            out = real_score(*a)
+            spans.append((t, time.perf_counter()))
+            return out
+        jittery.score = jittery_score
+        ctx.scorer = jittery
+        batch4, _ = collect_only()
         ctx.scorer = real_scorer
     finally:
         trainer.close()
+    for k in fast:
+        np.testing.assert_array_equal(batch4[k], fast[k], err_msg=k)
+    assert len(spans) == 16
+    spans.sort()           # some call started before the one before it ended: they overlapped
+    assert any(b[0] < a[1] for a, b in zip(spans, spans[1:])), spans
     calls = slow.calls
     # one call per group (its N samples), as it arrives
     assert [n for _, n in calls] == [cfg.rollout.rollouts_per_prompt] * 16

@@ -5,6 +5,7 @@ current weights'; with k = 1 groups are carried into the next step, none is used
 lost without being counted, none is older than k; a run restarted from a checkpoint step's
 state repeats the uninterrupted run exactly (the stream is closed at checkpoint steps)."""
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,17 @@ class FilteringScorer(FakeScorer):
         if int(records[0]["ground_truth"]) % 3:
             out[: max(1, len(records) // 4)] = 1.0
         return Scored(out, VerifierHealth())
+
+
+class JitteryScorer:
+    """The wrapped scorer's verdicts after a random 0-20 ms (a remote service's latency)."""
+
+    def __init__(self, inner):
+        self.inner, self.rng = inner, np.random.default_rng(0)
+
+    def score(self, records, tokens, lengths):
+        time.sleep(float(self.rng.uniform(0, 0.02)))
+        return self.inner.score(records, tokens, lengths)
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +134,17 @@ def test_stream_at_k0_uses_only_on_policy_samples_with_their_behaviour_logprobs(
         np.testing.assert_allclose(g["logprobs"], want, atol=2e-4)
 
 
-def test_stream_at_k1_carries_groups_each_used_once_none_lost_none_too_old(trainer, monkeypatch):
+@pytest.mark.parametrize("groups_in_flight", [1, 3])
+def test_stream_at_k1_carries_groups_each_used_once_none_lost_none_too_old(
+        trainer, monkeypatch, groups_in_flight):
+    """Also with 3 groups scored at once (rewards.groups_in_flight): the filter sees each group
+    3 groups late, and the groups taken but not settled when a step fills go back to the
+    stream (the next step's, or discarded at a close), each still used once."""
     _with_staleness(trainer, 1)
+    monkeypatch.setattr(trainer.ctx, "collect_cfg", dataclasses.replace(
+        trainer.ctx.collect_cfg, groups_in_flight=groups_in_flight))
+    if groups_in_flight > 1:       # verdicts end out of order: the collect must not care
+        monkeypatch.setattr(trainer.ctx, "scorer", JitteryScorer(trainer.ctx.scorer))
     seen = []
     _spy_groups(monkeypatch, seen)
     steps = 2 * CHECKPOINT_EVERY
