@@ -135,6 +135,16 @@ def _token_logprobs(policy: PolicyFns, params, mb: dict, cfg: AlgoConfig, *, rem
     return logp.reshape(b, t), ent.reshape(b, t), None
 
 
+def first_pi_old_in_gradient_pass(cfg: AlgoConfig, diagnostics_n: int | None = None) -> bool:
+    """True when the pi_old pass can skip the first mini-batch's rows: with several mini-batches
+    and one epoch, the first optimizer step also runs at the step-start params, so its pi_old
+    is its own gradient pass's log-prob (stop_gradient), as in pi_old_in_gradient_pass; the
+    later mini-batches run after an optimizer step and need the pass. Saves 1 / ppo_mini_batches
+    of the pass (configs/brorl.py: a quarter)."""
+    return bool(cfg.recompute_old_logprobs and cfg.ppo_mini_batches > 1 and cfg.ppo_epochs == 1
+                and diagnostics_n is None)
+
+
 def pi_old_in_gradient_pass(cfg: AlgoConfig, diagnostics_n: int | None = None) -> bool:
     """True when the separate pi_old pass is redundant: with one PPO mini-batch and one epoch the
     only optimizer step runs at the step-start params, so pi_old is, token for token, the
@@ -368,10 +378,16 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
                              unsampled_n=diagnostics_n)
     use_ref = cfg.kl_coef > 0
     inline_old = pi_old_in_gradient_pass(cfg, diagnostics_n)
+    first_inline = first_pi_old_in_gradient_pass(cfg, diagnostics_n)
 
-    def micro_loss(params, mb, remat):
+    def micro_loss(params, mb, remat, first):
         logp, ent, _ = _token_logprobs(pol, params, mb, cfg, remat=remat, logprob_fn=logprob_fn)
-        old = lax.stop_gradient(logp) if inline_old else mb["pi_old"]
+        if inline_old:
+            old = lax.stop_gradient(logp)
+        elif first_inline:      # the first mini-batch's pi_old is its own log-prob
+            old = jnp.where(first, lax.stop_gradient(logp), mb["pi_old"])
+        else:
+            old = mb["pi_old"]
         return policy_loss(logp, ent, old_logp=old, rollout_logp=mb["old_logprobs"],
                            ref_logp=mb["ref_logprobs"] if use_ref else None,
                            advantages=mb["advantages"], loss_mask=mb["loss_mask"],
@@ -388,8 +404,10 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
         mem = device_bytes if device_bytes is not None else device_memory_bytes()
         return plan_remat_policy(model_cfg, micro_tokens, n_params, mem)
 
-    def minibatch_step(micro_rows, remat, carry, mb):
+    def minibatch_step(micro_rows, remat, carry, xs):
         params, opt_state = carry
+        mb, index = xs
+        first = index == 0
         mb = dict(mb, agg_weights=agg(mb["loss_mask"], mb.get("segment_ids")))
         n_micro = mb["input_tokens"].shape[0] // micro_rows
         micro = _split(mb, n_micro, shard_rows)
@@ -397,14 +415,15 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
         if n_micro == 1:
             # one micro-batch: its gradient is the mini-batch's (no float32 accumulator to
             # zero, add and re-read; one norm below)
-            (loss, sums), grads = grad_fn(params, jax.tree.map(lambda x: x[0], micro), remat)
+            (loss, sums), grads = grad_fn(params, jax.tree.map(lambda x: x[0], micro), remat,
+                                          first)
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
             grad_norm = optax.tree.norm(grads)
             grad_var = jnp.float32(jnp.nan)
         else:
             def accumulate(acc, x):
                 g_acc, l_acc, s_acc, sq_acc = acc
-                (loss, sums), g = grad_fn(params, x, remat)
+                (loss, sums), g = grad_fn(params, x, remat, first)
                 return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss,
                         {k: s_acc[k] + sums[k] for k in s_acc},
                         sq_acc + jnp.square(optax.tree.norm(g))), None
@@ -436,6 +455,10 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
         pi_old = data["old_logprobs"]
         if inline_old:     # folded into the gradient pass (pi_old_in_gradient_pass)
             pass
+        elif first_inline:  # not for the first mini-batch's rows (first_pi_old_in_gradient_pass)
+            head = rows // cfg.ppo_mini_batches
+            rest, _, _ = old_fn(state.params, jax.tree.map(lambda x: x[head:], data))
+            pi_old = jnp.concatenate([jnp.zeros_like(pi_old[:head]), rest], axis=0)
         elif cfg.recompute_old_logprobs or diagnostics_n is not None:
             pi_old, _, stats = old_fn(state.params, data)
             if diagnostics_n is not None:
@@ -460,8 +483,10 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
                 epochs.append(_split(order, cfg.ppo_mini_batches, shard_rows))
         minis = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *epochs) if len(epochs) > 1 else epochs[0]
         remat = resolve_remat(state.params, micro_rows * batch["input_tokens"].shape[1])
+        n_minis = jax.tree.leaves(minis)[0].shape[0]
         (params, opt_state), m = lax.scan(functools.partial(minibatch_step, micro_rows, remat),
-                                          (state.params, state.opt_state), minis)
+                                          (state.params, state.opt_state),
+                                          (minis, jnp.arange(n_minis)))
 
         n_tok = jnp.maximum(m["n_tokens"], 1.0)
         frac = lambda k: jnp.mean(m[k] / n_tok)

@@ -365,6 +365,43 @@ def test_pi_old_folded_into_the_gradient_pass_equals_the_separate_pass(monkeypat
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_first_mini_batch_pi_old_from_its_gradient_pass_equals_the_separate_pass(monkeypatch):
+    """Several mini-batches, one epoch: the pi_old pass skips the first mini-batch's rows (its
+    optimizer step runs at the step-start params too) and that mini-batch takes its own
+    log-prob; the result equals the pass over every row. Not with several epochs."""
+    from brorl_jax.algo import update as update_mod
+    cfg = _cfg(kl_coef=0.0, ppo_mini_batches=2)
+    assert update_mod.first_pi_old_in_gradient_pass(cfg)
+    assert not update_mod.first_pi_old_in_gradient_pass(_cfg(kl_coef=0.0))      # all folded
+    assert not update_mod.first_pi_old_in_gradient_pass(_cfg(ppo_mini_batches=2, ppo_epochs=2))
+    assert not update_mod.first_pi_old_in_gradient_pass(
+        _cfg(ppo_mini_batches=2, recompute_old_logprobs=False))
+    assert not update_mod.first_pi_old_in_gradient_pass(cfg, diagnostics_n=16)
+    rows_seen = []
+    real_make = update_mod.make_logprob_fn
+
+    def spy_make(*a, **kw):
+        fn = real_make(*a, **kw)
+
+        def logprobs(params, batch):
+            rows_seen.append(batch["input_tokens"].shape[0])
+            return fn(params, batch)
+        return logprobs
+    monkeypatch.setattr(update_mod, "make_logprob_fn", spy_make)
+    batch = random_batch(rows=8, seq=6, seed=7)
+    opt = make_optimizer(optimizer_config(lr=1e-2))
+    state = create_train_state(toy_params(), opt, with_reference=False)
+    folded, m_folded = jax.jit(make_update_step(None, cfg, opt, policy=TOY_POLICY))(state, batch, None)
+    monkeypatch.setattr(update_mod, "first_pi_old_in_gradient_pass", lambda cfg, n=None: False)
+    separate, m_sep = jax.jit(make_update_step(None, cfg, opt, policy=TOY_POLICY))(state, batch, None)
+    assert rows_seen == [4, 8]                 # the pass over the second mini-batch only, then all
+    for k in ("loss", "pg_loss", "ratio_mean", "clip_frac", "tis_weight_mean", "optimizer_steps"):
+        assert float(m_folded[k]) == pytest.approx(float(m_sep[k]), rel=1e-5, abs=1e-7), k
+    for a, b in zip(jax.tree.leaves(folded.params), jax.tree.leaves(separate.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert float(m_folded["optimizer_steps"]) == 2
+
+
 def test_remat_policy_from_the_memory_plan():
     from brorl_jax.algo.update import plan_remat_policy, remat_saved_bytes
     from brorl_jax.models import ModelConfig
