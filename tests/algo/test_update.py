@@ -353,16 +353,24 @@ def test_pi_old_folded_into_the_gradient_pass_equals_the_separate_pass(monkeypat
     assert not update_mod.pi_old_in_gradient_pass(_cfg(ppo_epochs=2))
     assert not update_mod.pi_old_in_gradient_pass(_cfg(recompute_old_logprobs=False))
     assert not update_mod.pi_old_in_gradient_pass(cfg, diagnostics_n=16)
-    batch = random_batch(rows=8, seq=6, seed=6)
+    _folded_equals_separate(monkeypatch, cfg, "pi_old_in_gradient_pass", seed=6)
+
+
+def _folded_equals_separate(monkeypatch, cfg, rule: str, seed: int):
+    """The update with the pi_old fold `rule` (a brorl_jax.algo.update function) equals the
+    one with the rule off (the pi_old pass over every row): metrics and params after a step."""
+    from brorl_jax.algo import update as update_mod
+    batch = random_batch(rows=8, seq=6, seed=seed)
     opt = make_optimizer(optimizer_config(lr=1e-2))
     state = create_train_state(toy_params(), opt, with_reference=False)
     folded, m_folded = jax.jit(make_update_step(None, cfg, opt, policy=TOY_POLICY))(state, batch, None)
-    monkeypatch.setattr(update_mod, "pi_old_in_gradient_pass", lambda cfg, n=None: False)
+    monkeypatch.setattr(update_mod, rule, lambda cfg, n=None: False)
     separate, m_sep = jax.jit(make_update_step(None, cfg, opt, policy=TOY_POLICY))(state, batch, None)
-    for k in ("loss", "pg_loss", "ratio_mean", "clip_frac", "tis_weight_mean"):
+    for k in ("loss", "pg_loss", "ratio_mean", "clip_frac", "tis_weight_mean", "optimizer_steps"):
         assert float(m_folded[k]) == pytest.approx(float(m_sep[k]), rel=1e-5, abs=1e-7), k
     for a, b in zip(jax.tree.leaves(folded.params), jax.tree.leaves(separate.params)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    return m_folded
 
 
 def test_first_mini_batch_pi_old_from_its_gradient_pass_equals_the_separate_pass(monkeypatch):
@@ -388,18 +396,9 @@ def test_first_mini_batch_pi_old_from_its_gradient_pass_equals_the_separate_pass
             return fn(params, batch)
         return logprobs
     monkeypatch.setattr(update_mod, "make_logprob_fn", spy_make)
-    batch = random_batch(rows=8, seq=6, seed=7)
-    opt = make_optimizer(optimizer_config(lr=1e-2))
-    state = create_train_state(toy_params(), opt, with_reference=False)
-    folded, m_folded = jax.jit(make_update_step(None, cfg, opt, policy=TOY_POLICY))(state, batch, None)
-    monkeypatch.setattr(update_mod, "first_pi_old_in_gradient_pass", lambda cfg, n=None: False)
-    separate, m_sep = jax.jit(make_update_step(None, cfg, opt, policy=TOY_POLICY))(state, batch, None)
+    m = _folded_equals_separate(monkeypatch, cfg, "first_pi_old_in_gradient_pass", seed=7)
     assert rows_seen == [4, 8]                 # the pass over the second mini-batch only, then all
-    for k in ("loss", "pg_loss", "ratio_mean", "clip_frac", "tis_weight_mean", "optimizer_steps"):
-        assert float(m_folded[k]) == pytest.approx(float(m_sep[k]), rel=1e-5, abs=1e-7), k
-    for a, b in zip(jax.tree.leaves(folded.params), jax.tree.leaves(separate.params)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    assert float(m_folded["optimizer_steps"]) == 2
+    assert float(m["optimizer_steps"]) == 2
 
 
 def test_remat_policy_from_the_memory_plan():
