@@ -382,6 +382,8 @@ def main(argv=None) -> int:
           "it (bf16 compute, float32 master weights through Runtime.rollout_params)", flush=True)
     rows = []
     import tempfile
+    if args.hlo_dir:
+        os.makedirs(args.hlo_dir, exist_ok=True)
     for case in args.cases:
         out = os.path.join(args.hlo_dir or tempfile.mkdtemp(prefix="roofline_"),
                            f"{args.target}_{case}.json")
