@@ -42,6 +42,7 @@ import dataclasses
 import json
 import math
 import re
+import sys
 from collections.abc import Callable
 
 ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
@@ -512,3 +513,46 @@ def operand_types(ins: Instr) -> list[str]:
     if not m:
         return []
     return [f"{d}[{dims}]" for d, dims in _SHAPE.findall(m.group(1))]
+
+
+_WRAPPERS = re.compile(r"(jvp|transpose|checkpoint|remat|rematted_computation|while|body|cond|"
+                       r"pjit|closed_call)\(|\)")
+
+
+def by_operation(cost: Cost, depth: int = 2) -> list[tuple[float, int, str]]:
+    """The kernels' bytes grouped by the JAX operation that made them: the last ``depth``
+    components of each kernel's ``op_name`` (jit/jvp/checkpoint wrappers dropped), prefixed
+    "backward" for kernels of a transpose (the gradient pass) and "forward" otherwise, as
+    [(bytes, kernels, key)], largest first. Loop bodies count times their trip counts (the walk's
+    ``items``). How docs/algo.md splits the update's memory-bound traffic by what it does."""
+    groups: dict[str, list] = {}
+    for b, name, _type, op in cost.items:
+        parts = [p for p in _WRAPPERS.sub("", re.sub(r"jit\([^)]*\)/", "", op)).split("/") if p]
+        key = ("backward " if "transpose(" in op else "forward ") + (
+            "/".join(parts[-depth:]) if parts else name)
+        g = groups.setdefault(key, [0.0, 0])
+        g[0] += b
+        g[1] += 1
+    return sorted(((b, n, k) for k, (b, n) in groups.items()), key=lambda x: -x[0])
+
+
+def main(argv=None) -> int:
+    """python bench/_hlo_walk.py FILE.hlo [--depth 2] [--top 40]: a saved optimized HLO (e.g.
+    ``bench/_roofline_update.py --hlo FILE``) walked, its traffic by JAX operation."""
+    import argparse
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("hlo")
+    ap.add_argument("--depth", type=int, default=2)
+    ap.add_argument("--top", type=int, default=40)
+    args = ap.parse_args(argv)
+    with open(args.hlo) as f:
+        cost = walk(f.read())
+    print(f"{cost.bytes / 1e9:.1f} GB, {cost.flops / 1e12:.1f} TFLOP (dots), "
+          f"{cost.kernels:.0f} kernel launches")
+    for b, n, key in by_operation(cost, args.depth)[:args.top]:
+        print(f"{b / 1e9:9.2f} GB {n:6d} kernels  {key}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

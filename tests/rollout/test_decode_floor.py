@@ -230,3 +230,22 @@ def test_the_walker_counts_an_in_place_update_once():
     ).compile().as_text()
     assert "dynamic-update-slice" in text
     assert hw.walk(text).bytes == 2 * 1024 * 4 + 4        # y read, the row written, the index
+
+
+def test_the_walker_groups_traffic_by_the_operation_that_made_it():
+    """bench/_hlo_walk.by_operation (the split of the update's traffic in docs/algo.md): each
+    kernel's bytes land under its JAX operation, the gradient pass's kernels apart from the
+    forward's, and the groups add up to the walk's total."""
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(x @ w) * 3.0)
+
+    sds = jax.ShapeDtypeStruct
+    text = jax.jit(jax.grad(loss)).lower(
+        sds((256, 256), jnp.float32), sds((128, 256), jnp.float32)).compile().as_text()
+    cost = hw.walk(text)
+    groups = hw.by_operation(cost, depth=1)
+    assert sum(b for b, _, _ in groups) == pytest.approx(cost.bytes)
+    keys = [k for _, _, k in groups]
+    assert any(k.startswith("backward ") for k in keys), keys
+    assert any(k.startswith("forward ") for k in keys), keys
+    assert [b for b, _, _ in groups] == sorted((b for b, _, _ in groups), reverse=True)
