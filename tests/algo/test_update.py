@@ -417,3 +417,26 @@ def test_remat_policy_from_the_memory_plan():
     # 64 rows of 16k tokens do not: full remat
     assert plan_remat_policy(qwen, 64 * 16384, n, 80 * 2**30) == "full"
     assert plan_remat_policy(qwen, 4096, n, None) == "full"          # unknown memory (CPU)
+
+
+def test_the_clip_norm_is_grad_norm_itself(monkeypatch):
+    """optax's clip_by_global_norm takes its norm over the very arrays grad_norm is computed from
+    (no zeroed copy of the gradients in between), so the compiled step computes the global norm
+    once: a second norm over a second gradient tree was 4 % of the update's memory traffic at
+    8 x 2048 on an H100 (bench/_roofline_update.py). Fails when the gradients are replaced
+    (e.g. jnp.where(finite, g, 0)) before the optimizer."""
+    calls = []
+    real_norm = optax.tree.norm
+
+    def spy(tree, *a, **kw):
+        calls.append([id(x) for x in jax.tree.leaves(tree)])
+        return real_norm(tree, *a, **kw)
+
+    monkeypatch.setattr(optax.tree, "norm", spy)
+    cfg = _cfg(ppo_mini_batches=2, micro_batch_size=4)
+    opt = make_optimizer(optimizer_config(grad_clip=1.0))
+    state = create_train_state(toy_params(), opt)
+    jax.make_jaxpr(make_update_step(None, cfg, opt, policy=TOY_POLICY))(
+        state, random_batch(rows=8), jax.random.PRNGKey(0))
+    assert len(calls) == 2, calls          # grad_norm, then the clip's
+    assert calls[0] == calls[1]
