@@ -26,7 +26,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest tests -n 2 --dist loadfile
+	$(PY) -m pytest tests -n 2 --dist loadfile --no-loadscope-reorder
 
 # Lint and import order ([tool.ruff] in pyproject.toml); `make fix` applies ruff's safe fixes.
 lint: $(STAMP)

@@ -26,6 +26,29 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 import compile_env  # noqa: E402, F401
 import procs  # noqa: E402 - started commands fork from a preloaded interpreter (tests/zygote.py)
 
+# The order the two workers take the files in (`make test`: --dist loadfile, and
+# --no-loadscope-reorder so that xdist keeps this order instead of putting the files with the
+# most tests first): the longest files first, from file_seconds.json (each file's seconds in one
+# `pytest tests -n 2 --dist loadfile --durations=0`), then the rest by number of tests. With the
+# end-to-end files last, as xdist's own order had them, one worker could be left running a
+# minute-long file while the other had nothing to do. The order changes no result; a stale table
+# only balances the workers less well. Refresh it after a full run with --durations=0:
+#   python tests/file_seconds.py LOG > tests/file_seconds.json
+FILE_SECONDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "file_seconds.json")
+
+
+def pytest_collection_modifyitems(config, items):
+    import json
+    with open(FILE_SECONDS) as f:
+        seconds = json.load(f)
+    files: dict[str, int] = {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        files[path] = files.get(path, 0) + 1
+    rank = {path: i for i, path in enumerate(
+        sorted(files, key=lambda p: (-seconds.get(p, 0), -files[p], p)))}
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])   # stable: file order kept
+
 
 @pytest.fixture(scope="session")
 def tiny_warm_start(tmp_path_factory) -> list[str]:
