@@ -89,6 +89,9 @@ CELLS: list[tuple[str, str]] = [
         # Runs and plots go here; the test suite points this at a temporary directory.
         WORKDIR = os.environ.get("BRORL_NOTEBOOK_WORKDIR") or tempfile.mkdtemp(
             prefix="brorl_quickstart_")
+        # The test suite's run (tests/test_notebook.py) sets BRORL_NOTEBOOK_QUICK=1: every cell
+        # runs, with fewer training and simulation steps.
+        QUICK = os.environ.get("BRORL_NOTEBOOK_QUICK") == "1"
         os.makedirs(WORKDIR, exist_ok=True)
         T_START = time.perf_counter()
         print(f"jax {jax.__version__} on {jax.default_backend()}; workdir {WORKDIR}")
@@ -226,8 +229,9 @@ CELLS: list[tuple[str, str]] = [
         from brorl_jax.train.logger import read_metrics
         from brorl_jax.train.loop import Trainer
 
-        cfg.train.steps = 10
-        cfg.eval.every = 5                          # held-out pass@1 at steps 0, 5 and 10
+        cfg.train.steps = 2 if QUICK else 10
+        cfg.eval.every = 1 if QUICK else 5          # held-out pass@1 at steps 0, 5 and 10
+        cfg.sft.steps = 10 if QUICK else cfg.sft.steps
         cfg.eval.num_prompts, cfg.eval.samples_per_prompt = 16, 4
         cfg.train.checkpoint_every = cfg.train.steps
         cfg.train.tensorboard = False
@@ -321,7 +325,8 @@ CELLS: list[tuple[str, str]] = [
         from brorl_jax.theory import lemma2_expected_unsampled
         from brorl_jax.theory import simulate as sim
 
-        sim_base = sim.SimulationConfig(vocab=12_800, correct=1_000, steps=200, log_every=5)
+        sim_base = sim.SimulationConfig(vocab=12_800, correct=1_000, steps=20 if QUICK else 200,
+                                        log_every=5)
         p0 = jax.nn.softmax(sim.initial_logits(sim_base))
         is_correct = sim.token_rewards(sim_base) > 0
         print(f"Q_pos = {float(p0[is_correct].sum()):.4f}; p of a correct token "
@@ -362,7 +367,8 @@ CELLS: list[tuple[str, str]] = [
             t0 = time.perf_counter()
             results[n] = sim.simulate(dataclasses.replace(sim_base, n=n), seed=0)
             print(f"N={n}: {time.perf_counter() - t0:.1f}s")
-        print(sim.summary_table(results, at_steps=[50, 100, 200]))
+        print(sim.summary_table(results, at_steps=[sim_base.steps // 4, sim_base.steps // 2,
+                                                   sim_base.steps]))
         print("cells: Q_pos / % correct tokens above their start / worst change of a correct token")
         """),
     ("code", r"""

@@ -58,6 +58,7 @@ def _kernel_for_this_interpreter(tmp_path: Path, monkeypatch) -> str:
 @pytest.mark.slow
 def test_quickstart_executes_top_to_bottom(tmp_path, monkeypatch):
     monkeypatch.setenv("BRORL_NOTEBOOK_WORKDIR", str(tmp_path / "work"))
+    monkeypatch.setenv("BRORL_NOTEBOOK_QUICK", "1")      # every cell, fewer steps
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = NotebookClient(nb, timeout=300,
                             kernel_name=_kernel_for_this_interpreter(tmp_path, monkeypatch),
