@@ -255,3 +255,33 @@ def test_the_loop_accepts_builtin_model_paths_and_names_the_known_ones():
         check_model_path("builtin:smollm3")
     with pytest.raises(ModelError, match="model.path.*no such directory"):
         check_model_path("/nonexistent/model")
+
+
+def test_a_conversion_reads_the_gguf_file_once(tmp_path):
+    """convert_gguf's _read_once: inside it gguf.GGUFReader gives one reader per file with the
+    fields a fresh reader has, the tensor name map is memoised and equal to gguf's own, and both
+    are gguf's own again afterwards (also after an error)."""
+    import gguf
+
+    path = str(tmp_path / "tiny.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    fresh = real_reader(path)
+    with gguf_module._read_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(path) is first
+        assert sorted(first.fields) == sorted(fresh.fields)
+        np.testing.assert_array_equal(first.tensors[0].data, fresh.tensors[0].data)
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+        assert (gguf.get_tensor_name_map(arch, 2).mapping == real_map(arch, 2).mapping)
+    assert gguf.GGUFReader is real_reader and gguf.get_tensor_name_map is real_map
+    with pytest.raises(RuntimeError), gguf_module._read_once():
+        raise RuntimeError("inside")
+    assert gguf.GGUFReader is real_reader and gguf.get_tensor_name_map is real_map
