@@ -85,7 +85,11 @@ def build_update(cfg, mc, *, device_bytes: int | None, remat_policy: str | None 
 
 
 def compile_update(target: str, model: str, attention: str | None = None,
-                   remat: str | None = None) -> dict:
+                   remat: str | None = None, micro_per_mini: int = 1) -> dict:
+    """The update compiled and described (``hlo`` and the settings it was built with). With
+    ``micro_per_mini`` M > 1 the batch is M x 8 rows and every mini-batch holds M micro-batches
+    of the 8 x 2048 program's 2 rows (gradients accumulated over them before its optimizer
+    step), as a mini-batch of the recipe holds many."""
     import jax
     import numpy as np
     from jax.experimental import topologies
@@ -98,6 +102,10 @@ def compile_update(target: str, model: str, attention: str | None = None,
     tgt = targets[target]
     cfg, mc = model_config(model)
     mc = dataclasses.replace(mc, attention_impl=attention or cfg.model.attention_impl)
+    rows = ROWS * micro_per_mini
+    if micro_per_mini > 1:      # the same micro-batch as the 8-row program, M of them
+        cfg.algo.micro_batch_size = ROWS // cfg.algo.ppo_mini_batches
+        cfg.algo.micro_batch_tokens = 0
     topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(target),
                                         topology="1x1x1")
     mesh = jax.sharding.Mesh(np.asarray(topo.devices[:1]), ("x",))
@@ -108,7 +116,7 @@ def compile_update(target: str, model: str, attention: str | None = None,
         update, state, acfg = build_update(cfg, mc, device_bytes=device_bytes, remat_policy=remat)
         place = lambda tree: jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), tree)
-        batch = place(packed_batch_shapes())
+        batch = place(packed_batch_shapes(rows))
         key = jax.ShapeDtypeStruct((2,), np.uint32, sharding=rep)
         with jax.set_mesh(mesh):
             lowered = update.trace(place(state), batch, key).lower()
@@ -116,7 +124,7 @@ def compile_update(target: str, model: str, attention: str | None = None,
             compiled = lowered.compile()
     t2 = time.perf_counter()
     n_params = int(sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)))
-    mini = ROWS // acfg.ppo_mini_batches
+    mini = rows // acfg.ppo_mini_batches
     micro = min(acfg.micro_batch_size if acfg.micro_batch_tokens <= 0
                 else acfg.micro_batch_tokens // SEQ, mini)
     mem = compiled.memory_analysis()
@@ -124,7 +132,8 @@ def compile_update(target: str, model: str, attention: str | None = None,
                 n_params=n_params, attention_impl=mc.attention_impl,
                 remat_policy=remat or plan_remat_policy(mc, micro * SEQ, n_params, device_bytes),
                 ppo_mini_batches=acfg.ppo_mini_batches, ppo_epochs=acfg.ppo_epochs,
-                micro_rows=micro, recompute_old_logprobs=acfg.recompute_old_logprobs,
+                micro_rows=micro, rows=rows, micro_per_mini=micro_per_mini,
+                recompute_old_logprobs=acfg.recompute_old_logprobs,
                 temp_bytes=int(getattr(mem, "temp_size_in_bytes", 0) or 0),
                 argument_bytes=int(getattr(mem, "argument_size_in_bytes", 0) or 0))
 
@@ -242,7 +251,7 @@ def _walk_kernels(hw, module, custom, kernels: list, current: list):
 
 def update_report(target: str, model: str, *, attention: str | None = None,
                   remat: str | None = None, hlo_out: str | None = None,
-                  timeout: float = 3600.0) -> dict:
+                  timeout: float = 3600.0, micro_per_mini: int = 1) -> dict:
     """Compile (in a subprocess: JAX_PLATFORMS=cpu with the compile extra's plugins) and report."""
     out = tempfile.mktemp(prefix="roofline_update_", suffix=".json")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -254,7 +263,8 @@ def update_report(target: str, model: str, *, attention: str | None = None,
             built = json.load(f)
         return dict(report_from_hlo(target, model, built), wall_s=0.0)
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one",
-                           json.dumps([target, model, attention, remat, out])], env=env,
+                           json.dumps([target, model, attention, remat, out,
+                                       micro_per_mini])], env=env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError("update compile failed:\n" + "\n".join(
@@ -273,6 +283,31 @@ def update_report(target: str, model: str, *, attention: str | None = None,
     return r
 
 
+def steady_state_report(target: str, model: str, *, micro: tuple[int, int] = (2, 3)) -> dict:
+    """The update's cost per 8 x 2048 rows once the optimizer is amortised, as in the recipe
+    (each optimizer step there covers a 16,384-sample mini-batch, hundreds of micro-batches):
+    the programs with M = micro[0] and micro[1] micro-batches in each of the 4 mini-batches are
+    compiled and walked, and their difference (micro[1] - micro[0] more micro-batches of 2 rows
+    in each mini-batch: 8 rows, 16,384 tokens, their gradient passes, pi_old pass and
+    gradient accumulation, no optimizer step) is set against the flops those tokens need.
+    Both programs accumulate (M >= 2), so the difference holds no one-off cost."""
+    a, b = (update_report(target, model, micro_per_mini=m) for m in micro)
+    targets, _, _, model_config = _targets()
+    _, mc = model_config(model)
+    rows = ROWS * (micro[1] - micro[0])
+    needed = flops_needed(mc, a["n_params"], rows=rows)["total"]
+    seconds = b["predicted_step_s"] - a["predicted_step_s"]
+    by_kind = {k: {f: b["by_kind"].get(k, {}).get(f, 0.0) - a["by_kind"].get(k, {}).get(f, 0.0)
+                   for f in ("seconds", "bytes", "flops")}
+               for k in sorted(set(a["by_kind"]) | set(b["by_kind"]))}
+    return dict(rows=rows, seq=SEQ, micro_per_mini=list(micro), predicted_s=seconds,
+                flops_executed=b["flops_executed"] - a["flops_executed"], flops_needed=needed,
+                executed_over_needed=(b["flops_executed"] - a["flops_executed"]) / needed,
+                mfu_ceiling=needed / (seconds * targets[target]["flops"]),
+                bytes=b["bytes"] - a["bytes"], by_kind=by_kind,
+                compile_s=[a["compile_s"], b["compile_s"]], target=target)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="h100", choices=("h100", "h200"))
@@ -282,6 +317,9 @@ def main(argv=None) -> int:
                     help="override the memory plan's remat policy")
     ap.add_argument("--json", default="")
     ap.add_argument("--hlo", default="", help="save the optimized HLO here")
+    ap.add_argument("--steady", action="store_true",
+                    help="also the cost per 8 x 2048 rows with the optimizer amortised "
+                         "(steady_state_report: two more compiles)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     _, _, missing_extra, _ = _targets()
@@ -290,8 +328,8 @@ def main(argv=None) -> int:
         print(why, file=sys.stderr)
         return 2
     if args.one:
-        target, model, attention, remat, out = json.loads(args.one)
-        built = compile_update(target, model, attention, remat)
+        target, model, attention, remat, out, micro_per_mini = json.loads(args.one)
+        built = compile_update(target, model, attention, remat, micro_per_mini)
         with open(out, "w") as f:
             json.dump(built, f)
         return 0
@@ -312,6 +350,16 @@ def main(argv=None) -> int:
                                           for k in r["largest_kernels"][:5]))
     if r["undeclared_custom_calls"]:
         print(f"  undeclared custom calls: {r['undeclared_custom_calls']}")
+    if args.steady:
+        st = steady_state_report(args.target, args.model)
+        r["steady_state"] = st
+        print(f"steady state (optimizer amortised; the difference of {st['micro_per_mini'][0]} "
+              f"and {st['micro_per_mini'][1]} micro-batches per mini-batch): "
+              f"{st['rows']} x {st['seq']} in {st['predicted_s'] * 1e3:.0f} ms, flops executed / "
+              f"needed {st['executed_over_needed']:.2f}, MFU ceiling {st['mfu_ceiling']:.3f}")
+        for k, v in st["by_kind"].items():
+            print(f"  {k:10s} {v['seconds'] * 1e3:8.1f} ms  {v['flops'] / 1e12:8.1f} TFLOP  "
+                  f"{v['bytes'] / 1e9:9.1f} GB")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=1)
