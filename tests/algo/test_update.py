@@ -422,7 +422,7 @@ def test_remat_policy_from_the_memory_plan():
 def test_the_clip_norm_is_grad_norm_itself(monkeypatch):
     """optax's clip_by_global_norm takes its norm over the very arrays grad_norm is computed from
     (no zeroed copy of the gradients in between), so the compiled step computes the global norm
-    once: a second norm over a second gradient tree was 4 % of the update's memory traffic at
+    once: a second norm over a second gradient tree was 2 % of the update's memory traffic at
     8 x 2048 on an H100 (bench/_roofline_update.py). Fails when the gradients are replaced
     (e.g. jnp.where(finite, g, 0)) before the optimizer."""
     calls = []
