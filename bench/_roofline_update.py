@@ -156,6 +156,7 @@ def report_from_hlo(target: str, model: str, built: dict) -> dict:
 
     from pallas_kernels.fused_logprob import fused_logprob_kernel_cost
     from pallas_kernels.packed_attention import KERNEL_NAMES, packed_attention_kernel_cost
+    from pallas_kernels.swiglu_mlp import KERNEL_NAMES as MLP_KERNELS, swiglu_mlp_kernel_cost
 
     targets, _, _, model_config = _targets()
     tgt = targets[target]
@@ -172,6 +173,7 @@ def report_from_hlo(target: str, model: str, built: dict) -> dict:
     custom = {n: declared(packed_attention_kernel_cost, n) for n in KERNEL_NAMES["triton"]}
     custom.update({n: declared(fused_logprob_kernel_cost, n) for n in
                    ("fused_logprob_fwd", "fused_logprob_bwd_hidden", "fused_logprob_bwd_lm_head")})
+    custom.update({n: declared(swiglu_mlp_kernel_cost, n) for n in MLP_KERNELS})
     module = hw.parse(built["hlo"])
     walker_comp: list = [None]
     cost = _walk_kernels(hw, module, custom, kernels, walker_comp)
@@ -243,6 +245,7 @@ def _walk_kernels(hw, module, custom, kernels: list, current: list):
         text = ins.op_name + " " + ins.attrs
         kind = ("attention" if ins.opcode == "custom-call" and "mha_" in text
                 else "logprob" if ins.opcode == "custom-call" and "fused_logprob" in text
+                else "mlp" if ins.opcode == "custom-call" and "swiglu_" in text
                 else "custom" if ins.opcode == "custom-call"
                 else "gemm" if f else "memory")
         kernels.append((b * mult.get(comp, 1.0), f * mult.get(comp, 1.0), kind))

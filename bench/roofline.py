@@ -206,6 +206,7 @@ def decode_report(target: str, model: str, case: str, built: dict) -> dict:
 
     from pallas_kernels.decode_attention import slot_decode_attention_traffic
     from pallas_kernels.sampling import sample_tokens_traffic
+    from pallas_kernels.swiglu_mlp import KERNEL_NAMES as MLP_KERNELS, swiglu_mlp_kernel_cost
 
     cfg, mc = model_config(model)
     c = dict(CASES[case], slots=built["slots"], prompts=built["prompts"])
@@ -224,6 +225,8 @@ def decode_report(target: str, model: str, case: str, built: dict) -> dict:
             ops(ins), vocab=mc.vocab_size, temperature=cfg.rollout.temperature,
             top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p),
     }
+    custom.update({n: (lambda n: lambda ins: swiglu_mlp_kernel_cost(n, ops(ins), ins.shapes))(n)
+                   for n in MLP_KERNELS})
     module = hw.parse(built["hlo"])
     entry = hw.walk(module, custom)
     decode_loops = [lp for lp in entry.loops if lp.trip_count is None and lp.depth == 0]

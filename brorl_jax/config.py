@@ -31,6 +31,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"   # parameter dtype: float32 | bfloat16
     c.model.remat = True              # rematerialise each layer in the update's backward pass
     c.model.attention_impl = "flash"  # flash (Pallas kernel on GPU/TPU, jnp reference on CPU) | reference | xla | cudnn
+    c.model.mlp_impl = "auto"         # auto (fused SwiGLU Triton kernels on GPU, XLA on CPU/TPU) | reference | pallas
 
     # --- data ------------------------------------------------------------------------------
     c.data = ml_collections.ConfigDict()
@@ -217,7 +218,7 @@ def choices() -> dict[str, tuple[str, ...]]:
     implement them (adding an estimator, filter or verifier there adds it here)."""
     from brorl_jax import algo
     from brorl_jax.algo import policies
-    from brorl_jax.models.config import ATTENTION_IMPLS
+    from brorl_jax.models.config import ATTENTION_IMPLS, MLP_IMPLS
     from brorl_jax.parallel.rules import PARAM_RULES
     from pallas_kernels.fused_logprob import IMPLS as LOGPROB_IMPLS
     from pallas_kernels.sampling import IMPLS as ROLLOUT_IMPLS
@@ -225,6 +226,7 @@ def choices() -> dict[str, tuple[str, ...]]:
         "model.dtype": ("float32", "bfloat16"),
         "model.param_dtype": ("float32", "bfloat16"),
         "model.attention_impl": ATTENTION_IMPLS,
+        "model.mlp_impl": MLP_IMPLS,
         "rollout.impl": ROLLOUT_IMPLS,
         "rollout.select_rule": policies.SELECT_RULES,
         "algo.advantage": tuple(algo.ADVANTAGES),

@@ -161,15 +161,21 @@ def pi_old_in_gradient_pass(cfg: AlgoConfig, diagnostics_n: int | None = None) -
 def remat_saved_bytes(model_cfg, tokens: int, policy: str) -> int:
     """Activation bytes a micro-batch of `tokens` keeps for the backward pass under a remat
     policy (models.transformer.REMAT_POLICIES), in the compute dtype: every layer's input, plus
-    under "dots" every projection's output (q, k, v, o, gate, up, down)."""
+    under "dots" every projection's output (q, k, v, o, gate, up, down), and SwiGLU's product
+    where the fused MLP kernels run (pallas_kernels.swiglu_mlp: saved by name, for the platform
+    traced for)."""
     from brorl_jax.models.transformer import dtype_of
+    from pallas_kernels import swiglu_mlp
     c = model_cfg
-    item = jnp.dtype(dtype_of(c.dtype)).itemsize
+    dtype = jnp.dtype(dtype_of(c.dtype))
     per_token = c.hidden_size
     if policy == "dots":
         per_token += (c.num_attention_heads * c.head_dim + 2 * c.num_key_value_heads * c.head_dim
                       + 2 * c.hidden_size + 2 * c.intermediate_size)
-    return int(tokens) * c.num_hidden_layers * per_token * item
+        if swiglu_mlp.resolve_impl(c.mlp_impl, (int(tokens), c.hidden_size),
+                                   (c.hidden_size, c.intermediate_size), dtype) == "pallas":
+            per_token += c.intermediate_size
+    return int(tokens) * c.num_hidden_layers * per_token * dtype.itemsize
 
 
 # Parameter-sized float32 buffers the update holds besides activations: params, Adam's two

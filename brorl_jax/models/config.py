@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from pallas_kernels.swiglu_mlp import IMPLS as MLP_IMPLS
+
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 ATTENTION_IMPLS = ("reference", "xla", "cudnn", "flash")
@@ -68,6 +70,11 @@ class ModelConfig:
     # causal flash attention over segments, the kernel on GPU/TPU, its jnp reference on CPU).
     # Not part of the checkpoint: set it with dataclasses.replace.
     attention_impl: str = "reference"
+    # The SwiGLU MLP in forward(): "auto" (pallas_kernels.swiglu_mlp: Triton kernels with the
+    # elementwise work inside the GEMMs on GPU; the plain XLA expression on CPU and TPU),
+    # "pallas" (the kernels; interpreted on CPU), "reference" (always the XLA expression).
+    # Not part of the checkpoint, like attention_impl.
+    mlp_impl: str = "auto"
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -78,6 +85,8 @@ class ModelConfig:
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"ModelConfig.attention_impl={self.attention_impl!r}; use one of "
                              f"{ATTENTION_IMPLS}")
+        if self.mlp_impl not in MLP_IMPLS:
+            raise ValueError(f"ModelConfig.mlp_impl={self.mlp_impl!r}; use one of {MLP_IMPLS}")
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in SUPPORTED_DTYPES:
                 raise ValueError(

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from brorl_jax.parallel.attention import packed_attention_on_mesh
-from pallas_kernels import _backend
+from pallas_kernels import _backend, swiglu_mlp
 
 from .config import ModelConfig
 
@@ -187,8 +187,20 @@ class DecoderLayer(nn.Module):
         b, t, d = x.shape
         x = x.reshape(b * t, d) + self.o_proj(attn.reshape(b * t, -1))
         hidden = self.post_attn_norm(x)
-        x = x + self.down_proj(nn.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
-        return x.reshape(b, t, d)
+        return (x + self.mlp(hidden)).reshape(b, t, d)
+
+    def mlp(self, hidden: jax.Array) -> jax.Array:
+        """SwiGLU: down(silu(gate(h)) * up(h)). Where cfg.mlp_impl resolves to the kernels
+        (GPU), pallas_kernels.swiglu_mlp computes the product inside the GEMMs over the same
+        parameters; elsewhere (and while the parameters are created) the Dense layers do."""
+        cfg = self.cfg
+        if not self.is_initializing() and swiglu_mlp.resolve_impl(
+                cfg.mlp_impl, hidden.shape, (cfg.hidden_size, cfg.intermediate_size),
+                hidden.dtype) == "pallas":
+            p = self.variables["params"]
+            return swiglu_mlp.swiglu_mlp(hidden, p["gate_proj"]["kernel"], p["up_proj"]["kernel"],
+                                         p["down_proj"]["kernel"], impl="pallas")
+        return self.down_proj(nn.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
 
     def __call__(self, x: jax.Array, positions: jax.Array, allowed: jax.Array) -> jax.Array:
         q, k, v = self.qkv(x, positions)
@@ -292,6 +304,8 @@ def dot_product_attention_args(impl: str, mask: jax.Array,
 #   "full": only the layer's input; everything inside is recomputed (one extra forward).
 #   "dots": also the outputs of the projections (matmuls without batch dimensions: q/k/v/o,
 #           gate/up/down); the backward recomputes the norms, RoPE, SwiGLU and attention only.
+#           With the fused SwiGLU kernels (cfg.mlp_impl) gate, up and their product are saved
+#           by name (swiglu_mlp.SAVED_NAMES): the kernel is not rerun.
 # algo.update.plan_remat_policy picks one from the memory plan; True means "full".
 REMAT_POLICIES = ("full", "dots")
 
@@ -305,7 +319,10 @@ def remat_layer(layer, remat: bool | str):
         raise ValueError(f"remat policy {policy!r}; use one of {REMAT_POLICIES} (or True/False)")
     if policy == "full":
         return jax.checkpoint(layer)
-    return jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    policy = jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(*swiglu_mlp.SAVED_NAMES))
+    return jax.checkpoint(layer, policy=policy)
 
 
 def default_positions(mask: jax.Array) -> jax.Array:

@@ -58,14 +58,21 @@ def read_model_config(cfg) -> models.ModelConfig | None:
     load_model will refuse."""
     mcfg = models.read_config(cfg.model.path or models.ensure_demo_model(),
                               dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
-    if mcfg is None or mcfg.attention_impl == cfg.model.attention_impl:
-        return mcfg
-    return dataclasses.replace(mcfg, attention_impl=cfg.model.attention_impl)
+    return None if mcfg is None else with_config_impls(mcfg, cfg)
+
+
+def with_config_impls(mcfg: models.ModelConfig, cfg) -> models.ModelConfig:
+    """``mcfg`` with the config's model implementations (model.attention_impl, model.mlp_impl):
+    implementations of the same model, not part of the checkpoint."""
+    want = dict(attention_impl=cfg.model.get("attention_impl", mcfg.attention_impl),
+                mlp_impl=cfg.model.get("mlp_impl", mcfg.mlp_impl))
+    changes = {f: v for f, v in want.items() if getattr(mcfg, f) != v}
+    return dataclasses.replace(mcfg, **changes) if changes else mcfg
 
 
 def load_model(cfg) -> models.Model:
     """The config's model (the embedded demo model when model.path is empty), with the config's
-    attention implementation. A path that does not hold a model raises ModelError."""
+    attention and MLP implementations. A path that does not hold a model raises ModelError."""
     path = cfg.model.path or models.ensure_demo_model()
     check_model_path(cfg.model.path)
     try:
@@ -74,9 +81,9 @@ def load_model(cfg) -> models.Model:
     except (OSError, ValueError) as e:
         raise ModelError(f"config key 'model.path' = {path!r} does not hold a usable model: "
                          f"{e}") from e
-    if cfg.model.attention_impl == model.config.attention_impl:
+    mcfg = with_config_impls(model.config, cfg)
+    if mcfg is model.config:
         return model
-    mcfg = dataclasses.replace(model.config, attention_impl=cfg.model.attention_impl)
     return models.Model(mcfg, model.params, model.tokenizer, model.generation_eos_ids)
 
 

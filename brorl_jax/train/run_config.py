@@ -60,6 +60,7 @@ CHANGE_POLICY: dict[str, tuple[bool, str]] = {
     "name": (ALLOWED, "a label"),
     "model.remat": (ALLOWED, "recomputation in the backward pass: same gradients"),
     "model.attention_impl": (ALLOWED, "an implementation of the same attention"),
+    "model.mlp_impl": (ALLOWED, "an implementation of the same MLP"),
     "rollout.impl": (ALLOWED, "an implementation of the same sampler"),
     "rollout.memory_budget_gb": (ALLOWED, "decode slots and KV pages for the same samples"),
     "algo.micro_batch_size": (ALLOWED, "gradient accumulation granularity: same update"),

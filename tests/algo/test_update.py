@@ -414,6 +414,14 @@ def test_remat_policy_from_the_memory_plan():
     # 4096 tokens: the projections' outputs (5.3 GB) fit an 80 GB H100 beside the state
     assert remat_saved_bytes(qwen, 4096, "dots") == 4096 * 28 * (1536 * 3 + 1536 + 512 + 2 * 8960) * 2
     assert plan_remat_policy(qwen, 4096, n, 80 * 2**30) == "dots"
+    # traced for a GPU, the fused SwiGLU kernels also keep their product (swiglu_act)
+    import pallas_kernels as pk
+    with pk.compile_target("cuda"):
+        assert remat_saved_bytes(qwen, 4096, "dots") == 4096 * 28 * (
+            1536 * 3 + 1536 + 512 + 3 * 8960) * 2
+        assert remat_saved_bytes(qwen.replace(mlp_impl="reference"), 4096, "dots") == (
+            4096 * 28 * (1536 * 3 + 1536 + 512 + 2 * 8960) * 2)
+        assert plan_remat_policy(qwen, 4096, n, 80 * 2**30) == "dots"
     # 64 rows of 16k tokens do not: full remat
     assert plan_remat_policy(qwen, 64 * 16384, n, 80 * 2**30) == "full"
     assert plan_remat_policy(qwen, 4096, n, None) == "full"          # unknown memory (CPU)

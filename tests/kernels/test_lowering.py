@@ -18,6 +18,7 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import targets as tg
+from pallas_kernels.swiglu_mlp import KERNEL_NAMES
 
 CUSTOM_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 PLATFORMS = tuple(CUSTOM_CALL)
@@ -195,14 +196,24 @@ def test_update_and_logprob_steps_lower(platform, model):
     update = algo.make_update_step(cfg, acfg, opt)
     logprobs = algo.make_logprob_fn(cfg, acfg)
     call = CUSTOM_CALL[platform]
+    mlp = lambda text: {n: text.count(f'name = "{n}"') for n in KERNEL_NAMES}
     text = lowered_text(platform, update, state, batch)
-    # the micro-batch's forward and backward kernels (d hidden; on TPU also d lm_head, on GPU an
+    # the log-prob's forward and backward kernels (d hidden; on TPU also d lm_head, on GPU an
     # XLA GEMM), plus the pi_old forward unless it is folded into the gradient pass
     per_pass = 3 if platform == "tpu" else 2
     pi_old = 0 if pi_old_in_gradient_pass(acfg) else 1
-    assert text.count(call) == per_pass + pi_old, text.count(call)
+    # on GPU each layer's MLP is the fused SwiGLU kernels: a gate/up kernel per layer in each
+    # forward (pi_old, the gradient pass, and the "full" policy's rerun in the backward: no
+    # device memory is known here, so the plan takes "full"), one backward kernel per layer
+    fwd_passes = 1 + pi_old + 1
+    want = ({"swiglu_gate_up": 2 * fwd_passes, "swiglu_bwd": 2} if platform == "cuda"
+            else {n: 0 for n in KERNEL_NAMES})
+    assert mlp(text) == want
+    assert text.count(call) - sum(mlp(text).values()) == per_pass + pi_old, text.count(call)
     text = lowered_text(platform, logprobs, params, batch)
-    assert text.count(call) == 1
+    assert mlp(text) == ({"swiglu_gate_up": 2, "swiglu_bwd": 0} if platform == "cuda"
+                         else {n: 0 for n in KERNEL_NAMES})
+    assert text.count(call) - sum(mlp(text).values()) == 1
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
