@@ -312,11 +312,12 @@ def steady_state_report(target: str, model: str, *, micro: tuple[int, int] = (2,
 
 
 def main(argv=None) -> int:
+    from brorl_jax.models.transformer import REMAT_POLICIES
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="h100", choices=("h100", "h200"))
     ap.add_argument("--model", default="qwen2.5-1.5b")
     ap.add_argument("--attention", default=None, help="override model.attention_impl")
-    ap.add_argument("--remat", default=None, choices=("full", "dots"),
+    ap.add_argument("--remat", default=None, choices=REMAT_POLICIES,
                     help="override the memory plan's remat policy")
     ap.add_argument("--json", default="")
     ap.add_argument("--hlo", default="", help="save the optimized HLO here")

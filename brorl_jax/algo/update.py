@@ -160,22 +160,45 @@ def pi_old_in_gradient_pass(cfg: AlgoConfig, diagnostics_n: int | None = None) -
 
 def remat_saved_bytes(model_cfg, tokens: int, policy: str) -> int:
     """Activation bytes a micro-batch of `tokens` keeps for the backward pass under a remat
-    policy (models.transformer.REMAT_POLICIES), in the compute dtype: every layer's input, plus
-    under "dots" every projection's output (q, k, v, o, gate, up, down), and SwiGLU's product
-    where the fused MLP kernels run (pallas_kernels.swiglu_mlp: saved by name, for the platform
-    traced for)."""
+    policy (models.transformer.REMAT_POLICIES), in the compute dtype unless stated:
+
+    * "full": every layer's input;
+    * "dots": also every projection's output (q, k, v, o, gate, up, down), and SwiGLU's product
+      where the fused MLP kernels run (pallas_kernels.swiglu_mlp: saved by name);
+    * "none" (flash attention only: another attention keeps [T, T] probabilities): what
+      autodiff keeps of an un-rematerialised layer, as the traced program lists it (tested
+      against jax's saved residuals, an upper bound of what XLA keeps): both norms' float32
+      input, normalised and scaled outputs and two float32 scalars; q after RoPE and its
+      float32 cos/sin; K and V repeated to the query heads, the attention output (twice: the
+      kernel's and o_proj's view) and its float32 log-sum-exp; gate, up and their product
+      (fused kernels) or gate, up, silu's three residuals and the product (XLA).
+
+    Whether the fused MLP kernels run is decided for the platform traced for."""
     from brorl_jax.models.transformer import dtype_of
     from pallas_kernels import swiglu_mlp
     c = model_cfg
     dtype = jnp.dtype(dtype_of(c.dtype))
-    per_token = c.hidden_size
-    if policy == "dots":
-        per_token += (c.num_attention_heads * c.head_dim + 2 * c.num_key_value_heads * c.head_dim
-                      + 2 * c.hidden_size + 2 * c.intermediate_size)
-        if swiglu_mlp.resolve_impl(c.mlp_impl, (int(tokens), c.hidden_size),
-                                   (c.hidden_size, c.intermediate_size), dtype) == "pallas":
-            per_token += c.intermediate_size
-    return int(tokens) * c.num_hidden_layers * per_token * dtype.itemsize
+    item = dtype.itemsize
+    fused = swiglu_mlp.resolve_impl(c.mlp_impl, (int(tokens), c.hidden_size),
+                                    (c.hidden_size, c.intermediate_size), dtype) == "pallas"
+    d, i, h, dh = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.head_dim
+    if policy == "full":
+        per_token = d
+    elif policy == "dots":
+        per_token = d + (h * dh + 2 * c.num_key_value_heads * dh + 2 * d + 2 * i)
+        if fused:
+            per_token += i
+    elif policy == "none":
+        if c.attention_impl != "flash":
+            raise ValueError(f"remat_saved_bytes: policy 'none' is planned for attention_impl="
+                             f"'flash' only, not {c.attention_impl!r} (its [T, T] "
+                             "probabilities are not counted)")
+        per_token_bytes = ((8 + 4 * item) * d + 16 + 5 * item * h * dh + 8 * dh + 4 * h
+                           + (3 if fused else 6) * item * i)
+        return int(tokens) * c.num_hidden_layers * per_token_bytes
+    else:
+        raise ValueError(f"remat policy {policy!r}; one of ('full', 'dots', 'none')")
+    return int(tokens) * c.num_hidden_layers * per_token * item
 
 
 # Parameter-sized float32 buffers the update holds besides activations: params, Adam's two
@@ -194,14 +217,19 @@ def train_state_bytes(model_cfg, n_params: int) -> int:
 
 
 def plan_remat_policy(model_cfg, tokens: int, n_params: int, device_bytes: int | None) -> str:
-    """The remat policy the memory plan picks for a micro-batch of `tokens`: "dots" (no
-    recomputed matmuls: the backward reruns only norms, RoPE, SwiGLU and attention) when its
-    saved activations fit beside the training state with _REMAT_HEADROOM of the device left,
+    """The remat policy the memory plan picks for a micro-batch of `tokens`, the first whose
+    saved activations fit beside the training state with _REMAT_HEADROOM of the device left:
+    "none" (nothing recomputed; with flash attention only), "dots" (no recomputed matmuls: the
+    backward reruns only norms, RoPE, attention and, without the fused MLP kernels, SwiGLU),
     else "full" (one extra forward per micro-batch). Unknown device memory (CPU): "full"."""
     if device_bytes is None or model_cfg is None:
         return "full"
     room = device_bytes * (1 - _REMAT_HEADROOM) - train_state_bytes(model_cfg, n_params)
-    return "dots" if remat_saved_bytes(model_cfg, tokens, "dots") <= room else "full"
+    candidates = ("none", "dots") if model_cfg.attention_impl == "flash" else ("dots",)
+    for policy in candidates:
+        if remat_saved_bytes(model_cfg, tokens, policy) <= room:
+            return policy
+    return "full"
 
 
 def device_memory_bytes() -> int | None:

@@ -306,8 +306,9 @@ def dot_product_attention_args(impl: str, mask: jax.Array,
 #           gate/up/down); the backward recomputes the norms, RoPE, SwiGLU and attention only.
 #           With the fused SwiGLU kernels (cfg.mlp_impl) gate, up and their product are saved
 #           by name (swiglu_mlp.SAVED_NAMES): the kernel is not rerun.
+#   "none": not rematerialised (everything the backward reads is kept; same as remat=False).
 # algo.update.plan_remat_policy picks one from the memory plan; True means "full".
-REMAT_POLICIES = ("full", "dots")
+REMAT_POLICIES = ("full", "dots", "none")
 
 
 def remat_layer(layer, remat: bool | str):
@@ -317,6 +318,8 @@ def remat_layer(layer, remat: bool | str):
     policy = "full" if remat is True else remat
     if policy not in REMAT_POLICIES:
         raise ValueError(f"remat policy {policy!r}; use one of {REMAT_POLICIES} (or True/False)")
+    if policy == "none":
+        return layer
     if policy == "full":
         return jax.checkpoint(layer)
     policy = jax.checkpoint_policies.save_from_both_policies(

@@ -414,6 +414,11 @@ def test_remat_policy_from_the_memory_plan():
     # 4096 tokens: the projections' outputs (5.3 GB) fit an 80 GB H100 beside the state
     assert remat_saved_bytes(qwen, 4096, "dots") == 4096 * 28 * (1536 * 3 + 1536 + 512 + 2 * 8960) * 2
     assert plan_remat_policy(qwen, 4096, n, 80 * 2**30) == "dots"
+    # with flash attention everything a layer keeps fits too (17 GB with the XLA MLP): no remat
+    flash = qwen.replace(attention_impl="flash")
+    assert 17e9 < remat_saved_bytes(flash, 4096, "none") < 17.1e9
+    assert plan_remat_policy(flash, 4096, n, 80 * 2**30) == "none"
+    assert plan_remat_policy(flash, 4 * 4096, n, 80 * 2**30) == "dots"
     # traced for a GPU, the fused SwiGLU kernels also keep their product (swiglu_act)
     import pallas_kernels as pk
     with pk.compile_target("cuda"):
@@ -425,6 +430,45 @@ def test_remat_policy_from_the_memory_plan():
     # 64 rows of 16k tokens do not: full remat
     assert plan_remat_policy(qwen, 64 * 16384, n, 80 * 2**30) == "full"
     assert plan_remat_policy(qwen, 4096, n, None) == "full"          # unknown memory (CPU)
+
+
+@pytest.mark.parametrize("mlp_impl", ["auto", "reference"])
+def test_no_remat_estimate_is_what_autodiff_keeps_on_the_gpu_path(mlp_impl):
+    """remat_saved_bytes(..., "none") per token and layer equals the activations jax's saved
+    residuals list for an un-rematerialised forward traced for cuda (flash attention; the fused
+    MLP kernels or the XLA MLP): the slope over layers and tokens, so per-layer constants
+    (weights, norm scales) drop out."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    import pallas_kernels as pk
+    from brorl_jax.algo.update import remat_saved_bytes
+    from brorl_jax.models import ModelConfig, forward, init_params
+
+    def cfg_for(layers):
+        return ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=64,
+                           intermediate_size=128, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           rope_theta=1e4, rope_scaling=None, rms_norm_eps=1e-6,
+                           attention_bias=True, qk_norm=False, tie_word_embeddings=False,
+                           max_position_embeddings=128, bos_token_id=None, eos_token_ids=(0,),
+                           dtype="bfloat16", param_dtype="bfloat16", attention_impl="flash",
+                           mlp_impl=mlp_impl)
+
+    def kept(layers, seq):
+        cfg = cfg_for(layers)
+        params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
+        tokens, seg = jnp.zeros((2, seq), jnp.int32), jnp.ones((2, seq), jnp.int32)
+        loss = lambda p: forward(p, cfg, tokens, segment_ids=seg, return_hidden=True,
+                                 remat="none").astype(jnp.float32).sum()
+        with pk.compile_target("cuda"):
+            res = saved_residuals(loss, params)
+        return sum(a.size * a.dtype.itemsize for a, why in res if "argument" not in why)
+
+    slope = (kept(2, 64) - kept(1, 64)) - (kept(2, 32) - kept(1, 32))    # 1 layer, 64 tokens
+    with pk.compile_target("cuda"):
+        assert remat_saved_bytes(cfg_for(1), 64, "none") == slope
+    with pytest.raises(ValueError, match="flash"):
+        remat_saved_bytes(cfg_for(1).replace(attention_impl="reference"), 64, "none")
 
 
 def test_the_clip_norm_is_grad_norm_itself(monkeypatch):
