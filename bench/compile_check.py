@@ -42,8 +42,10 @@ TARGETS = {
 }
 KERNELS = ("sample_tokens", "sample_tokens_greedy", "sample_tokens_top_k_top_p",
            "sample_tokens_triton", "fused_logprob_fwd", "fused_logprob_fwd_bwd",
-           "decode_attention", "decode_attention_slots", "rollout_decode")
-GPU_ONLY = ("sample_tokens_triton",)   # the jax_triton kernel
+           "decode_attention", "decode_attention_slots", "rollout_decode", "swiglu_mlp_fwd_bwd")
+JAX_TRITON = ("sample_tokens_triton",)   # the jax_triton kernel
+# GPU kernels only: jax_triton's; the fused SwiGLU MLP (TPU runs XLA's own MLP fusions)
+GPU_ONLY = JAX_TRITON + ("swiglu_mlp_fwd_bwd",)
 # The H100 GpuTargetConfig (text proto) XLA compiles against (the values of a real H100 80GB HBM3's device description).
 H100_TARGET_CONFIG = """
 gpu_device_info {
@@ -62,7 +64,7 @@ device_description_str: "NVIDIA H100 80GB HBM3"
 TPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-4",
            "TPU_WORKER_HOSTNAMES": "localhost"}
 # Pallas kernel names (pallas_call name=...) whose resources are reported.
-_KERNEL_NAMES = ("sample_tokens", "fused_logprob", "slot_decode_attention")
+_KERNEL_NAMES = ("sample_tokens", "fused_logprob", "slot_decode_attention", "swiglu_")
 
 
 def _short(msg: str, limit: int = 220) -> str:
@@ -110,6 +112,14 @@ def _build(kernel: str, model: str, dtype: str, sharding):
                     return jnp.sum(lp) + 0.01 * jnp.sum(ent)
                 return jax.grad(loss, argnums=(0, 1))(h, w)
         shape = f"h[{t},{m.hidden}] W[{m.hidden},{m.vocab}]"
+    elif kernel == "swiglu_mlp_fwd_bwd":
+        from pallas_kernels.swiglu_mlp import swiglu_mlp
+        t = tg.LOGPROB_TOKENS
+        args = (sds((t, m.hidden)), sds((m.hidden, m.intermediate)),
+                sds((m.hidden, m.intermediate)), sds((m.intermediate, m.hidden)))
+        fn = lambda *a: jax.grad(lambda *z: jnp.sum(swiglu_mlp(*z, impl="pallas").astype(
+            jnp.float32)), argnums=(0, 1, 2, 3))(*a)
+        shape = f"x[{t},{m.hidden}] W[{m.hidden},{m.intermediate}]"
     elif kernel == "decode_attention":
         c = tg.DECODE_ATTENTION
         b, n, p, s = c["batch"], c["samples"], c["prefix"], c["suffix"]
@@ -220,7 +230,7 @@ def run_one(target: str, kernel: str, model: str, dtype: str) -> dict:
         mesh = jax.sharding.Mesh(topo.devices[:1], ("x",))
         with pk.compile_target(platform):      # shapes that follow the target (page size)
             fn, args, out["shape"] = _build(kernel, model, dtype, NamedSharding(mesh, P()))
-        if kernel in GPU_ONLY:   # jax_triton writes PTX and compile_info (shared memory) here
+        if kernel in JAX_TRITON:   # jax_triton writes PTX and compile_info (shared memory) here
             from jax_triton import triton_lib
             triton_lib._JAX_TRITON_DUMP_DIR = dump_dir
         t0 = time.perf_counter()
@@ -230,7 +240,7 @@ def run_one(target: str, kernel: str, model: str, dtype: str) -> dict:
             out["lower_s"] = round(time.perf_counter() - t0, 2)
             text = lowered.as_text()
             call = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}[platform]
-            if kernel in GPU_ONLY:   # jax_triton compiles to cubin while lowering
+            if kernel in JAX_TRITON:   # jax_triton compiles to cubin while lowering
                 call = "triton_kernel_call"
             if call not in text:
                 raise RuntimeError(f"lowered module holds no {call}: the kernel did not lower")
@@ -238,7 +248,7 @@ def run_one(target: str, kernel: str, model: str, dtype: str) -> dict:
             compiled = lowered.compile()
             out["compile_s"] = round(time.perf_counter() - t1, 2)
         out["status"] = "compiled"
-        if kernel in GPU_ONLY:
+        if kernel in JAX_TRITON:
             out["memory"] = _jax_triton_smem(dump_dir)
         else:
             out["memory"] = (_gpu_smem(dump_dir) if platform == "cuda"

@@ -87,27 +87,80 @@ def logprob_rows(tokens: int, hidden: int, vocab: int, dtype: str, repeat: int,
     base = "naive" if naive else "chunked"
     (_, (lp_b, ent_b)), (dh_b, dw_b) = make(base)(h, w)
     t_base = timed(make(base), h, w, repeat=repeat)
-    rel = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) /
-                             jnp.maximum(jnp.max(jnp.abs(b.astype(jnp.float32))), 1e-6))
     for impl in ([base] if base == "chunked" else ["naive", "chunked"]) + ["pallas"]:
         row = dict(kernel="fused_logprob fwd+bwd", variant=f"T={tokens}", impl=impl,
                    shape=f"D={hidden} V={vocab} {dtype}")
-        try:
-            fn = make(impl)
+        fn = make(impl)
+
+        def check(fn=fn):
             (_, (lp, ent)), (dh, dw) = fn(h, w)
             dl = float(jnp.max(jnp.abs(lp - lp_b)))
             de = float(jnp.max(jnp.abs(ent - ent_b)))
-            gh, gw = rel(dh, dh_b), rel(dw, dw_b)
-            row["numerics"] = (f"vs {base}: |dlogp| {dl:.1e}, |dH| {de:.1e}, "
-                               f"rel dgrad_h {gh:.1e}, rel dgrad_W {gw:.1e}")
+            gh, gw = _rel(dh, dh_b), _rel(dw, dw_b)
             tol = 5e-2 if dtype == "bfloat16" else 2e-3
-            row["ok"] = dl < tol * 10 and de < tol * 10 and gh < tol and gw < tol
-            t = t_base if impl == base else timed(fn, h, w, repeat=repeat)
-            row["ms"] = t * 1e3
-            row["vs_xla"] = t_base / t
-        except Exception as e:  # noqa: BLE001
-            row.update(numerics=f"FAILED: {type(e).__name__}: {str(e)[:160]}", ok=False)
-        out.append(row)
+            return (f"vs {base}: |dlogp| {dl:.1e}, |dH| {de:.1e}, rel dgrad_h {gh:.1e}, "
+                    f"rel dgrad_W {gw:.1e}",
+                    dl < tol * 10 and de < tol * 10 and gh < tol and gw < tol)
+
+        out.append(_measured(row, check, lambda fn=fn: timed(fn, h, w, repeat=repeat), t_base,
+                             impl == base))
+    return out
+
+
+def _rel(a, b) -> float:
+    """max |a - b| / max |b| in float32."""
+    return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) /
+                 jnp.maximum(jnp.max(jnp.abs(b.astype(jnp.float32))), 1e-6))
+
+
+def _measured(row: dict, check, time_it, base_s: float, is_base: bool) -> dict:
+    """`row` with check()'s (numerics, ok) and the impl's time beside the XLA path's (the base's
+    own time when it is the base); a failure is the row's result."""
+    try:
+        row["numerics"], row["ok"] = check()
+        t = base_s if is_base else time_it()
+        row["ms"] = t * 1e3
+        row["vs_xla"] = base_s / t
+    except Exception as e:  # noqa: BLE001
+        row.update(numerics=f"FAILED: {type(e).__name__}: {str(e)[:160]}", ok=False)
+    return row
+
+
+def swiglu_rows(tokens: int, hidden: int, inter: int, dtype: str, repeat: int) -> list[dict]:
+    """The fused SwiGLU MLP (pallas_kernels.swiglu_mlp) forward + backward against the XLA
+    expression: values and the four gradients, and the time of the whole MLP (its GEMMs
+    included), as the update runs it."""
+    from pallas_kernels.swiglu_mlp import swiglu_mlp
+    ks = jax.random.split(jax.random.PRNGKey(3), 5)
+    x = jax.random.normal(ks[0], (tokens, hidden), jnp.float32).astype(dtype)
+    wg, wu = ((jax.random.normal(k, (hidden, inter), jnp.float32) * hidden ** -0.5).astype(dtype)
+              for k in ks[1:3])
+    wd = (jax.random.normal(ks[3], (inter, hidden), jnp.float32) * inter ** -0.5).astype(dtype)
+    ct = jax.random.normal(ks[4], (tokens, hidden), jnp.float32).astype(dtype)
+
+    def make(impl):
+        def loss(*a):
+            y = swiglu_mlp(*a, impl=impl)
+            return jnp.sum(y.astype(jnp.float32) * ct), y
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+
+    (_, y_b), g_b = make("reference")(x, wg, wu, wd)
+    t_base = timed(make("reference"), x, wg, wu, wd, repeat=repeat)
+    out = []
+    for impl in ("reference", "pallas"):
+        row = dict(kernel="swiglu_mlp fwd+bwd", variant=f"T={tokens}", impl=impl,
+                   shape=f"D={hidden} I={inter} {dtype}")
+        fn = make(impl)
+
+        def check(fn=fn):
+            (_, y), g = fn(x, wg, wu, wd)
+            errs = [_rel(y, y_b)] + [_rel(a, b) for a, b in zip(g, g_b)]
+            return ("vs reference: rel dy {:.1e}, rel dgrads x/Wg/Wu/Wd "
+                    "{:.1e}/{:.1e}/{:.1e}/{:.1e}".format(*errs),
+                    max(errs) < (5e-2 if dtype == "bfloat16" else 2e-3))
+
+        out.append(_measured(row, check, lambda fn=fn: timed(fn, x, wg, wu, wd, repeat=repeat),
+                             t_base, impl == "reference"))
     return out
 
 
@@ -121,15 +174,19 @@ def main(argv=None) -> int:
     if args.small:
         rows = sampling_rows(8, 1000, args.repeat)
         rows += logprob_rows(64, 64, 1000, "float32", args.repeat, naive=True)
+        rows += swiglu_rows(64, 64, 128, "float32", args.repeat)
     else:
         rows = sampling_rows(tg.SAMPLING_ROWS, m15.vocab, args.repeat)
         rows += logprob_rows(tg.LOGPROB_TOKENS, m15.hidden, m15.vocab, "bfloat16", args.repeat,
                              naive=True)
         rows += logprob_rows(2048, m8.hidden, m8.vocab, "bfloat16", args.repeat, naive=False)
+        # one micro-batch of the update at 8 x 2048 (2 rows x 2048 tokens)
+        rows += swiglu_rows(4096, m15.hidden, m15.intermediate, "bfloat16", args.repeat)
     dev = jax.devices()[0]
     lines = [f"# bench/kernel_check.py on {dev.device_kind} (jax {jax.__version__})", "",
              "ms: median of the jitted call; vs XLA: the XLA path's time / this impl's time "
-             "(sampling: the jnp reference; log-prob: naive full logits, or chunked).", "",
+             "(sampling: the jnp reference; log-prob: naive full logits, or chunked; SwiGLU: "
+             "the XLA expression).", "",
              "| kernel | variant | impl | shape | numerics | ok | ms | vs XLA |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:

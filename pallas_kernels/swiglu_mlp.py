@@ -12,12 +12,13 @@ kernels do it (GPU; "triton" family):
   rounded values, so forward and backward see the same g and u).
 * ``swiglu_bwd``: one program per (token block, intermediate block) accumulates d act = dy Wd^T
   over the hidden dimension (float32, never written) and writes d gate and d up from it and the
-  saved g and u.
+  saved g and u, and act again (from g and u: the forward keeps g and u only, the activations
+  XLA's own MLP keeps too).
 
 The down projection and the backward's weight and input gradients are plain XLA GEMMs
-(act Wd, act^T dy, x^T dg, x^T du, dg Wg^T + du Wu^T). Under ``jax.checkpoint`` the saved g, u
-and act carry the names in SAVED_NAMES so a remat policy can keep them (models.transformer's
-"dots" does: the backward then reruns no GEMM).
+(act Wd, act^T dy, x^T dg, x^T du, dg Wg^T + du Wu^T). Under ``jax.checkpoint`` the saved g and
+u carry the names in SAVED_NAMES so a remat policy can keep them (models.transformer's "dots"
+does: the backward then reruns no GEMM).
 
 ``impl``: "auto" (the kernels on GPU; the plain XLA expression on CPU and TPU, where XLA's own
 fusions are what runs), "pallas" (the kernels; interpreted on CPU for tests), "reference".
@@ -42,12 +43,15 @@ IMPLS = ("auto", "pallas", "reference")
 # The kernels' names in the lowered/optimized program (the roofline matches them).
 KERNEL_NAMES = ("swiglu_gate_up", "swiglu_bwd")
 # checkpoint_name of what the forward saves for the backward (a remat policy keeps them by name).
-SAVED_NAMES = ("swiglu_gate", "swiglu_up", "swiglu_act")
+SAVED_NAMES = ("swiglu_gate", "swiglu_up")
 # Tiles: [block_t, block_i] outputs (two float32 accumulators in the forward: 2 x 64 KiB over 8
 # warps), block_k of the hidden dimension per inner step. Shared memory per pipeline stage:
 # x (128 x 64) + Wg, Wu (64 x 128 each) in bf16 = 48 KiB, 3 stages = 144 KiB of the 227 KiB an
 # H100/H200 block may use.
 BLOCK_T, BLOCK_I, BLOCK_K = 128, 128, 64
+# The backward kernel has one accumulator: 256-token blocks (dy 256 x 64 + Wd 128 x 64 per stage,
+# 3 stages = 144 KiB), half the programs, so half the waves that re-read dy.
+BLOCK_T_BWD = 256
 _WARPS, _STAGES = 8, 3
 # SMs of an H100 / H200: how many programs of a grid run at once (one per SM at these tiles).
 GPU_CORES = 132
@@ -130,7 +134,7 @@ def _gate_up_kernel(x_ref, wg_ref, wu_ref, *out_refs, bk: int, n_k: int, save: b
     a_ref[...] = (_silu32(g32) * u.astype(jnp.float32)).astype(a_ref.dtype)
 
 
-def _bwd_kernel(dy_ref, wd_ref, g_ref, u_ref, dg_ref, du_ref, *, bk: int, n_k: int):
+def _bwd_kernel(dy_ref, wd_ref, g_ref, u_ref, dg_ref, du_ref, a_ref, *, bk: int, n_k: int):
     bt, bi = dy_ref.shape[0], wd_ref.shape[0]
 
     def body(k, acc):
@@ -144,12 +148,13 @@ def _bwd_kernel(dy_ref, wd_ref, g_ref, u_ref, dg_ref, du_ref, *, bk: int, n_k: i
     s = 1.0 / (1.0 + jnp.exp(-g))
     du_ref[...] = (da * g * s).astype(du_ref.dtype)
     dg_ref[...] = (da * u * s * (1.0 + g * (1.0 - s))).astype(dg_ref.dtype)
+    a_ref[...] = (g * s * u).astype(a_ref.dtype)
 
 
-def _tiles(t: int, d: int, i: int) -> tuple[int, int, int, int]:
+def _tiles(t: int, d: int, i: int, block_t: int = BLOCK_T) -> tuple[int, int, int, int]:
     """(block_t, block_i, block_k, padded T): tiles dividing D and I; T padded to block_t."""
     bk, bi = _divisor_tile(d, BLOCK_K), _divisor_tile(i, BLOCK_I)
-    bt = _divisor_tile(t, BLOCK_T) or BLOCK_T
+    bt = _divisor_tile(t, block_t) or block_t
     return bt, bi, bk, -(-t // bt) * bt
 
 
@@ -182,25 +187,25 @@ def _gate_up(x, wg, wu, *, save: bool):
 
 
 def _swiglu_bwd(dy, wd, g, u):
-    """-> (d gate, d up) [T, I] in g's dtype."""
+    """-> (d gate, d up, act) [T, I] in g's dtype."""
     t, d = dy.shape
     i = wd.shape[0]
-    bt, bi, bk, t_pad = _tiles(t, d, i)
+    bt, bi, bk, t_pad = _tiles(t, d, i, BLOCK_T_BWD)
     blk = pl.BlockSpec((bt, bi), lambda r, c: (r, c))
     out = jax.ShapeDtypeStruct((t_pad, i), g.dtype)
-    dg, du = pl.pallas_call(
+    outs = pl.pallas_call(
         functools.partial(_bwd_kernel, bk=bk, n_k=d // bk),
-        out_shape=(out, out),
+        out_shape=(out, out, out),
         grid=(t_pad // bt, i // bi),
         in_specs=[pl.BlockSpec((bt, d), lambda r, c: (r, 0)),
                   pl.BlockSpec((bi, d), lambda r, c: (c, 0)), blk, blk],
-        out_specs=(blk, blk),
+        out_specs=(blk, blk, blk),
         interpret=_backend.interpret_mode(),
         compiler_params=_backend.triton_params(_WARPS, _STAGES),
         name="swiglu_bwd",
     )(_pad_rows(dy.astype(g.dtype), t_pad), wd.astype(g.dtype), _pad_rows(g, t_pad),
       _pad_rows(u, t_pad))
-    return (dg[:t], du[:t]) if t_pad != t else (dg, du)
+    return tuple(o[:t] for o in outs) if t_pad != t else tuple(outs)
 
 
 @jax.custom_vjp
@@ -213,13 +218,12 @@ def _mlp_fwd(x, wg, wu, wd):
     act, g, u = _gate_up(x, wg, wu, save=True)
     g = checkpoint_name(g, SAVED_NAMES[0])
     u = checkpoint_name(u, SAVED_NAMES[1])
-    act = checkpoint_name(act, SAVED_NAMES[2])
-    return jnp.dot(act, wd.astype(x.dtype)), (x, wg, wu, wd, g, u, act)
+    return jnp.dot(act, wd.astype(x.dtype)), (x, wg, wu, wd, g, u)
 
 
 def _mlp_bwd(res, dy):
-    x, wg, wu, wd, g, u, act = res
-    dg, du = _swiglu_bwd(dy, wd, g, u)
+    x, wg, wu, wd, g, u = res
+    dg, du, act = _swiglu_bwd(dy, wd, g, u)
     cd = x.dtype
     dx = jnp.dot(dg, wg.astype(cd).T) + jnp.dot(du, wu.astype(cd).T)
     return (dx.astype(x.dtype), jnp.dot(x.T, dg).astype(wg.dtype),
@@ -259,7 +263,7 @@ def swiglu_mlp_kernel_cost(kernel: str, operands, outputs, *,
     (KERNEL_NAMES), from its operand and output shapes [(dtype, dims), ...].
 
     swiglu_gate_up: operands x [T, D], Wg, Wu [D, I]; outputs act (and g, u) [T, I].
-    swiglu_bwd: operands dy [T, D], Wd [I, D], g, u [T, I]; outputs d gate, d up [T, I].
+    swiglu_bwd: operands dy [T, D], Wd [I, D], g, u [T, I]; outputs d gate, d up, act [T, I].
     Flops: the GEMMs, 2 T D I per weight matrix. Bytes: the outputs and g, u once; the weights
     once (token blocks are the fastest grid axis, so the programs that read a weight column run
     in the same wave); the [T, D] operand once per wave of `cores` programs (an upper bound: it
@@ -274,7 +278,7 @@ def swiglu_mlp_kernel_cost(kernel: str, operands, outputs, *,
         elementwise = _nbytes(operands[2]) + _nbytes(operands[3])
     else:
         raise ValueError(f"unknown kernel {kernel!r}; one of {KERNEL_NAMES}")
-    bt, bi, _, t_pad = _tiles(t, d, i)
+    bt, bi, _, t_pad = _tiles(t, d, i, BLOCK_T if kernel == "swiglu_gate_up" else BLOCK_T_BWD)
     programs = (t_pad // bt) * (i // bi)
     waves = -(-programs // cores)
     written = sum(_nbytes(o) for o in outputs)

@@ -163,15 +163,15 @@ def remat_saved_bytes(model_cfg, tokens: int, policy: str) -> int:
     policy (models.transformer.REMAT_POLICIES), in the compute dtype unless stated:
 
     * "full": every layer's input;
-    * "dots": also every projection's output (q, k, v, o, gate, up, down), and SwiGLU's product
-      where the fused MLP kernels run (pallas_kernels.swiglu_mlp: saved by name);
+    * "dots": also every projection's output (q, k, v, o, gate, up, down; with the fused MLP
+      kernels of pallas_kernels.swiglu_mlp gate and up are saved by name);
     * "none" (flash attention only: another attention keeps [T, T] probabilities): what
       autodiff keeps of an un-rematerialised layer, as the traced program lists it (tested
       against jax's saved residuals, an upper bound of what XLA keeps): both norms' float32
       input, normalised and scaled outputs and two float32 scalars; q after RoPE and its
       float32 cos/sin; K and V repeated to the query heads, the attention output (twice: the
-      kernel's and o_proj's view) and its float32 log-sum-exp; gate, up and their product
-      (fused kernels) or gate, up, silu's three residuals and the product (XLA).
+      kernel's and o_proj's view) and its float32 log-sum-exp; gate and up (fused kernels)
+      or gate, up, silu's three residuals and the product (XLA).
 
     Whether the fused MLP kernels run is decided for the platform traced for."""
     from brorl_jax.models.transformer import dtype_of
@@ -186,15 +186,13 @@ def remat_saved_bytes(model_cfg, tokens: int, policy: str) -> int:
         per_token = d
     elif policy == "dots":
         per_token = d + (h * dh + 2 * c.num_key_value_heads * dh + 2 * d + 2 * i)
-        if fused:
-            per_token += i
     elif policy == "none":
         if c.attention_impl != "flash":
             raise ValueError(f"remat_saved_bytes: policy 'none' is planned for attention_impl="
                              f"'flash' only, not {c.attention_impl!r} (its [T, T] "
                              "probabilities are not counted)")
         per_token_bytes = ((8 + 4 * item) * d + 16 + 5 * item * h * dh + 8 * dh + 4 * h
-                           + (3 if fused else 6) * item * i)
+                           + (2 if fused else 6) * item * i)
         return int(tokens) * c.num_hidden_layers * per_token_bytes
     else:
         raise ValueError(f"remat policy {policy!r}; one of ('full', 'dots', 'none')")

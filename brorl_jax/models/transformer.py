@@ -304,8 +304,8 @@ def dot_product_attention_args(impl: str, mask: jax.Array,
 #   "full": only the layer's input; everything inside is recomputed (one extra forward).
 #   "dots": also the outputs of the projections (matmuls without batch dimensions: q/k/v/o,
 #           gate/up/down); the backward recomputes the norms, RoPE, SwiGLU and attention only.
-#           With the fused SwiGLU kernels (cfg.mlp_impl) gate, up and their product are saved
-#           by name (swiglu_mlp.SAVED_NAMES): the kernel is not rerun.
+#           With the fused SwiGLU kernels (cfg.mlp_impl) gate and up are saved by name
+#           (swiglu_mlp.SAVED_NAMES): no kernel is rerun.
 #   "none": not rematerialised (everything the backward reads is kept; same as remat=False).
 # algo.update.plan_remat_policy picks one from the memory plan; True means "full".
 REMAT_POLICIES = ("full", "dots", "none")
