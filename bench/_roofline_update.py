@@ -122,15 +122,17 @@ def compile_update(target: str, model: str, attention: str | None = None,
             lowered = update.trace(place(state), batch, key).lower()
             t1 = time.perf_counter()
             compiled = lowered.compile()
-    t2 = time.perf_counter()
-    n_params = int(sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)))
-    mini = rows // acfg.ppo_mini_batches
-    micro = min(acfg.micro_batch_size if acfg.micro_batch_tokens <= 0
-                else acfg.micro_batch_tokens // SEQ, mini)
+        t2 = time.perf_counter()
+        n_params = int(sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)))
+        mini = rows // acfg.ppo_mini_batches
+        micro = min(acfg.micro_batch_size if acfg.micro_batch_tokens <= 0
+                    else acfg.micro_batch_tokens // SEQ, mini)
+        # the policy the step took: planned for the target (its kernels decide what is kept)
+        policy = remat or plan_remat_policy(mc, micro * SEQ, n_params, device_bytes)
     mem = compiled.memory_analysis()
     return dict(hlo=compiled.as_text(), lower_s=round(t1 - t0, 1), compile_s=round(t2 - t1, 1),
                 n_params=n_params, attention_impl=mc.attention_impl,
-                remat_policy=remat or plan_remat_policy(mc, micro * SEQ, n_params, device_bytes),
+                remat_policy=policy,
                 ppo_mini_batches=acfg.ppo_mini_batches, ppo_epochs=acfg.ppo_epochs,
                 micro_rows=micro, rows=rows, micro_per_mini=micro_per_mini,
                 recompute_old_logprobs=acfg.recompute_old_logprobs,
