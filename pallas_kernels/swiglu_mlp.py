@@ -95,7 +95,9 @@ def pallas_unsupported_reason(x_shape, wg_shape, dtype) -> str | None:
 
 def resolve_impl(impl: str, x_shape=None, wg_shape=None, dtype=None) -> str:
     """"auto" -> "pallas" on GPU (unless pallas_unsupported_reason; logged once), "reference"
-    on CPU and TPU."""
+    on CPU and TPU (by design there: XLA's own fusions run the MLP, nothing is logged)."""
+    if impl == "auto" and _backend.backend() == "tpu":
+        return "reference"
     check = None
     if x_shape is not None:
         check = lambda: pallas_unsupported_reason(x_shape, wg_shape, dtype)
