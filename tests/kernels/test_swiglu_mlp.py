@@ -103,7 +103,9 @@ def test_dots_remat_saves_the_kernel_outputs_by_name(remat, saved):
         assert sum(f"named '{name}'" in why for why in kept) == saved, (name, kept)
 
 
-def test_auto_picks_the_kernels_for_cuda_only_and_says_why_not(caplog):
+def test_auto_picks_the_kernels_for_cuda_only_and_says_why_not(caplog, monkeypatch):
+    from pallas_kernels import _backend
+    monkeypatch.setattr(_backend, "_logged_fallbacks", set())   # once per process: start afresh
     x, w = (4096, 1536), (1536, 8960)
     # here (CPU: the XLA expression), or on the GPU the device check runs these tests on
     assert sm.resolve_impl("auto", x, w, jnp.bfloat16) == (
