@@ -179,8 +179,6 @@ def remat_saved_bytes(model_cfg, tokens: int, policy: str) -> int:
     c = model_cfg
     dtype = jnp.dtype(dtype_of(c.dtype))
     item = dtype.itemsize
-    fused = swiglu_mlp.resolve_impl(c.mlp_impl, (int(tokens), c.hidden_size),
-                                    (c.hidden_size, c.intermediate_size), dtype) == "pallas"
     d, i, h, dh = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.head_dim
     if policy == "full":
         per_token = d
@@ -191,6 +189,7 @@ def remat_saved_bytes(model_cfg, tokens: int, policy: str) -> int:
             raise ValueError(f"remat_saved_bytes: policy 'none' is planned for attention_impl="
                              f"'flash' only, not {c.attention_impl!r} (its [T, T] "
                              "probabilities are not counted)")
+        fused = swiglu_mlp.resolve_impl(c.mlp_impl, (int(tokens), d), (d, i), dtype) == "pallas"
         per_token_bytes = ((8 + 4 * item) * d + 16 + 5 * item * h * dh + 8 * dh + 4 * h
                            + (2 if fused else 6) * item * i)
         return int(tokens) * c.num_hidden_layers * per_token_bytes
