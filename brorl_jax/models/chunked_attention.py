@@ -10,9 +10,9 @@ recomputes one chunk's scores instead of storing them. Results equal the referen
 float rounding (same masking, same float32 softmax).
 
 On GPU the better choice is cuDNN flash attention (jax.nn.dot_product_attention with
-implementation="cudnn"), which never materialises the scores; docs/REQUESTS.md asks for it in the
-model. This module exists so the plan (bench/plan_memory.py) can show what bounded attention
-memory does to the update's footprint, on any backend.
+implementation="cudnn"), which never materialises the scores: the model's
+model.attention_impl="cudnn". This module exists so the plan (bench/plan_memory.py) can show what
+bounded attention memory does to the update's footprint, on any backend.
 """
 from __future__ import annotations
 
