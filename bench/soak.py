@@ -17,8 +17,9 @@ samples from outside:
 then prints, for each, the least-squares slope per 100 steps after the warm-up (--warmup steps;
 the last step, where the run winds down, is left out) and the range seen after it. The warm-up
 must cover what a run legitimately adds early: the programs of decode-slot buckets first
-visited, checkpoints up to train.keep_checkpoints. A slope within the tolerance (README "Long runs stay flat") is
-flat; `--check` exits 1 otherwise. Not a unit test: minutes of CPU.
+visited, checkpoints up to train.keep_checkpoints. A slope within the tolerance
+(docs/reliability.md "Long runs stay flat") is flat; `--check` exits 1 otherwise. Not a unit
+test: minutes of CPU.
 """
 from __future__ import annotations
 

@@ -207,8 +207,8 @@ class Mode:
 def table(results: list) -> str:
     """The modes side by side: mean and median step time (a step that compiled a new shape
     moves the mean), the median's ratio to the rounds', the median update time (the rest of
-    the step is the collect: the parts a disaggregated rollout would overlap, README), occupancy
-    over the step's decoding, rounds of prompts fed, staleness of the samples used, samples
+    the step is the collect: the parts a disaggregated rollout would overlap, docs/results.md),
+    occupancy over the step's decoding, rounds of prompts fed, staleness of the samples used, samples
     carried / dropped / discarded per step."""
     base = results[0]["step_s_median"]
     lines = [f"\n{'mode':27s} {'mean s':>7s} {'median':>7s} {'ratio':>6s} {'update':>6s} "

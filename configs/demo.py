@@ -9,7 +9,7 @@ The warm-start data is deliberately imperfect: 70% of its reference answers are 
 the <answer> tags the Reasoning Gym verifier requires (sft.untagged_frac). Imitation learns both
 formats; RL with the exact verifier learns that only one of them is rewarded, which a few dozen
 steps can show on a CPU (arithmetic skill itself improves far more slowly at this scale: the
-README reports both parts of the gain). BroRL itself continues a strong checkpoint; this setup
+docs/results.md reports both parts of the gain). BroRL itself continues a strong checkpoint; this setup
 only makes the loop's effect visible in minutes.
 Preset argument: configs/demo.py:n=16,steps=40 (used by the N=16 vs N=512 comparison).
 """

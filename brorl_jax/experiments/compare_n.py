@@ -5,7 +5,7 @@
 
 The hard-prompt regime the paper's claim is about (a start at held-out pass@1 of a few percent):
 ``--config=configs/smollm2_arith.py:digits=3`` (SmolLM2-135M-Instruct on 3-digit additions, 0.023
-held-out; the README's "Breadth on a real model" has the command and its results).
+held-out; docs/results.md "Breadth on a real model" has the command and its results).
 
 1. Both arms start from the same parameters, as BroRL and its ProRL baseline both continue the
    same ProRLv2 checkpoint [BroRL 4.2.1]: with a supervised warm start in the config
