@@ -199,12 +199,8 @@ class LiveStream:
     sampling: Any
     pending: list = dataclasses.field(default_factory=list)    # [(prompt_ids, record, index)]
     fed: dict = dataclasses.field(default_factory=dict)        # prompt_index -> FedPrompt
-    progress: dict | None = None      # scheduler.progress() at the end of the last step
+    progress: Any = None              # stream.progress() at the end of the last step
     _scoring: Any = None              # GroupScoring: groups scored while the next ones decode
-
-    @property
-    def scheduler(self):
-        return self.stream.scheduler
 
     def score(self, scorer, record: dict, gr, depth: int = 1):
         """Scores one group in the stream's scoring threads (`depth` calls at once) while the
@@ -217,7 +213,7 @@ class LiveStream:
     def in_flight(self) -> int:
         """Fed prompts whose group the step has not taken: in the engine, or complete and kept
         by RolloutStream.advance (decode_during_update) for the next step."""
-        return self.scheduler.in_flight + self.stream.buffered
+        return self.stream.in_flight
 
     def close(self) -> None:
         self.stream.close()
@@ -258,8 +254,7 @@ def _open_stream(ctx: RunContext, params, step: int, sampling, round_prompts: in
         rollouts_per_prompt=host.num_candidates(ccfg, ccfg.rollouts_per_prompt),
         max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
         top_p=sampling.top_p, top_k=sampling.top_k, seed=stream_seed(ccfg.seed, step),
-        eos_ids=ctx.eos_ids)
-    st.scheduler.version = step
+        eos_ids=ctx.eos_ids, version=step)
     return LiveStream(stream=st, sampling=sampling)
 
 
@@ -296,8 +291,8 @@ def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_sourc
     if live is None:
         live = _open_stream(ctx, params, step, sampling, round_prompts)
     else:
-        live.scheduler.swap_params(params, step)
-    sch = live.scheduler
+        live.stream.swap_params(params, step)
+    sch = live.stream
     pass_rate = host.stream_pass_rate(ccfg, state)
     every, infos, truncated, healths, ages = [], [], [], [], []
     timing = dict.fromkeys(("rollout_s", "scoring_s", "scoring_waited_s"), 0.0)
@@ -351,7 +346,7 @@ def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_sourc
         want = host.prompts_to_feed(ccfg, needed=needed, step_groups=row_budget // n,
                                     in_flight=live.in_flight + len(verdicts), fed=fed,
                                     cap=cap,
-                                    pool=sch.spec.pool, pass_rate=pass_rate)
+                                    pool=sch.pool_size, pass_rate=pass_rate)
         if want:
             while len(live.pending) < want:
                 live.pending += _prompts_of(next(batch_source))
@@ -387,9 +382,9 @@ def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_sourc
         verdicts.append((gr, meta, version, live.score(ctx.scorer, meta.record, gr, depth)))
     sampler.rounds = -(-fed // round_prompts)
     end = sch.progress()
-    stats = _progress_delta(start, end)
-    timing.update(zip(WAIT_KEYS, (end["host_wait"] - start["host_wait"],
-                                  end["device_idle"] - start["device_idle"])))
+    delta = end - start
+    stats = _progress_stats(delta)
+    timing.update(zip(WAIT_KEYS, (delta.host_wait, delta.device_idle)))
     in_flight = live.in_flight * host.num_candidates(ccfg, n)
     carried = 0
     if stream_ends_after(ctx, step):
@@ -450,9 +445,10 @@ def _prompts_of(batch) -> list:
             for p in range(len(batch["index"]))]
 
 
-def _progress_delta(start: dict, end: dict) -> dict:
-    """The step's rollout statistics (add_rollout_stats' form) from two progress snapshots."""
-    out = {k: end[k] - start[k] for k in ("decode_steps", "refills", "compactions",
+def _progress_stats(delta) -> dict:
+    """The step's rollout statistics (add_rollout_stats' form) from a rollout.Progress
+    difference."""
+    out = {k: getattr(delta, k) for k in ("decode_steps", "refills", "compactions",
                                           "useful_tokens", "live_slot_steps", "slot_steps")}
     out["useful_tokens"] = int(out["useful_tokens"])
     return out

@@ -34,11 +34,11 @@ real, at, commit = loop.rl_step, int(os.environ["KILL_AT"]), os.environ["KILL_AF
 def rl_step(ctx, state, cstate, data_iter, step):
     if step == at:
         live = cstate.stream
-        assert live is not None and live.scheduler.in_flight > 0, "nothing in flight"
+        assert live is not None and live.stream.in_flight > 0, "nothing in flight"
         deadline = time.time() + 300
         while not os.path.exists(commit) and time.time() < deadline:
             time.sleep(0.05)
-        print("killed with", live.scheduler.in_flight, "prompts in flight", flush=True)
+        print("killed with", live.stream.in_flight, "prompts in flight", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     return real(ctx, state, cstate, data_iter, step)
 loop.rl_step = rl_step
