@@ -50,15 +50,13 @@ class CollectState:
         checkpointed: a resumed step counts its own).
     stream_counts: (groups the filter kept, groups scored) over the run's streamed steps
         (algo.stream_rounds): the pass rate the stream's oversupply expects (stream_pass_rate).
-    stream: the live stream carried into the next step (algo.max_staleness >= 1; the train
-        layer's object: the paused engine, its prompts in flight and their policy versions).
-        Never checkpointed: the stream is closed at every checkpoint step (in an uninterrupted
-        run too), so a resumed run starts where the uninterrupted one starts afresh."""
+    Only data that checkpoints: the live stream a step leaves paused for the next is the
+    train layer's collector's (train/collect.py carried_stream), closed at every checkpoint
+    step, so a resumed run starts where the uninterrupted one starts afresh."""
     pass_rates: Mapping[int, float] = dataclasses.field(default_factory=dict)
     advantage_normalizer: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     health: VerifierHealth = dataclasses.field(default_factory=VerifierHealth, compare=False)
     stream_counts: tuple = ()
-    stream: Any = dataclasses.field(default=None, compare=False)
 
     def to_json(self) -> dict:
         """The checkpoint meta's form ({} for the paper's recipe); floats round-trip exactly."""
