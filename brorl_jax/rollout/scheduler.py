@@ -106,6 +106,14 @@ def _pow2_at_least(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
+def admission_rows(cfg, spec: programs.Spec) -> int:
+    """Prompts per admission call: the pool (rounded to a power of two), bounded by the
+    prefill's [Ga, H, P, P] attention-score bytes (a power of two)."""
+    per_prompt = 4 * cfg.num_attention_heads * spec.prompt_len ** 2
+    rows = max(1, min(_pow2_at_least(spec.pool), PREFILL_SCORE_BYTES // max(per_prompt, 1)))
+    return 1 << (rows.bit_length() - 1)
+
+
 class Scheduler:
     """The host side of one rollout call: continuous batching over the engine's device programs.
 
@@ -152,11 +160,7 @@ class Scheduler:
         self.pool = self.slots = self.kv = self.device_stats = None
         self.started_at: float | None = None
         self.ended_at: float | None = None
-        # Prompts per admission call: the pool (rounded to a power of two), bounded by the
-        # prefill's [Ga, H, P, P] attention-score bytes.
-        per_prompt = 4 * engine.cfg.num_attention_heads * spec.prompt_len ** 2
-        rows = max(1, min(_pow2_at_least(spec.pool), PREFILL_SCORE_BYTES // max(per_prompt, 1)))
-        self.admit_rows = 1 << (rows.bit_length() - 1)
+        self.admit_rows = admission_rows(engine.cfg, spec)     # prompts per admission call
 
     @property
     def num_prompts(self) -> int:
@@ -202,19 +206,14 @@ class Scheduler:
         ``admitted_version[g]``: the version prompt g was admitted (prefilled, its samples'
         first tokens drawn) under, the oldest of its tokens."""
         version = self.version + 1 if version is None else int(version)
-        self._record_swap(version)
+        # every admitted prompt not handed out: from which token on the new weights sample it
+        busy = [(e, g) for e, g in enumerate(self.entry_prompt) if g >= 0]
+        if self.slots is not None and busy:     # waits for the decode call in flight
+            for g, first in swap_starts(self.slots, self.pool, busy, self.spec,
+                                        self.engine.num_devices):
+                self.swaps.setdefault(g, []).append((version, first))
         self.params = params
         self.version = version
-
-    def _record_swap(self, version: int) -> None:
-        """For every admitted prompt not handed out, from which token on the new weights
-        sample it (:func:`swap_starts`); waits for the decode call in flight."""
-        busy = [(e, g) for e, g in enumerate(self.entry_prompt) if g >= 0]
-        if self.slots is None or not busy:
-            return
-        for g, first in swap_starts(self.slots, self.pool, busy, self.spec,
-                                    self.engine.num_devices):
-            self.swaps.setdefault(g, []).append((version, first))
 
     def progress(self) -> Progress:
         """:class:`Progress` up to the launched decode call (it is waited for), for per-step
