@@ -2,16 +2,16 @@
 advantages and the update batch over every process (BroRL §3.1). One loop for every
 configuration (`collect`): take a group, score it (while decoding goes on), keep or drop it,
 tally; the groups come from one of two feeds (train/feeds.py): generation rounds, or one open
-stream per step (algo.stream_rounds). The decisions are algo/collect.py's pure functions; this
+stream per step (algo.stream_rounds). The decisions are algo/host.py's pure functions; this
 module does the I/O (the verifier pool, cross-process gathers) and the step's rollout metrics.
 
-  1. how many samples per prompt: algo.collect.samples_per_prompt (FixedN = the paper's N, or
+  1. how many samples per prompt: algo.host.samples_per_prompt (FixedN = the paper's N, or
      AdaptiveN from the CollectState's pass rates); prompts with the same N are generated in one
      call (rounds);
   2. over-generation (an option): ceil(factor * N) candidates, N kept by rollout.select_rule;
   3. scoring in the worker pool, each group as soon as the rollout streams it out, up to
      rewards.groups_in_flight at once, the verdicts taken in arrival order; then reward shaping
-     (length penalty, clipping): algo.collect.make_group;
+     (length penalty, clipping): algo.host.make_group;
   4. the group filter (algo.GroupSampler) keeps groups until the row budget
      (prompts_per_step * N) is full; the pass rates update the CollectState.
 With algo.stream_rounds the stream the step leaves paused (algo.max_staleness >= 1) is the
@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from brorl_jax import algo
-from brorl_jax.algo import collect as host
+from brorl_jax.algo import host
 from brorl_jax.rewards.health import VerifierHealth
 from brorl_jax.train.context import RunContext, merge_health
 from brorl_jax.train.feeds import (
@@ -155,7 +155,7 @@ class StreamTally:
 class Tally:
     """What one step's collect produced (this process's share). sampler: the group filter
     (its kept groups, rows used, rounds and counts); every: every group after selection
-    (monitoring); infos: algo.collect.GroupInfo of every group; truncated: per group, truncated
+    (monitoring); infos: algo.host.GroupInfo of every group; truncated: per group, truncated
     [m] of its candidates; n_chosen: N of every prompt generated; healths: the verdicts of
     every sample scored (`health` merges them); cap_error: the round cap was hit with cap
     policy "error"; stream: the stream's counts (algo.stream_rounds), else None."""

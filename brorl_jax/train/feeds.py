@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from brorl_jax import algo
-from brorl_jax.algo import collect as host
+from brorl_jax.algo import host
 from brorl_jax.train.context import RunContext
 
 # What a feed yields when the collector must settle its oldest verdict before the next group

@@ -31,7 +31,7 @@
 next), `train_state` an algo.TrainState, `collect_state` the algo.CollectState that carries from
 step to step (adaptive-N pass rates, the advantage EMA, the last step's verifier health),
 `batch_source` an iterator of the loader's prompt batches and `step` the 0-based RL step
-(every random draw derives from (seed, step)). The host-side decisions are algo/collect.py's
+(every random draw derives from (seed, step)). The host-side decisions are algo/host.py's
 pure functions; this function only wires them to the runtime and the verifiers, and returns
 the step's metrics (reduced over processes, each by the reduction declared where it is made:
 train/metrics.py). Nothing else is touched: the loop (train/loop.py) adds logging,

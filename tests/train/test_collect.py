@@ -1,5 +1,5 @@
 """The one RL step (brorl_jax/train/step.py rl_step, its collect in train/collect.py and
-algo/collect.py): with every option off it is the paper's recipe step by step; with options on
+algo/host.py): with every option off it is the paper's recipe step by step; with options on
 it changes what they say, compiles no more once its shapes are warm, and its CollectState
 survives a checkpoint (exact resume)."""
 import dataclasses

@@ -1,5 +1,5 @@
 """One stream per step (algo.stream_rounds) and bounded staleness (algo.max_staleness), on the
-tiny run with a fake verifier (train/collect.py with train/feeds.py's stream feed, algo/collect.py's admission
+tiny run with a fake verifier (train/collect.py with train/feeds.py's stream feed, algo/host.py's admission
 rule): with k = 0 every sample the update uses is on-policy and its behaviour log-probs are the
 current weights'; with k = 1 groups are carried into the next step, none is used twice, none is
 lost without being counted, none is older than k; a run restarted from a checkpoint step's
