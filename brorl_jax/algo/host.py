@@ -212,6 +212,13 @@ def prompts_to_feed(cfg: CollectConfig, *, needed: int, step_groups: int, in_fli
     return int(max(0, min(target - in_flight, cap - fed)))
 
 
+def max_age(cfg: CollectConfig) -> int:
+    """The oldest (in steps) a sample the update uses may be: 0 = on-policy, nothing carried
+    into the next step; k >= 1 = a stream's groups in flight are carried (BroRL's off-policy
+    bound, algo.max_staleness)."""
+    return int(cfg.max_staleness)
+
+
 def is_stale(cfg: CollectConfig, version: int, step: int) -> bool:
     """A group whose prompt was admitted under the weights of step `version` (so its tokens
     span versions version..step) is too old for the update of `step` when step - version >

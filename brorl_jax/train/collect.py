@@ -14,7 +14,7 @@ module does the I/O (the verifier pool, cross-process gathers) and the step's ro
      (length penalty, clipping): algo.host.make_group;
   4. the group filter (algo.GroupSampler) keeps groups until the row budget
      (prompts_per_step * N) is full; the pass rates update the CollectState.
-With algo.stream_rounds the stream the step leaves paused (algo.max_staleness >= 1) is the
+With algo.stream_rounds the stream the step leaves paused (samples carried: algo.host.max_age) is the
 collector's: it stays on the run context (`carried_stream`), never in the CollectState, which
 holds only what checkpoints. Then `advantages` (the normaliser over every kept group of every
 process) and `update_batch`. Under several processes each process fills its share of the rows
@@ -127,7 +127,8 @@ class RolloutTotals:
 class StreamTally:
     """The stream's own counts (algo.stream_rounds): the age (steps) of every sample the update
     uses, samples dropped as too old, carried into the next step or discarded, prompts fed,
-    and the occupancy of the step's decoding."""
+    and the occupancy of the step's decoding; max_age: the staleness bound (algo.host.max_age)."""
+    max_age: int = 0
     ages: list = dataclasses.field(default_factory=list)
     dropped: int = 0
     carried: int = 0
@@ -135,13 +136,13 @@ class StreamTally:
     fed: int = 0
     step_occupancy: float = 0.0
 
-    def metrics(self, max_staleness: int) -> Metrics:
+    def metrics(self) -> Metrics:
         ages = np.asarray(self.ages or [0], np.float64)
         out = Metrics()
         out.put("staleness/mean", float(ages.mean()))
         out.put("staleness/max", int(ages.max()), MAX)
-        # the histogram: samples the update used at each age 0..max_staleness (steps)
-        for a, key in enumerate(staleness_keys(max_staleness)):
+        # the histogram: samples the update used at each age 0..max_age (steps)
+        for a, key in enumerate(staleness_keys(self.max_age)):
             out.put(key, sum(1 for x in self.ages if x == a), SUM)
         out.put("staleness/dropped_samples", self.dropped, SUM)
         out.put("rollout/carried_samples", self.carried, SUM)
@@ -158,7 +159,8 @@ class Tally:
     (monitoring); infos: algo.host.GroupInfo of every group; truncated: per group, truncated
     [m] of its candidates; n_chosen: N of every prompt generated; healths: the verdicts of
     every sample scored (`health` merges them); cap_error: the round cap was hit with cap
-    policy "error"; stream: the stream's counts (algo.stream_rounds), else None."""
+    policy "error"; stream: the stream's counts (algo.stream_rounds), else None; nominal_n:
+    the configured N (a feed sets it)."""
     sampler: algo.GroupSampler
     every: list = dataclasses.field(default_factory=list)
     infos: list = dataclasses.field(default_factory=list)
@@ -171,6 +173,7 @@ class Tally:
     stream: StreamTally | None = None
     cap_error: str | None = None
     health: VerifierHealth | None = None
+    nominal_n: int = 1
 
     @property
     def kept(self) -> list:
@@ -193,7 +196,7 @@ class Tally:
 # The collector: one loop over the groups of a feed
 # ------------------------------------------------------------------------------------------------
 def carried_stream(ctx: RunContext) -> LiveStream | None:
-    """The stream the last step left paused for the next (algo.max_staleness >= 1), or None;
+    """The stream the last step left paused for the next (algo.host.max_age >= 1), or None;
     its handle (`.stream`, a rollout.OpenStream) says what is in flight."""
     return ctx.live_stream
 
@@ -212,7 +215,7 @@ def collect(ctx: RunContext, params, state: algo.CollectState, batch_source, ste
         max_group_rows=host.max_group_rows(ccfg))
     tally = Tally(sampler=sampler)
     if ccfg.stream_rounds:
-        tally.stream = StreamTally()
+        tally.stream = StreamTally(max_age=host.max_age(ccfg))
         live, ctx.live_stream = ctx.live_stream, None
         if live is not None and live.next_step != step:  # left by another sequence of steps
             live.close()
@@ -280,10 +283,10 @@ def decode_during_update(ctx: RunContext, pending) -> dict:
             "time/decode_during_update_s": time.perf_counter() - t0}
 
 
-def staleness_keys(max_staleness: int) -> tuple[str, ...]:
+def staleness_keys(max_age: int) -> tuple[str, ...]:
     """The staleness histogram's metrics: the key at index a counts the samples the update used
-    that were admitted a steps back (stream mode; ages 0..algo.max_staleness, every step)."""
-    return tuple(f"staleness/age{a}_samples" for a in range(max_staleness + 1))
+    that were admitted a steps back (stream mode; ages 0..algo.host.max_age, every step)."""
+    return tuple(f"staleness/age{a}_samples" for a in range(max_age + 1))
 
 
 def advantages(ctx: RunContext, state: algo.CollectState, kept: Sequence[algo.Group]
@@ -327,12 +330,12 @@ def collect_metrics(ctx: RunContext, got: Tally, state: algo.CollectState,
     thr = ccfg.correct_threshold
     sampler = got.sampler
     out = step_metrics(got.every, got.truncated, sampler.stats(), got.kept, advs, thr=thr,
-                       n_nominal=ccfg.rollouts_per_prompt)
+                       n_nominal=got.nominal_n)
     out.update(got.seconds.metrics())
     out.put("perf/generated_samples", got.generated_samples, SUM)
     out.update(got.rollout.metrics())
     if got.stream is not None:
-        out.update(got.stream.metrics(ccfg.max_staleness))
+        out.update(got.stream.metrics())
     if ctx.temperature_schedule:
         out["rollout/temperature"] = ctx.rollout_temperature(step)
     if ccfg.adaptive_n:
@@ -382,7 +385,7 @@ def step_metrics(groups: Sequence[algo.Group], truncated: Sequence[np.ndarray], 
         "dynamic_sampling/pass_rate": ds["pass_rate"],
         "dynamic_sampling/rounds": ds["generation_rounds"],
         "dynamic_sampling/kept_groups": ds["kept_groups"],
-        # in units of nominal groups (rollouts_per_prompt rows)
+        # in units of nominal groups (of the configured N rows)
         "dynamic_sampling/padded_groups": ds["padded_rows"] / n_nominal,
         "response/length_mean": float(lengths.mean()),
         "response/length_max": int(lengths.max()),

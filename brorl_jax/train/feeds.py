@@ -8,7 +8,8 @@
                stream across rounds and steps"): prompts fed by algo's prompts_to_feed as groups
                come out, each group filtered as soon as its verdict is in, too-old groups
                dropped (is_stale); the stream is carried into the next step in the paused
-               engine (algo.max_staleness >= 1) or closed (stream_ends_after).
+               engine (samples carried: algo.host.max_age >= 1) or closed
+               (stream_ends_after).
 
 A feed yields each group it takes out of the rollout as a :class:`Taken` (or SETTLE: "wait for
 the oldest verdict now"), hears each settled group (`keep`), says when the step is full (`full`)
@@ -104,6 +105,7 @@ class RoundsFeed:
         self.ctx, self.params, self.state, self.batch_source = ctx, params, state, batch_source
         self.step, self.tally = step, tally
         self.depth = ctx.collect_cfg.groups_in_flight
+        tally.nominal_n = ctx.collect_cfg.rollouts_per_prompt
         self._scoring = GroupScoring(ctx.scorer, self.depth, inline=True)
         self._placed: list = []
         self._observed: list = []
@@ -168,7 +170,7 @@ class RoundsFeed:
 
 
 # ------------------------------------------------------------------------------------------------
-# One stream per step (algo.stream_rounds), carried across steps (algo.max_staleness >= 1)
+# One stream per step (algo.stream_rounds), carried across steps (algo.host.max_age >= 1)
 # ------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class FedPrompt:
@@ -222,13 +224,13 @@ def stream_seed(seed: int, step: int) -> int:
 
 def stream_ends_after(ctx: RunContext, step: int) -> bool:
     """Whether the stream is closed at the end of `step` (its groups in flight discarded): every
-    step with max_staleness = 0 (nothing may be carried), and at every checkpoint step and the
+    step when no sample may be older than its step (max_age 0), and at every checkpoint step and the
     last one, in an uninterrupted run too, so a run resumed from any checkpoint repeats exactly
     what the uninterrupted one did (a stop by signal checkpoints the step it stops at: its
     carried work is lost, so that resume is exact only at train.checkpoint_every)."""
     t = ctx.cfg.train
     done = step + 1
-    return (ctx.collect_cfg.max_staleness == 0 or done % t.checkpoint_every == 0
+    return (host.max_age(ctx.collect_cfg) == 0 or done % t.checkpoint_every == 0
             or done >= t.steps)
 
 
@@ -242,7 +244,7 @@ class StreamFeed:
     running engine as groups come out, while the kept groups plus the ones in flight (at the
     observed pass rate) cannot fill the step (algo's prompts_to_feed), until the filter is full
     or the step's cap (max_generation_rounds x the round's prompts) is fed and done. A group
-    admitted under the weights of a step more than max_staleness steps back is dropped and
+    admitted under the weights of a step more than max_age steps back is dropped and
     counted. `live`: the stream the last step left (or None); `params` as the runtime's rollout
     takes them: a carried stream swaps them in."""
 
@@ -252,7 +254,7 @@ class StreamFeed:
         self.ctx, self.state, self.batch_source, self.step, self.tally = \
             ctx, state, batch_source, step, tally
         self.depth = ccfg.groups_in_flight
-        self.n = ccfg.rollouts_per_prompt
+        self.n = tally.nominal_n = ccfg.rollouts_per_prompt
         self.round_prompts = round_prompts(ctx)
         self.cap = ccfg.max_generation_rounds * self.round_prompts
         self.pass_rate = host.stream_pass_rate(ccfg, state)

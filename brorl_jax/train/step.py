@@ -12,10 +12,11 @@
      prompts_per_step * N rows are filled (or the round cap: error, or pad).
      With algo.stream_rounds the rounds are one stream (collect's stream feed): prompts enter
      the running engine as groups come out, while the kept and in-flight groups (at the
-     observed pass rate) cannot fill the step; no round boundary drains the engine. With
-     algo.max_staleness = k >= 1 the groups still in flight are carried into the next step in
-     the paused engine (decoding on with the new weights, each token's sampling log-prob its
-     TIS behaviour policy) and a group admitted more than k steps back is dropped and counted.
+     observed pass rate) cannot fill the step; no round boundary drains the engine. With a
+     staleness bound k >= 1 (algo.host.max_age) the groups still in flight are carried into
+     the next step in the paused engine (decoding on with the new weights, each token's
+     sampling log-prob its TIS behaviour policy) and a group admitted more than k steps back
+     is dropped and counted.
   4. Verifier health: a data source whose every sample failed stops the run (before a
      dynamic-sampling error, which it would cause).
   5. Advantages: REINFORCE++-baseline (the configured estimator and normaliser) over every kept
