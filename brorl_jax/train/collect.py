@@ -224,21 +224,22 @@ def collect(ctx: RunContext, params, state: algo.CollectState, batch_source, ste
     else:
         feed = RoundsFeed(ctx, params, state, batch_source, step, tally)
     verdicts: collections.deque = collections.deque()     # (Taken, its scoring future)
-    with contextlib.closing(feed), contextlib.closing(feed.groups(verdicts)) as groups:
-        for taken in groups:
-            if taken is SETTLE:
-                _settle(ctx, feed, tally, verdicts.popleft(), step)
-                continue
-            if len(verdicts) >= feed.depth:      # the oldest, scored while later ones decoded
-                _settle(ctx, feed, tally, verdicts.popleft(), step)
-                if feed.full():
-                    feed.give_back(taken, verdicts)
-                    break
-            tally.generated_samples += taken.group.lengths.size
-            if feed.drops(taken):
-                continue
-            verdicts.append((taken, feed.score(taken)))
-    state = feed.finish()
+    with contextlib.closing(feed):
+        with contextlib.closing(feed.groups(verdicts)) as groups:
+            for taken in groups:
+                if taken is SETTLE:
+                    _settle(ctx, feed, tally, verdicts.popleft(), step)
+                    continue
+                if len(verdicts) >= feed.depth:  # the oldest, scored while later ones decoded
+                    _settle(ctx, feed, tally, verdicts.popleft(), step)
+                    if feed.full():
+                        feed.give_back(taken, verdicts)
+                        break
+                tally.generated_samples += taken.group.lengths.size
+                if feed.drops(taken):
+                    continue
+                verdicts.append((taken, feed.score(taken)))
+        state = feed.finish()
     if ccfg.stream_rounds:
         ctx.live_stream = feed.live
     tally.health = merge_health(tally.healths)

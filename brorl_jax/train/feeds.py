@@ -162,7 +162,6 @@ class RoundsFeed:
         raise AssertionError("a round is never cut short")
 
     def finish(self) -> algo.CollectState:
-        self._scoring.close()
         return self.state
 
     def close(self) -> None:
@@ -259,6 +258,7 @@ class StreamFeed:
         self.cap = ccfg.max_generation_rounds * self.round_prompts
         self.pass_rate = host.stream_pass_rate(ccfg, state)
         self.fed = 0
+        self._finished = False
         st = tally.stream
         sampling = ctx.train_sampling(step)
         if live is not None and live.sampling != sampling:     # a scheduled temperature changed
@@ -386,8 +386,13 @@ class StreamFeed:
         else:
             st.carried = in_flight
             live.progress, live.next_step = end, self.step + 1
+        self._finished = True
         return host.stream_counts_after(self.state, sampler.passed_groups,
                                         sampler.generated_groups)
 
     def close(self) -> None:
-        pass                    # the stream is the collector's (carried or closed in finish)
+        """After finish the stream is the collector's (carried or closed there); a step that
+        failed before closes it."""
+        if not self._finished and self.live is not None:
+            self.live.close()
+            self.live = None
