@@ -1,12 +1,12 @@
 """brorl_jax.algo: advantages, dynamic sampling, policy loss, KL, optimizer and the update step.
 
 The host-side half of a step (selection, shaping, filtering, advantages, the update batch) is
-algo/collect.py: pure functions over an explicit CollectState. See docs/algo.md for the design
-and the choices made where the papers are silent. The registries
+algo/host.py: the step's host-side decisions, pure functions over an explicit CollectState. See
+docs/algo.md for the design and the choices made where the papers are silent. The registries
 (ADVANTAGES, GROUP_FILTERS, KL_ESTIMATORS, LOSS_AGG, TIS_MODES, policies.ADVANTAGE_NORMALIZERS)
 are the lists of choices that config validation and --help read.
 """
-from brorl_jax.algo import collect  # noqa: E402 - after the modules it builds on
+from brorl_jax.algo import host  # noqa: E402 - after the modules it builds on
 from brorl_jax.algo.advantages import ADVANTAGES, compute_advantages, get_advantage_fn
 from brorl_jax.algo.batch import (
                                   assemble_groups,
@@ -16,7 +16,6 @@ from brorl_jax.algo.batch import (
                                   pad_packed_rows,
                                   unpack_to_padded,
 )
-from brorl_jax.algo.collect import CollectState  # noqa: E402
 from brorl_jax.algo.config import AlgoConfig, CollectConfig
 from brorl_jax.algo.dynamic_sampling import (
                                   CAP_POLICIES,
@@ -28,6 +27,7 @@ from brorl_jax.algo.dynamic_sampling import (
                                   get_group_filter,
                                   select_groups,
 )
+from brorl_jax.algo.host import CollectState  # noqa: E402
 from brorl_jax.algo.length_penalty import (
                                   apply_length_penalty,
                                   cosine_length_reward,
@@ -75,5 +75,5 @@ __all__ = [
     "learning_rate_schedule", "make_optimizer", "scaled_learning_rate", "PolicyFns", "TrainState",
     "create_train_state", "make_logprob_fn", "make_update_step", "maybe_reset_reference",
     "micro_batch_rows",
-    "model_policy_fns", "reset_reference", "collect", "CollectState",
+    "model_policy_fns", "reset_reference", "host", "CollectState",
 ]

@@ -98,7 +98,7 @@ class AlgoConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CollectConfig:
-    """The host-side collect's settings (brorl_jax/algo/collect.py): which candidates are kept,
+    """The host-side collect's settings (brorl_jax/algo/host.py): which candidates are kept,
     how rewards are shaped, which groups enter the batch, how advantages are normalised and how
     the batch is laid out. Host numpy only: no compiled program reads it."""
     # -- from other sections (COLLECT_CROSS_SECTION) --

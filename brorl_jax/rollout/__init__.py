@@ -1,15 +1,8 @@
 """brorl_jax.rollout: large-N generation with continuous batching over decode slots; each prompt is
 prefilled once and its KV shared by its N continuations (docs/INTERFACES.md, "rollout"; design
-in docs/rollout.md)."""
-from brorl_jax.rollout.engine import (
-    Engine,
-    GroupResult,
-    RolloutResult,
-    RolloutStream,
-    Scheduler,
-    assemble,
-    generate,
-)
+in docs/rollout.md). Host side by role: types (results), scheduler (one call), stream (the
+consumer's iterator and an open stream's handle), engine (compiled programs, generate)."""
+from brorl_jax.rollout.engine import Engine, generate
 from brorl_jax.rollout.naive import generate_naive
 from brorl_jax.rollout.plan import (
     SlotPlan,
@@ -22,10 +15,15 @@ from brorl_jax.rollout.plan import (
     validate_inputs,
 )
 from brorl_jax.rollout.programs import prefill_prompts_fn
+from brorl_jax.rollout.scheduler import Progress, Scheduler
+from brorl_jax.rollout.stream import OpenStream, RolloutStream
+from brorl_jax.rollout.types import GroupResult, RolloutResult, assemble
 
 __all__ = [
     "Engine",
     "GroupResult",
+    "OpenStream",
+    "Progress",
     "RolloutResult",
     "RolloutStream",
     "Scheduler",

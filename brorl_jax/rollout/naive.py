@@ -25,7 +25,6 @@ from brorl_jax.models import (
     layer_qkv,
     lm_logits,
 )
-from brorl_jax.rollout.engine import RolloutResult
 from brorl_jax.rollout.plan import (
     PREFILL_SCORE_BYTES,
     bucket_num_prompts,
@@ -35,6 +34,7 @@ from brorl_jax.rollout.plan import (
     validate_inputs,
 )
 from brorl_jax.rollout.programs import prefill_prompts_fn, sample_keys_for, sample_step
+from brorl_jax.rollout.types import RolloutResult
 from pallas_kernels.sampling import resolve_impl as _resolve_sampling_impl
 
 prefill_prompts = jax.jit(prefill_prompts_fn, static_argnums=(1,))

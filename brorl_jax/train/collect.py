@@ -1,29 +1,28 @@
-"""The collect of one RL step: generation rounds -> scoring -> the kept groups, then the
-advantages and the update batch over every process (BroRL §3.1). One path for every
-configuration; the decisions are algo/collect.py's pure functions, this module does the I/O
-(rollouts, the verifier pool, cross-process gathers) and the step's rollout metrics.
+"""The collect of one RL step: groups out of the rollout -> scoring -> the kept groups, then the
+advantages and the update batch over every process (BroRL §3.1). One loop for every
+configuration (`collect`): take a group, score it (while decoding goes on), keep or drop it,
+tally; the groups come from one of two feeds (train/feeds.py): generation rounds, or one open
+stream per step (algo.stream_rounds). The decisions are algo/host.py's pure functions; this
+module does the I/O (the verifier pool, cross-process gathers) and the step's rollout metrics.
 
-Per generation round (ceil(prompts_per_step * generation_batch_multiplier) prompts):
-  1. how many samples per prompt: algo.collect.samples_per_prompt (FixedN = the paper's N, or
+  1. how many samples per prompt: algo.host.samples_per_prompt (FixedN = the paper's N, or
      AdaptiveN from the CollectState's pass rates); prompts with the same N are generated in one
-     call;
+     call (rounds);
   2. over-generation (an option): ceil(factor * N) candidates, N kept by rollout.select_rule;
-  3. scoring in the worker pool, each group as soon as the rollout streams it out (decoding goes
-     on meanwhile; time/scoring_waited_for_rollout_s and time/rollout_idle_for_scoring_s say how
-     long each side waited on the other), then reward shaping (length penalty, clipping):
-     algo.collect.make_group;
-  4. the group filter (algo.GroupSampler) keeps groups in arrival order until the row budget
-     (prompts_per_step * N) is full; the round's pass rates update the CollectState.
-With algo.stream_rounds, `stream_groups` replaces the rounds: one open rollout stream per step
-(kept in the CollectState across steps with algo.max_staleness >= 1), prompts fed by
-algo.collect.prompts_to_feed, each group scored and filtered as it comes out, too-old groups
-dropped (algo.collect.is_stale), the stream closed by `stream_ends_after`.
-Then `advantages` (the normaliser over every kept group of every process) and `update_batch`.
-Under several processes each process fills its share of the rows with its own prompts.
+  3. scoring in the worker pool, each group as soon as the rollout streams it out, up to
+     rewards.groups_in_flight at once, the verdicts taken in arrival order; then reward shaping
+     (length penalty, clipping): algo.host.make_group;
+  4. the group filter (algo.GroupSampler) keeps groups until the row budget
+     (prompts_per_step * N) is full; the pass rates update the CollectState.
+With algo.stream_rounds the stream the step leaves paused (samples carried: algo.host.max_age) is the
+collector's: it stays on the run context (`carried_stream`), never in the CollectState, which
+holds only what checkpoints. Then `advantages` (the normaliser over every kept group of every
+process) and `update_batch`. Under several processes each process fills its share of the rows
+with its own prompts.
 """
 from __future__ import annotations
 
-import concurrent.futures
+import collections
 import contextlib
 import dataclasses
 import time
@@ -33,9 +32,22 @@ import jax
 import numpy as np
 
 from brorl_jax import algo
-from brorl_jax.algo import collect as host
+from brorl_jax.algo import host
 from brorl_jax.rewards.health import VerifierHealth
 from brorl_jax.train.context import RunContext, merge_health
+from brorl_jax.train.feeds import (
+    SETTLE,
+    GroupScoring,
+    LiveStream,
+    RoundsFeed,
+    StreamFeed,
+    Taken,
+    call_seed,
+    round_seed,
+    stream_ends_after,
+    stream_seed,
+)
+from brorl_jax.train.metrics import MAX, SUM, Metrics
 from brorl_jax.train.monitoring import (
     effective_update_ratio,
     ngram_diversity,
@@ -43,389 +55,222 @@ from brorl_jax.train.monitoring import (
     reward_entropy,
 )
 
-ROLLOUT_STAT_KEYS = ("useful_tokens", "decode_steps", "refills", "compactions")
-# time/<key>: the host blocked on the rollout's device calls, and the rollout's device idle
-# between two of its calls (rollout.Scheduler.waits), summed over the step's decoding
-WAIT_KEYS = ("host_waited_for_device_s", "device_waited_for_host_s")
+__all__ = ["GroupScoring", "LiveStream", "Tally", "advantages", "call_seed", "carried_stream",
+           "collect", "collect_metrics", "decode_during_update", "round_seed",
+           "stream_ends_after", "stream_seed", "update_batch"]
 
 
-class GroupScoring:
-    """Scores groups while decoding goes on (rewards.groups_in_flight): up to ``depth`` calls
-    of the scorer at once, each in a thread of its own; ``inline`` with depth 1 scores in the
-    caller's thread at submit. submit -> a future of (Scored, seconds the call took). The
-    caller takes the verdicts in the order it submitted them, so what it decides from them
-    does not depend on which call ends first."""
+# ------------------------------------------------------------------------------------------------
+# The tally of one step
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Seconds:
+    """time/<name>_s of the step, for the names its feed reports (`report`): rollout (waiting
+    for the rollout's groups), scoring (the scorer's calls), scoring_waited (the stream waiting
+    for verdicts), scoring_waited_for_rollout / rollout_idle_for_scoring (rounds: who waited
+    for whom), host_waited_for_device / device_waited_for_host (the rollout's device calls:
+    the host blocked on them, the device idle between two of them)."""
+    rollout: float = 0.0
+    scoring: float = 0.0
+    scoring_waited_for_rollout: float = 0.0
+    rollout_idle_for_scoring: float = 0.0
+    scoring_waited: float = 0.0
+    host_waited_for_device: float = 0.0
+    device_waited_for_host: float = 0.0
+    reported: tuple = ()
 
-    def __init__(self, scorer, depth: int, *, inline: bool = False):
-        self.scorer, self.depth = scorer, depth
-        self.inline = inline and depth == 1
-        self._pool = None
+    def report(self, *names: str) -> None:
+        self.reported = tuple(f.name for f in dataclasses.fields(self) if f.name in names)
 
-    def submit(self, record: dict, gr) -> concurrent.futures.Future:
-        def run():
-            t0 = time.perf_counter()
-            scored = self.scorer.score([record] * gr.lengths.size, gr.tokens, gr.lengths)
-            return scored, time.perf_counter() - t0
-        if self.inline:
-            future = concurrent.futures.Future()
-            future.set_result(run())
-            return future
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=self.depth, thread_name_prefix="group-scoring")
-        return self._pool.submit(run)
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
-
-def round_seed(seed: int, step: int, round_: int) -> int:
-    """A distinct, reproducible rollout seed for every (run seed, step, generation round)."""
-    return (seed * 1_000_003 + step * 1_009 + round_) % (2**31 - 1)
-
-
-def call_seed(round_seed_: int, call: int) -> int:
-    """The seed of the `call`-th rollout call (one per N bucket) of a round."""
-    return (round_seed_ + call * 1_000_000_007) % (2**31 - 1)
+    def metrics(self) -> dict:
+        return {f"time/{name}_s": getattr(self, name) for name in self.reported}
 
 
 @dataclasses.dataclass
-class Collected:
-    """What the generation rounds of one step produced (this process's share)."""
-    kept: list                      # algo.Group kept by dynamic sampling, in arrival order
-    every: list                     # every group after selection (monitoring)
-    infos: list                     # algo.collect.GroupInfo of every group
-    truncated: list                 # per group: truncated [m] of its candidates
-    n_chosen: list                  # N of every prompt generated
-    sampler_stats: dict
-    rows_used: int
-    health: VerifierHealth          # the verdicts of every sample scored
-    timing: dict                    # time/* seconds
-    rollout_stats: dict             # summed rollout.RolloutStream.stats
-    generated_samples: int
-    cap_error: str | None = None    # the round cap was hit with cap policy "error"
-    extra: dict = dataclasses.field(default_factory=dict)   # the stream's metrics (staleness/..)
+class RolloutTotals:
+    """The step's rollout statistics: useful tokens (every token generated, over-generated
+    candidates included), decode steps, refills, compactions, and live slot-steps over
+    slot-steps (the occupancy, over every decode step of the step's calls)."""
+    useful_tokens: int = 0
+    decode_steps: int = 0
+    refills: int = 0
+    compactions: int = 0
+    live_slot_steps: float = 0
+    slot_steps: int = 0
+
+    def add_call(self, stats: dict) -> None:
+        """One rollout call's statistics (rollout.RolloutStream.stats)."""
+        for k in ("useful_tokens", "decode_steps", "refills", "compactions"):
+            setattr(self, k, getattr(self, k) + int(stats.get(k, 0)))
+        steps = int(stats.get("decode_steps", 0))
+        self.live_slot_steps += float(stats.get("mean_live_slots", 0.0)) * steps
+        self.slot_steps += int(stats.get("num_slots", 0)) * steps
+
+    def add_progress(self, delta) -> None:
+        """What an open stream did in the step (a rollout.Progress difference)."""
+        for k in ("useful_tokens", "decode_steps", "refills", "compactions", "live_slot_steps",
+                  "slot_steps"):
+            setattr(self, k, getattr(self, k) + getattr(delta, k))
+        self.useful_tokens = int(self.useful_tokens)
+
+    def metrics(self) -> Metrics:
+        out = Metrics()
+        out.put("rollout/useful_tokens", self.useful_tokens, SUM)
+        for k in ("decode_steps", "refills", "compactions"):
+            out.put(f"rollout/{k}", getattr(self, k))
+        if self.slot_steps:
+            out.put("rollout/occupancy", self.live_slot_steps / self.slot_steps)
+        return out
 
 
-def generate_groups(ctx: RunContext, params, state: algo.CollectState, batch_source, step: int
-                    ) -> tuple[Collected, algo.CollectState]:
-    """Generation rounds until dynamic sampling has filled this process's rows (or the round
-    cap); `params` as the runtime's rollout takes them. -> (what was collected, the state with
-    the observed pass rates)."""
-    ccfg = ctx.collect_cfg
-    row_budget = ccfg.batch_rows // ctx.runtime.num_processes
-    sampler = algo.GroupSampler.from_config(ccfg, row_budget=row_budget,
-                                            max_group_rows=host.max_group_rows(ccfg))
-    sampling = ctx.train_sampling(step)
-    every, infos, truncated, n_chosen, healths = [], [], [], [], []
-    timing = dict.fromkeys(("rollout_s", "scoring_s", "scoring_waited_for_rollout_s",
-                            "rollout_idle_for_scoring_s", *WAIT_KEYS), 0.0)
-    stats = {**dict.fromkeys(ROLLOUT_STAT_KEYS, 0), "live_slot_steps": 0.0, "slot_steps": 0}
-    samples, cap_error = 0, None
-    # the pool's threads end with the rounds, also when a scorer raises
-    with contextlib.closing(GroupScoring(ctx.scorer, ccfg.groups_in_flight, inline=True)) as scoring:
-        while True:
-            try:
-                if not sampler.need_more():
-                    break
-            except algo.DynamicSamplingError as e:      # cap policy "error"
-                cap_error = str(e)
-                break
-            batch = next(batch_source)
-            seed = round_seed(ccfg.seed, step, sampler.rounds)
-            ns = host.samples_per_prompt(ccfg, state, batch["index"])
-            n_chosen += ns
-            groups: list = [None] * len(ns)
-            observed = []
-            for b, (n, positions) in enumerate(algo.policies.group_by_n(ns)):
-                # each group is scored as soon as its samples are done, while decoding goes on
-                with ctx.rollouts(params, [batch["prompt_ids"][p] for p in positions],
-                                  n=host.num_candidates(ccfg, n), seed=call_seed(seed, b),
-                                  sampling=sampling, stream=True) as st:
-                    scored_meanwhile = []       # (group, its position, its scoring future)
+@dataclasses.dataclass
+class StreamTally:
+    """The stream's own counts (algo.stream_rounds): the age (steps) of every sample the update
+    uses, samples dropped as too old, carried into the next step or discarded, prompts fed,
+    and the occupancy of the step's decoding; max_age: the staleness bound (algo.host.max_age)."""
+    max_age: int = 0
+    ages: list = dataclasses.field(default_factory=list)
+    dropped: int = 0
+    carried: int = 0
+    discarded: int = 0
+    fed: int = 0
+    step_occupancy: float = 0.0
 
-                    def take(gr, p, future, n=n):
-                        nonlocal samples
-                        scored, seconds = future.result()
-                        timing["scoring_s"] += seconds
-                        healths.append(scored.health)
-                        samples += gr.lengths.size
-                        truncated.append(gr.truncated)
-                        index = int(batch["index"][p])
-                        groups[p], info = host.make_group(
-                            ccfg, gr, scored.rewards, n=n, prompt_ids=batch["prompt_ids"][p],
-                            index=index, step=step, round_=sampler.rounds, position=p)
-                        infos.append(info)
-                        observed.append((index, info.pass_rate))
+    def metrics(self) -> Metrics:
+        ages = np.asarray(self.ages or [0], np.float64)
+        out = Metrics()
+        out.put("staleness/mean", float(ages.mean()))
+        out.put("staleness/max", int(ages.max()), MAX)
+        # the histogram: samples the update used at each age 0..max_age (steps)
+        for a, key in enumerate(staleness_keys(self.max_age)):
+            out.put(key, sum(1 for x in self.ages if x == a), SUM)
+        out.put("staleness/dropped_samples", self.dropped, SUM)
+        out.put("rollout/carried_samples", self.carried, SUM)
+        out.put("rollout/discarded_samples", self.discarded, SUM)
+        out.put("rollout/fed_prompts", self.fed, SUM)
+        out.put("rollout/step_occupancy", self.step_occupancy)
+        return out
 
-                    for gr in st:
-                        p = positions[gr.prompt_index]
-                        scored_meanwhile.append((gr, p, scoring.submit(batch["records"][p], gr)))
-                        if len(scored_meanwhile) >= scoring.depth:      # in arrival order
-                            take(*scored_meanwhile.pop(0))
-                    while scored_meanwhile:
-                        take(*scored_meanwhile.pop(0))
-                    done = time.perf_counter()
-                timing["rollout_s"] += st.finished_at - st.started_at
-                stats = add_rollout_stats(stats, st.stats)
-                timing["scoring_waited_for_rollout_s"] += st.wait_seconds
-                timing["rollout_idle_for_scoring_s"] += max(0.0, done - st.finished_at)
-                for key, stat in zip(WAIT_KEYS, ("host_wait_seconds", "device_idle_seconds")):
-                    timing[key] += float(st.stats.get(stat, 0.0))
-            state = host.observe(ccfg, state, observed)
-            every += groups
-            sampler.add_round(groups)
-    return Collected(kept=list(sampler.groups), every=every, infos=infos, truncated=truncated,
-                     n_chosen=n_chosen, sampler_stats=sampler.stats(),
-                     rows_used=sampler.rows_used, health=merge_health(healths),
-                     timing={f"time/{k}": v for k, v in timing.items()}, rollout_stats=stats,
-                     generated_samples=samples, cap_error=cap_error), state
+
+@dataclasses.dataclass
+class Tally:
+    """What one step's collect produced (this process's share). sampler: the group filter
+    (its kept groups, rows used, rounds and counts); every: every group after selection
+    (monitoring); infos: algo.host.GroupInfo of every group; truncated: per group, truncated
+    [m] of its candidates; n_chosen: N of every prompt generated; healths: the verdicts of
+    every sample scored (`health` merges them); cap_error: the round cap was hit with cap
+    policy "error"; stream: the stream's counts (algo.stream_rounds), else None; nominal_n:
+    the configured N (a feed sets it)."""
+    sampler: algo.GroupSampler
+    every: list = dataclasses.field(default_factory=list)
+    infos: list = dataclasses.field(default_factory=list)
+    truncated: list = dataclasses.field(default_factory=list)
+    n_chosen: list = dataclasses.field(default_factory=list)
+    healths: list = dataclasses.field(default_factory=list)
+    generated_samples: int = 0
+    seconds: Seconds = dataclasses.field(default_factory=Seconds)
+    rollout: RolloutTotals = dataclasses.field(default_factory=RolloutTotals)
+    stream: StreamTally | None = None
+    cap_error: str | None = None
+    health: VerifierHealth | None = None
+    nominal_n: int = 1
+
+    @property
+    def kept(self) -> list:
+        """The groups the filter kept, in the order it took them."""
+        return list(self.sampler.groups)
+
+    def add_call(self, st, done: float) -> None:
+        """A rollout call of the rounds that has ended (its RolloutStream): its statistics,
+        and who waited for whom (`done`: when its last verdict was taken)."""
+        s = self.seconds
+        s.rollout += st.finished_at - st.started_at
+        self.rollout.add_call(st.stats)
+        s.scoring_waited_for_rollout += st.wait_seconds
+        s.rollout_idle_for_scoring += max(0.0, done - st.finished_at)
+        s.host_waited_for_device += float(st.stats.get("host_wait_seconds", 0.0))
+        s.device_waited_for_host += float(st.stats.get("device_idle_seconds", 0.0))
 
 
 # ------------------------------------------------------------------------------------------------
-# One stream per step (algo.stream_rounds), carried across steps (algo.max_staleness >= 1)
+# The collector: one loop over the groups of a feed
 # ------------------------------------------------------------------------------------------------
-@dataclasses.dataclass(eq=False)
-class LiveStream:
-    """The rollout stream a step leaves paused for the next (CollectState.stream): the engine's
-    open RolloutStream, the prompts drawn from the loader and not fed yet, and per fed prompt
-    (its prompt_index in the stream) its tokens, record and loader index. The scheduler labels
-    the weights by the RL step they were used in (swap_params(params, step)), so a group's
-    policy version is the step whose weights admitted it (GroupResult.versions[0]; the rest of
-    GroupResult.versions says from which token on each sample was drawn by later weights)."""
-    stream: Any
-    sampling: Any
-    pending: list = dataclasses.field(default_factory=list)    # [(prompt_ids, record, index)]
-    fed: dict = dataclasses.field(default_factory=dict)        # prompt_index -> FedPrompt
-    progress: dict | None = None      # scheduler.progress() at the end of the last step
-    _scoring: Any = None              # GroupScoring: groups scored while the next ones decode
-
-    @property
-    def scheduler(self):
-        return self.stream.scheduler
-
-    def score(self, scorer, record: dict, gr, depth: int = 1):
-        """Scores one group in the stream's scoring threads (`depth` calls at once) while the
-        caller goes on decoding; -> a future of (Scored, seconds)."""
-        if self._scoring is None:
-            self._scoring = GroupScoring(scorer, depth)
-        return self._scoring.submit(record, gr)
-
-    @property
-    def in_flight(self) -> int:
-        """Fed prompts whose group the step has not taken: in the engine, or complete and kept
-        by RolloutStream.advance (decode_during_update) for the next step."""
-        return self.scheduler.in_flight + self.stream.buffered
-
-    def close(self) -> None:
-        self.stream.close()
-        if self._scoring is not None:
-            self._scoring.close()
-            self._scoring = None
+def carried_stream(ctx: RunContext) -> LiveStream | None:
+    """The stream the last step left paused for the next (algo.host.max_age >= 1), or None;
+    its handle (`.stream`, a rollout.OpenStream) says what is in flight."""
+    return ctx.live_stream
 
 
-@dataclasses.dataclass(frozen=True)
-class FedPrompt:
-    prompt_ids: list
-    record: dict
-    index: int
-
-
-def stream_seed(seed: int, step: int) -> int:
-    """The rollout seed of a stream opened at `step` (sample n of its g-th fed prompt draws
-    from fold_in(seed, g * N + n): the stream's schedule never changes a sample)."""
-    return call_seed(round_seed(seed, step, 0), 7)
-
-
-def stream_ends_after(ctx: RunContext, step: int) -> bool:
-    """Whether the stream is closed at the end of `step` (its groups in flight discarded): every
-    step with max_staleness = 0 (nothing may be carried), and at every checkpoint step and the
-    last one, in an uninterrupted run too, so a run resumed from any checkpoint repeats exactly
-    what the uninterrupted one did (a stop by signal checkpoints the step it stops at: its
-    carried work is lost, so that resume is exact only at train.checkpoint_every)."""
-    t = ctx.cfg.train
-    done = step + 1
-    return (ctx.collect_cfg.max_staleness == 0 or done % t.checkpoint_every == 0
-            or done >= t.steps)
-
-
-def _open_stream(ctx: RunContext, params, step: int, sampling, round_prompts: int) -> LiveStream:
+def collect(ctx: RunContext, params, state: algo.CollectState, batch_source, step: int
+            ) -> tuple[Tally, algo.CollectState]:
+    """The step's groups until the group filter has filled this process's rows (or the cap):
+    from generation rounds, or from the open stream (algo.stream_rounds); `params` as the
+    runtime's rollout takes them. Each group is scored as it comes out (at most
+    rewards.groups_in_flight verdicts pending), settled in arrival order (selection, shaping,
+    its pass rate), then kept or dropped by the filter. -> (the tally, the state with the
+    observed pass rates)."""
     ccfg = ctx.collect_cfg
-    st = ctx.runtime.open_stream(
-        ctx.model, params, prompt_len=ctx.cfg.data.max_prompt_len, plan_prompts=round_prompts,
-        rollouts_per_prompt=host.num_candidates(ccfg, ccfg.rollouts_per_prompt),
-        max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-        top_p=sampling.top_p, top_k=sampling.top_k, seed=stream_seed(ccfg.seed, step),
-        eos_ids=ctx.eos_ids)
-    st.scheduler.version = step
-    return LiveStream(stream=st, sampling=sampling)
-
-
-def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_source, step: int
-                  ) -> tuple[Collected, algo.CollectState]:
-    """The step's groups from one stream (docs/rollout.md "One stream across rounds and
-    steps"): prompts are fed into the running engine as groups come out, while the kept groups
-    plus the ones in flight (at the observed pass rate) cannot fill the step
-    (algo.collect.prompts_to_feed), until dynamic sampling has filled this process's rows or the
-    step's cap (max_generation_rounds x the round's prompts) is fed and done. A group admitted
-    under the weights of a step more than max_staleness steps back is dropped and counted. The
-    groups still in flight are carried into the next step in the paused engine (max_staleness
-    >= 1), else discarded (stream_ends_after). `params` as the runtime's rollout takes them:
-    a carried stream swaps them in. -> (what was collected, the state: the stream's pass-rate
-    counts and the live stream or None)."""
-    ccfg = ctx.collect_cfg
-    row_budget = ccfg.batch_rows // ctx.runtime.num_processes
-    max_rows = host.max_group_rows(ccfg)
-    sampler = algo.GroupSampler.from_config(ccfg, row_budget=row_budget, max_group_rows=max_rows)
-    sampling = ctx.train_sampling(step)
-    n = ccfg.rollouts_per_prompt
-    live: LiveStream | None = state.stream
-    discarded = 0
-    if live is not None and live.sampling != sampling:     # a scheduled temperature changed
-        discarded += live.in_flight * host.num_candidates(ccfg, n)
-        live.close()
-        live = None
-    # a generation round's prompts on this process (the loader's batch): the step's cap and the
-    # slots' plan count in rounds
-    round_prompts = -(-algo.generation_batch_size(ccfg.prompts_per_step,
-                                                  ccfg.generation_batch_multiplier)
-                      // ctx.runtime.num_processes)
-    cap = ccfg.max_generation_rounds * round_prompts
-    if live is None:
-        live = _open_stream(ctx, params, step, sampling, round_prompts)
+    sampler = algo.GroupSampler.from_config(
+        ccfg, row_budget=ccfg.batch_rows // ctx.runtime.num_processes,
+        max_group_rows=host.max_group_rows(ccfg))
+    tally = Tally(sampler=sampler)
+    if ccfg.stream_rounds:
+        tally.stream = StreamTally(max_age=host.max_age(ccfg))
+        live, ctx.live_stream = ctx.live_stream, None
+        if live is not None and live.next_step != step:  # left by another sequence of steps
+            live.close()
+            live = None
+        feed = StreamFeed(ctx, params, state, batch_source, step, tally, live)
     else:
-        live.scheduler.swap_params(params, step)
-    sch = live.scheduler
-    pass_rate = host.stream_pass_rate(ccfg, state)
-    every, infos, truncated, healths, ages = [], [], [], [], []
-    timing = dict.fromkeys(("rollout_s", "scoring_s", "scoring_waited_s"), 0.0)
-    samples = dropped = fed = 0
-    cap_error = None
-    # (group, its FedPrompt, version, its scoring future), in arrival order: the groups being
-    # scored while the next ones decode, at most rewards.groups_in_flight; each is settled when
-    # that many later groups have come out (or none comes), so the filter and the feed see it
-    # at a fixed lag
-    verdicts: list = []
-    depth = ccfg.groups_in_flight
-
-    def settle(v, state):
-        """The group's verdict (waited for), its group and the filter: in arrival order."""
-        gr, meta, version, future = v
-        t0 = time.perf_counter()
-        scored, seconds = future.result()
-        timing["scoring_waited_s"] += time.perf_counter() - t0
-        timing["scoring_s"] += seconds
-        healths.append(scored.health)
-        truncated.append(gr.truncated)
-        group, info = host.make_group(ccfg, gr, scored.rewards, n=n, prompt_ids=meta.prompt_ids,
-                                      index=meta.index, step=step, round_=version,
-                                      position=gr.prompt_index)
-        infos.append(info)
-        every.append(group)
-        state = host.observe(ccfg, state, [(meta.index, info.pass_rate)])
-        rows_before = sampler.rows_used
-        sampler.add_groups([group])
-        if sampler.rows_used > rows_before:
-            ages.extend([step - version] * group.n)
-        return state
-
-    def give_back():
-        """The groups taken and not settled when the step is full go back to the stream, last
-        first: the next step's, if carried (their verdicts are asked again there)."""
-        nonlocal samples
-        while verdicts:
-            gr, meta, _, _ = verdicts.pop()
-            live.stream.unread(gr)
-            live.fed[gr.prompt_index] = meta
-            samples -= gr.lengths.size
-
-    start = live.progress or sch.progress()
-    sch.resume()                        # the pause (the last update) is not the device's idle
-    while True:
-        needed = host.groups_needed(ccfg, row_budget - sampler.rows_used, max_rows)
-        if needed == 0:
-            give_back()
-            break
-        want = host.prompts_to_feed(ccfg, needed=needed, step_groups=row_budget // n,
-                                    in_flight=live.in_flight + len(verdicts), fed=fed,
-                                    cap=cap,
-                                    pool=sch.spec.pool, pass_rate=pass_rate)
-        if want:
-            while len(live.pending) < want:
-                live.pending += _prompts_of(next(batch_source))
-            take, live.pending = live.pending[:want], live.pending[want:]
-            for gid, (ids, record, index) in zip(sch.feed([t[0] for t in take]), take):
-                live.fed[gid] = FedPrompt(ids, record, index)
-            fed += len(take)
-        if live.in_flight == 0:
-            if verdicts:                    # no group comes before these verdicts
-                state = settle(verdicts.pop(0), state)
-                continue
-            sampler.rounds = -(-fed // round_prompts)     # the cap is fed and done, not full
-            try:
-                sampler.need_more()
-            except algo.DynamicSamplingError as e:
-                cap_error = str(e)
-            break
-        t0 = time.perf_counter()
-        gr = next(live.stream)
-        timing["rollout_s"] += time.perf_counter() - t0
-        if len(verdicts) >= depth:          # the oldest, scored while later ones decoded
-            state = settle(verdicts.pop(0), state)
-            if host.groups_needed(ccfg, row_budget - sampler.rows_used, max_rows) == 0:
-                live.stream.unread(gr)      # taken early: the next step's, if carried
-                give_back()
-                break
-        meta = live.fed.pop(gr.prompt_index)
-        version = gr.versions[0][0]        # admitted under it: its oldest tokens
-        samples += gr.lengths.size
-        if host.is_stale(ccfg, version, step):
-            dropped += gr.lengths.size
-            continue
-        verdicts.append((gr, meta, version, live.score(ctx.scorer, meta.record, gr, depth)))
-    sampler.rounds = -(-fed // round_prompts)
-    end = sch.progress()
-    stats = _progress_delta(start, end)
-    timing.update(zip(WAIT_KEYS, (end["host_wait"] - start["host_wait"],
-                                  end["device_idle"] - start["device_idle"])))
-    in_flight = live.in_flight * host.num_candidates(ccfg, n)
-    carried = 0
-    if stream_ends_after(ctx, step):
-        discarded += in_flight
-        live.close()
-        live = None
-    else:
-        carried = in_flight
-        live.progress = end
-    state = host.stream_counts_after(state, sampler.passed_groups, sampler.generated_groups)
-    state = dataclasses.replace(state, stream=live)
-    ages_arr = np.asarray(ages or [0], np.float64)
-    extra = {"staleness/mean": float(ages_arr.mean()), "staleness/max": int(ages_arr.max()),
-             # the histogram: samples the update used at each age 0..max_staleness (steps)
-             **{key: sum(1 for x in ages if x == a)
-                for a, key in enumerate(staleness_keys(ccfg.max_staleness))},
-             "staleness/dropped_samples": dropped, "rollout/carried_samples": carried,
-             "rollout/discarded_samples": discarded, "rollout/fed_prompts": fed,
-             "rollout/step_occupancy": (stats["live_slot_steps"] / stats["slot_steps"]
-                                        if stats["slot_steps"] else 0.0)}
-    return Collected(kept=list(sampler.groups), every=every, infos=infos, truncated=truncated,
-                     n_chosen=[n] * len(every), sampler_stats=sampler.stats(),
-                     rows_used=sampler.rows_used, health=merge_health(healths),
-                     timing={f"time/{k}": v for k, v in timing.items()}, rollout_stats=stats,
-                     generated_samples=samples, cap_error=cap_error, extra=extra), state
+        feed = RoundsFeed(ctx, params, state, batch_source, step, tally)
+    verdicts: collections.deque = collections.deque()     # (Taken, its scoring future)
+    with contextlib.closing(feed):
+        with contextlib.closing(feed.groups(verdicts)) as groups:
+            for taken in groups:
+                if taken is SETTLE:
+                    _settle(ctx, feed, tally, verdicts.popleft(), step)
+                    continue
+                if len(verdicts) >= feed.depth:  # the oldest, scored while later ones decoded
+                    _settle(ctx, feed, tally, verdicts.popleft(), step)
+                    if feed.full():
+                        feed.give_back(taken, verdicts)
+                        break
+                tally.generated_samples += taken.group.lengths.size
+                if feed.drops(taken):
+                    continue
+                verdicts.append((taken, feed.score(taken)))
+        state = feed.finish()
+    if ccfg.stream_rounds:
+        ctx.live_stream = feed.live
+    tally.health = merge_health(tally.healths)
+    return tally, state
 
 
-def decode_during_update(ctx: RunContext, state: algo.CollectState, pending) -> dict:
+def _settle(ctx: RunContext, feed, tally: Tally, verdict: tuple[Taken, Any], step: int) -> None:
+    """A group's verdict (waited for), its selection and shaping, then the feed's filter."""
+    taken, future = verdict
+    t0 = time.perf_counter()
+    scored, seconds = future.result()
+    tally.seconds.scoring_waited += time.perf_counter() - t0
+    tally.seconds.scoring += seconds
+    tally.healths.append(scored.health)
+    tally.truncated.append(taken.group.truncated)
+    group, info = host.make_group(ctx.collect_cfg, taken.group, scored.rewards, n=taken.n,
+                                  prompt_ids=taken.prompt_ids, index=taken.index, step=step,
+                                  round_=taken.round_, position=taken.position)
+    tally.infos.append(info)
+    feed.keep(taken, group, info)
+
+
+def decode_during_update(ctx: RunContext, pending) -> dict:
     """While the update just dispatched runs (``pending``: any of its outputs, not waited for),
     the stream carried into the next step keeps decoding under the weights it has
     (docs/rollout.md "Decoding during the update"): algo.decode_during_update = D >= 0 decode
     calls exactly (a reproducible schedule; with the rollout colocated they queue behind the
     update), -1 = until the update is done when disaggregated (mesh.rollout_devices), else none.
-    The groups that complete are kept for the next step's stream_groups, in order; the calls'
+    The groups that complete are kept for the next step's collect, in order; the calls'
     statistics count in the next step's. -> the step's metrics of it."""
-    live: LiveStream | None = state.stream
+    live = ctx.live_stream
     d = ctx.collect_cfg.decode_during_update
     if live is None or d == 0 or (d < 0 and not ctx.runtime.rollout_devices):
         return {}
@@ -439,23 +284,10 @@ def decode_during_update(ctx: RunContext, state: algo.CollectState, pending) -> 
             "time/decode_during_update_s": time.perf_counter() - t0}
 
 
-def staleness_keys(max_staleness: int) -> tuple[str, ...]:
+def staleness_keys(max_age: int) -> tuple[str, ...]:
     """The staleness histogram's metrics: the key at index a counts the samples the update used
-    that were admitted a steps back (stream mode; ages 0..algo.max_staleness, every step)."""
-    return tuple(f"staleness/age{a}_samples" for a in range(max_staleness + 1))
-
-
-def _prompts_of(batch) -> list:
-    return [(list(batch["prompt_ids"][p]), batch["records"][p], int(batch["index"][p]))
-            for p in range(len(batch["index"]))]
-
-
-def _progress_delta(start: dict, end: dict) -> dict:
-    """The step's rollout statistics (add_rollout_stats' form) from two progress snapshots."""
-    out = {k: end[k] - start[k] for k in ("decode_steps", "refills", "compactions",
-                                          "useful_tokens", "live_slot_steps", "slot_steps")}
-    out["useful_tokens"] = int(out["useful_tokens"])
-    return out
+    that were admitted a steps back (stream mode; ages 0..algo.host.max_age, every step)."""
+    return tuple(f"staleness/age{a}_samples" for a in range(max_age + 1))
 
 
 def advantages(ctx: RunContext, state: algo.CollectState, kept: Sequence[algo.Group]
@@ -490,52 +322,25 @@ def update_batch(ctx: RunContext, kept: Sequence[algo.Group], advs: list[np.ndar
 
 
 # ------------------------------------------------------------------------------------------------
-# Metrics
+# Metrics (each with its reduction over processes declared where it is made: train/metrics.py)
 # ------------------------------------------------------------------------------------------------
-def add_rollout_stats(total: dict, call: dict) -> dict:
-    """The step's totals with one rollout call's statistics (rollout.RolloutStream.stats)."""
-    out = dict(total)
-    for k in ROLLOUT_STAT_KEYS:
-        out[k] += int(call.get(k, 0))
-    steps = int(call.get("decode_steps", 0))
-    out["live_slot_steps"] += float(call.get("mean_live_slots", 0.0)) * steps
-    out["slot_steps"] += int(call.get("num_slots", 0)) * steps
-    return out
-
-
-def rollout_metrics(total: dict) -> dict:
-    """The step's rollout statistics: useful tokens (every token generated, over-generated
-    candidates included), decode steps, refills, compactions and the occupancy (live slots over
-    slots, averaged over every decode step of the step's calls)."""
-    out = {f"rollout/{k}": total[k] for k in ROLLOUT_STAT_KEYS}
-    if total["slot_steps"]:
-        out["rollout/occupancy"] = total["live_slot_steps"] / total["slot_steps"]
-    return out
-
-
-def collect_metrics(ctx: RunContext, got: Collected, state: algo.CollectState,
-                    advs: Sequence[np.ndarray], step: int) -> dict:
-    """The step's rollout metrics (this process's; the loop reduces them over processes)."""
+def collect_metrics(ctx: RunContext, got: Tally, state: algo.CollectState,
+                    advs: Sequence[np.ndarray], step: int) -> Metrics:
+    """The step's rollout metrics (this process's; rl_step reduces them over processes)."""
     ccfg = ctx.collect_cfg
     thr = ccfg.correct_threshold
-    out = step_metrics(got.every, got.truncated, got.sampler_stats, got.kept, advs, thr=thr,
-                       n_nominal=ccfg.rollouts_per_prompt)
-    out.update(got.timing)
-    out["perf/generated_samples"] = got.generated_samples
-    out.update(rollout_metrics(got.rollout_stats))
-    out.update(got.extra)
+    sampler = got.sampler
+    out = step_metrics(got.every, got.truncated, sampler.stats(), got.kept, advs, thr=thr,
+                       n_nominal=got.nominal_n)
+    out.update(got.seconds.metrics())
+    out.put("perf/generated_samples", got.generated_samples, SUM)
+    out.update(got.rollout.metrics())
+    if got.stream is not None:
+        out.update(got.stream.metrics())
     if ctx.temperature_schedule:
         out["rollout/temperature"] = ctx.rollout_temperature(step)
     if ccfg.adaptive_n:
-        ns_arr = np.asarray(got.n_chosen)
-        out["monitor/n_mean"] = float(ns_arr.mean())
-        buckets, _ = algo.policies.parse_adaptive_n(ccfg.adaptive_n_buckets,
-                                                    ccfg.adaptive_n_thresholds)
-        for n in buckets:
-            out[f"adaptive_n/prompts_n{n}"] = int(np.sum(ns_arr == n))
-        out["adaptive_n/batch_rows_used"] = int(got.rows_used)
-        out["adaptive_n/padded_rows"] = int(got.sampler_stats["padded_rows"])
-        out["adaptive_n/tracked_prompts"] = len(state.pass_rates)
+        out.update(_adaptive_n_metrics(ccfg, got, state))
     if float(ccfg.overgenerate_factor) > 1.0:
         cands = sum(i.candidates for i in got.infos)
         kept = sum(i.kept for i in got.infos)
@@ -555,20 +360,33 @@ def collect_metrics(ctx: RunContext, got: Collected, state: algo.CollectState,
     return out
 
 
+def _adaptive_n_metrics(ccfg, got: Tally, state: algo.CollectState) -> dict:
+    ns_arr = np.asarray(got.n_chosen)
+    out = {"monitor/n_mean": float(ns_arr.mean())}
+    buckets, _ = algo.policies.parse_adaptive_n(ccfg.adaptive_n_buckets,
+                                                ccfg.adaptive_n_thresholds)
+    for n in buckets:
+        out[f"adaptive_n/prompts_n{n}"] = int(np.sum(ns_arr == n))
+    out["adaptive_n/batch_rows_used"] = int(got.sampler.rows_used)
+    out["adaptive_n/padded_rows"] = int(got.sampler.stats()["padded_rows"])
+    out["adaptive_n/tracked_prompts"] = len(state.pass_rates)
+    return out
+
+
 def step_metrics(groups: Sequence[algo.Group], truncated: Sequence[np.ndarray], ds: dict,
                  kept: Sequence[algo.Group], advantages: Sequence[np.ndarray], *, thr: float,
-                 n_nominal: int) -> dict:
+                 n_nominal: int) -> Metrics:
     """The per-step rollout metrics: rewards, lengths, dynamic sampling and the BroRL write-ups'
     monitoring (diversity, effective update ratio, reward entropy) over the step's groups."""
     rewards = np.concatenate([g.rewards for g in groups])
     lengths = np.concatenate([g.lengths for g in groups])
-    return {
+    out = Metrics({
         "reward/mean": float(rewards.mean()),
         "reward/correct_frac": float((rewards >= thr).mean()),
         "dynamic_sampling/pass_rate": ds["pass_rate"],
         "dynamic_sampling/rounds": ds["generation_rounds"],
         "dynamic_sampling/kept_groups": ds["kept_groups"],
-        # in units of nominal groups (rollouts_per_prompt rows)
+        # in units of nominal groups (of the configured N rows)
         "dynamic_sampling/padded_groups": ds["padded_rows"] / n_nominal,
         "response/length_mean": float(lengths.mean()),
         "response/length_max": int(lengths.max()),
@@ -581,4 +399,8 @@ def step_metrics(groups: Sequence[algo.Group], truncated: Sequence[np.ndarray], 
         "monitor/ngram3_diversity": float(np.mean(
             [ngram_diversity(g.tokens[None], g.lengths[None], 3)[0] for g in groups])),
         "monitor/reward_entropy": reward_entropy(rewards),
-    }
+    })
+    for key in ("dynamic_sampling/kept_groups", "dynamic_sampling/padded_groups"):
+        out.reductions[key] = SUM       # add up over processes
+    out.reductions["response/length_max"] = MAX
+    return out

@@ -209,6 +209,8 @@ class RunContext:
     scorer: Scorer
     eval_prompts: list                # [(prompt ids, record)] held out, within max_prompt_len
     temperature_schedule: tuple = ()
+    # the collector's stream left paused for the next step (train/collect.py carried_stream)
+    live_stream: Any = dataclasses.field(default=None, repr=False)
 
     @property
     def mcfg(self):
@@ -260,6 +262,9 @@ class RunContext:
                                        with_reference=self.algo_cfg.kl_coef > 0)
 
     def close(self) -> None:
+        if self.live_stream is not None:
+            self.live_stream.close()
+            self.live_stream = None
         self.scorer.close()
 
 

@@ -51,7 +51,7 @@ from brorl_jax.train.context import (
 from brorl_jax.train.logger import MetricsLogger, check_config, plot_metrics
 from brorl_jax.train.sft import run_warm_start
 from brorl_jax.train.signals import GracefulStop
-from brorl_jax.train.step import LOSS_KEYS, SUMMED_METRICS, rl_step  # noqa: F401 - re-exported
+from brorl_jax.train.step import LOSS_KEYS, rl_step  # noqa: F401 - re-exported
 
 __all__ = ["Trainer", "RunResult", "train", "restore_params", "check_model_path", "load_model"]
 

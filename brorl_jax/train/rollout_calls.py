@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from brorl_jax import algo
-from brorl_jax.algo import collect as host
+from brorl_jax.algo import host
 from brorl_jax.config import collect_config, rollout_memory_budget_bytes
 from brorl_jax.rollout import plan as rollout_plan
 

@@ -10,12 +10,13 @@
      selection of N of the candidates and reward shaping (length penalty, clipping).
   3. Dynamic sampling: groups with 0 < #correct < N kept, whole and in arrival order, until
      prompts_per_step * N rows are filled (or the round cap: error, or pad).
-     With algo.stream_rounds the rounds are one stream (collect.stream_groups): prompts enter
+     With algo.stream_rounds the rounds are one stream (collect's stream feed): prompts enter
      the running engine as groups come out, while the kept and in-flight groups (at the
-     observed pass rate) cannot fill the step; no round boundary drains the engine. With
-     algo.max_staleness = k >= 1 the groups still in flight are carried into the next step in
-     the paused engine (decoding on with the new weights, each token's sampling log-prob its
-     TIS behaviour policy) and a group admitted more than k steps back is dropped and counted.
+     observed pass rate) cannot fill the step; no round boundary drains the engine. With a
+     staleness bound k >= 1 (algo.host.max_age) the groups still in flight are carried into
+     the next step in the paused engine (decoding on with the new weights, each token's
+     sampling log-prob its TIS behaviour policy) and a group admitted more than k steps back
+     is dropped and counted.
   4. Verifier health: a data source whose every sample failed stops the run (before a
      dynamic-sampling error, which it would cause).
   5. Advantages: REINFORCE++-baseline (the configured estimator and normaliser) over every kept
@@ -27,13 +28,15 @@
      rollout devices; collect.decode_during_update).
   8. The periodic reference reset.
 
-`ctx` is the run's context (train/context.py), `train_state` an algo.TrainState, `collect_state`
-the algo.CollectState that carries from step to step (adaptive-N pass rates, the advantage EMA,
-the last step's verifier health), `batch_source` an iterator of the loader's prompt batches and
-`step` the 0-based RL step (every random draw derives from (seed, step)). The host-side
-decisions are algo/collect.py's pure functions; this function only wires them to the runtime and
-the verifiers, and returns the step's metrics (reduced over processes). Nothing else is
-touched: the loop (train/loop.py) adds logging, evaluation, checkpoints and signals.
+`ctx` is the run's context (train/context.py; it holds the stream a step leaves paused for the
+next), `train_state` an algo.TrainState, `collect_state` the algo.CollectState that carries from
+step to step (adaptive-N pass rates, the advantage EMA, the last step's verifier health),
+`batch_source` an iterator of the loader's prompt batches and `step` the 0-based RL step
+(every random draw derives from (seed, step)). The host-side decisions are algo/host.py's
+pure functions; this function only wires them to the runtime and the verifiers, and returns
+the step's metrics (reduced over processes, each by the reduction declared where it is made:
+train/metrics.py). Nothing else is touched: the loop (train/loop.py) adds logging,
+evaluation, checkpoints and signals.
 """
 from __future__ import annotations
 
@@ -46,12 +49,8 @@ from brorl_jax import algo
 from brorl_jax.errors import TrainingStopped
 from brorl_jax.train import collect
 from brorl_jax.train.context import RunContext
+from brorl_jax.train.metrics import MAX, SUM
 
-# Rollout metrics that add up over processes (the others are averaged).
-SUMMED_METRICS = ("perf/generated_samples", "rollout/useful_tokens",
-                  "dynamic_sampling/kept_groups", "dynamic_sampling/padded_groups",
-                  "rollout/carried_samples", "rollout/discarded_samples",
-                  "staleness/dropped_samples", "rollout/fed_prompts")
 # Update metrics logged under loss/ (the rest under update/).
 LOSS_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "clip_frac_low", "clip_frac_high",
              "dual_clip_frac", "ratio_mean", "tis_dropped_frac", "tis_weight_mean")
@@ -63,8 +62,7 @@ def rl_step(ctx: RunContext, train_state: algo.TrainState, collect_state: algo.C
     where = f"step {step + 1}"
     # 1-3. rollouts, rewards, selection and shaping, dynamic sampling
     params = ctx.runtime.rollout_params(train_state.params)
-    gather = collect.stream_groups if ctx.collect_cfg.stream_rounds else collect.generate_groups
-    got, collect_state = gather(ctx, params, collect_state, batch_source, step)
+    got, collect_state = collect.collect(ctx, params, collect_state, batch_source, step)
     collect_state = dataclasses.replace(collect_state, health=got.health)
     # 4. verifier health: every process's verdicts together
     if got.cap_error is not None:
@@ -77,15 +75,14 @@ def rl_step(ctx: RunContext, train_state: algo.TrainState, collect_state: algo.C
     batch = collect.update_batch(ctx, got.kept, advs)
     metrics = collect.collect_metrics(ctx, got, collect_state, advs, step)
     metrics.update(health.metrics())
-    metrics = ctx.runtime.reduce_metrics(
-        metrics, sums=SUMMED_METRICS + collect.staleness_keys(ctx.collect_cfg.max_staleness),
-        maxes=("response/length_max", "staleness/max"))
+    metrics = ctx.runtime.reduce_metrics(metrics, sums=metrics.reduced_by(SUM),
+                                         maxes=metrics.reduced_by(MAX))
     # 7. the update
     t0 = time.perf_counter()
     rng = jax.random.fold_in(jax.random.key(ctx.cfg.train.seed), step)
     train_state, upd = ctx.runtime.update(ctx.update_config(step), train_state, batch, rng)
     # the carried stream decodes on while the update runs (algo.decode_during_update)
-    ahead = collect.decode_during_update(ctx, collect_state, upd)
+    ahead = collect.decode_during_update(ctx, upd)
     metrics.update(update_metrics(jax.device_get(upd)))
     metrics["time/update_s"] = time.perf_counter() - t0
     metrics.update(ahead)

@@ -1,4 +1,4 @@
-"""The host-side algorithm of a step (brorl_jax/algo/collect.py): pure functions over an explicit
+"""The host-side algorithm of a step (brorl_jax/algo/host.py): pure functions over an explicit
 CollectState whose JSON form (the checkpoint's) round-trips exactly, and the split of the algo
 settings between the update's jit key (AlgoConfig) and the collect's (CollectConfig)."""
 import dataclasses
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from brorl_jax import algo
-from brorl_jax.algo import collect as host, policies
+from brorl_jax.algo import host, policies
 from brorl_jax.config import algo_config, collect_config, default_config
 
 
@@ -126,7 +126,7 @@ def test_advantages_ema_state_is_returned_not_kept():
 
 
 def test_stream_admission_oversupplies_by_the_pass_rate_and_runs_one_step_ahead_with_k():
-    """algo.collect.prompts_to_feed: k = 0 keeps ceil(needed / pass rate) prompts in flight; k >=
+    """algo.host.prompts_to_feed: k = 0 keeps ceil(needed / pass rate) prompts in flight; k >=
     1 one step's groups more; never more than the pool nor past the step's cap; nothing once
     the step is full. groups_needed counts whole groups; is_stale is the bound k."""
     k0 = collect_config(rollouts_per_prompt=8, prompts_per_step=4, generation_batch_multiplier=2.0)

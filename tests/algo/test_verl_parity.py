@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from brorl_jax.algo import LOSS_AGG, compute_advantages, kl_penalty, policy_loss, tis_weights
-from brorl_jax.algo.collect import CollectState, advantages
 from brorl_jax.algo.dynamic_sampling import select_groups
+from brorl_jax.algo.host import CollectState, advantages
 from brorl_jax.config import algo_config, collect_config
 
 NPZ = os.path.join(os.path.dirname(__file__), "verl_reference", "verl_core_algos.npz")
@@ -184,7 +184,7 @@ def test_reinforce_pp_baseline_token_whitening_matches_verl(ref, scores):
 
 
 def test_the_loops_advantages_are_veRLs(ref):
-    """algo.collect.advantages (what the RL step calls, with the config's defaults) on groups with
+    """algo.host.advantages (what the RL step calls, with the config's defaults) on groups with
     their response lengths gives veRL's token-whitened advantages."""
     cfg = collect_config()
     shaped = [row for row in ref["in_scores"]]

@@ -34,8 +34,8 @@ def _open(engine, params):
 
 def _all_at_once(engine, params):
     st = _open(engine, params)
-    st.scheduler.feed(PROMPTS)
-    st.scheduler.close_feed()
+    st.feed(PROMPTS)
+    st.close_feed()
     return st.result()
 
 
@@ -44,17 +44,16 @@ def test_fed_prompts_give_the_one_shot_calls_samples_and_a_pause_keeps_them(mode
     left suspended) in the middle: every group once, equal to the prompts fed at once."""
     want = _all_at_once(engine, model.params)
     st = _open(engine, model.params)
-    sch = st.scheduler
-    assert list(sch.feed(PROMPTS[:2])) == [0, 1]
+    assert list(st.feed(PROMPTS[:2])) == [0, 1]
     got, queue = {}, list(PROMPTS[2:])
     for gr in st:
         got[gr.prompt_index] = gr
         if queue:
-            sch.feed([queue.pop(0)])
+            st.feed([queue.pop(0)])
         if len(got) == 2:
             break                   # paused: slots, pages and pool kept
-    assert sch.in_flight == len(PROMPTS) - 2
-    sch.close_feed()
+    assert st.in_flight == len(PROMPTS) - 2
+    st.close_feed()
     for gr in st:
         assert gr.prompt_index not in got
         got[gr.prompt_index] = gr
@@ -63,9 +62,9 @@ def test_fed_prompts_give_the_one_shot_calls_samples_and_a_pause_keeps_them(mode
         np.testing.assert_array_equal(gr.tokens, want.tokens[g])
         np.testing.assert_array_equal(gr.lengths, want.lengths[g])
         np.testing.assert_allclose(gr.logprobs, want.logprobs[g], atol=2e-4)
-    prog = sch.progress()
-    assert prog["useful_tokens"] == int(want.lengths.sum())
-    assert 0 < prog["live_slot_steps"] <= prog["slot_steps"]
+    prog = st.progress()
+    assert prog.useful_tokens == int(want.lengths.sum())
+    assert 0 < prog.live_slot_steps <= prog.slot_steps
 
 
 def test_advance_decodes_with_no_consumer_and_keeps_the_groups_in_order(model, engine):
@@ -75,13 +74,13 @@ def test_advance_decodes_with_no_consumer_and_keeps_the_groups_in_order(model, e
     sample."""
     want = _all_at_once(engine, model.params)
     st = _open(engine, model.params)
-    sch = st.scheduler
-    sch.feed(PROMPTS)
-    assert st.advance(until=lambda: True) == 0 and sch.delivered == 0
+    st.feed(PROMPTS)
+    assert st.advance(until=lambda: True) == 0 and st.buffered == 0
     assert st.advance(2) == 2
-    assert sch.counters["round_trips"] == 2
-    buffered = sch.delivered
-    sch.close_feed()
+    assert st._scheduler.counters.round_trips == 2       # the call's own counters
+    buffered = st.buffered
+    assert st.in_flight == len(PROMPTS)       # complete and kept ones count until taken
+    st.close_feed()
     got = list(st)
     assert buffered > 0 and [g.decode_step for g in got] == sorted(g.decode_step for g in got)
     assert sorted(g.prompt_index for g in got) == list(range(len(PROMPTS)))
@@ -100,12 +99,12 @@ def test_weight_swap_applies_at_the_next_device_call(model, engine):
     other = engine.rollout_params(other)
     new = _all_at_once(engine, other)
     st = _open(engine, model.params)
-    sch = st.scheduler
-    sch.feed(PROMPTS[:3])                   # 18 samples for 12 slots: some wait
+    st.feed(PROMPTS[:3])                    # 18 samples for 12 slots: some wait
     first = next(iter(st))                  # pause after the first group
-    sch.swap_params(other)
-    sch.feed(PROMPTS[3:])
-    sch.close_feed()
+    st.swap_params(other)
+    assert st.version == 1
+    st.feed(PROMPTS[3:])
+    st.close_feed()
     rest = {gr.prompt_index: gr for gr in st}
     assert first.prompt_index not in rest and len(rest) == len(PROMPTS) - 1
     old = _all_at_once(engine, model.params)
@@ -131,7 +130,7 @@ def test_weight_swap_applies_at_the_next_device_call(model, engine):
                              np.allclose(gr.logprobs[j], old.logprobs[g][j], atol=2e-4))
     assert moved and any(moved)         # samples caught mid-way, and the new weights show
     with pytest.raises(RuntimeError, match="feed"):
-        sch.feed([[5]])
+        st.feed([[5]])
 
 
 def test_an_open_stream_with_nothing_in_flight_says_feed(model, engine):
@@ -140,7 +139,7 @@ def test_an_open_stream_with_nothing_in_flight_says_feed(model, engine):
         next(iter(st))
     st2 = _open(engine, model.params)
     with pytest.raises(ValueError, match="at most 32"):
-        st2.scheduler.feed([list(range(4, 40))])
+        st2.feed([list(range(4, 40))])
 
 
 def test_the_plan_of_an_open_stream_is_the_layout_it_allocates(model, engine):
@@ -152,8 +151,9 @@ def test_the_plan_of_an_open_stream_is_the_layout_it_allocates(model, engine):
     from brorl_jax.rollout import plan as rollout_plan
     st = _open(engine, model.params)
     want = rollout_plan.stream_plan(model.config, engine.plan(2, 32, N, S), 32, S)
-    sch = st.scheduler
-    assert sch.plan == want and want.pool > engine.plan(2, 32, N, S).pool
+    assert st.plan == want and want.pool > engine.plan(2, 32, N, S).pool
+    assert st.pool_size == want.pool
+    sch = st._scheduler      # the device state it allocates (rollout-internal)
     sch.start()
     held = sum(x.nbytes for x in jax.tree.leaves((sch.pool, sch.slots, sch.kv)))
     assert 0.5 * want.bytes_per_device <= held <= want.bytes_per_device, (held, want)

@@ -1,5 +1,5 @@
 """The one RL step (brorl_jax/train/step.py rl_step, its collect in train/collect.py and
-algo/collect.py): with every option off it is the paper's recipe step by step; with options on
+algo/host.py): with every option off it is the paper's recipe step by step; with options on
 it changes what they say, compiles no more once its shapes are warm, and its CollectState
 survives a checkpoint (exact resume)."""
 import dataclasses
@@ -304,7 +304,7 @@ def test_groups_are_scored_while_decoding_goes_on(tmp_path):
         return streams[-1]
 
     def collect_only(step=0):   # rl_step up to the update batch (the update is not timed here)
-        got, state = collect.generate_groups(ctx, ctx.model.params, algo.CollectState(),
+        got, state = collect.collect(ctx, ctx.model.params, algo.CollectState(),
                                              iter(trainer.loader), step)
         advs, state = collect.advantages(ctx, state, got.kept)
         return (collect.update_batch(ctx, got.kept, advs),

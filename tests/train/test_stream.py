@@ -1,5 +1,5 @@
 """One stream per step (algo.stream_rounds) and bounded staleness (algo.max_staleness), on the
-tiny run with a fake verifier (train/collect.py stream_groups, algo/collect.py's admission
+tiny run with a fake verifier (train/collect.py with train/feeds.py's stream feed, algo/host.py's admission
 rule): with k = 0 every sample the update uses is on-policy and its behaviour log-probs are the
 current weights'; with k = 1 groups are carried into the next step, none is used twice, none is
 lost without being counted, none is older than k; a run restarted from a checkpoint step's
@@ -102,7 +102,7 @@ def _run(trainer, steps, state=None, cstate=None, data_iter=None, start=0, recor
     for step in range(start, start + steps):
         if record is not None:
             record[step] = (jax.tree.map(jnp.copy, state), cstate.to_json(),
-                            data_iter.get_state(), cstate.stream is None)
+                            data_iter.get_state(), collect.carried_stream(ctx) is None)
         params = jax.tree.map(np.asarray, state.params)
         state, cstate, m = rl_step(ctx, state, cstate, data_iter, step)
         out.append((m, params))
@@ -125,7 +125,7 @@ def test_stream_at_k0_uses_only_on_policy_samples_with_their_behaviour_logprobs(
         assert m["rollout/carried_samples"] == 0 and m["staleness/dropped_samples"] == 0
         assert m["dynamic_sampling/kept_groups"] == trainer.cfg.algo.prompts_per_step
         assert 0 < m["rollout/step_occupancy"] <= 1
-    assert cstate.stream is None and cstate.stream_counts[1] == len(seen)
+    assert collect.carried_stream(trainer.ctx) is None and cstate.stream_counts[1] == len(seen)
     assert 0 < cstate.stream_counts[0] < cstate.stream_counts[1]        # some groups filtered
     assert all(g["version"] == g["step"] for g in seen)
     model = trainer.ctx.model
@@ -190,7 +190,7 @@ def test_stream_at_k1_carries_groups_each_used_once_none_lost_none_too_old(
             for j, t in enumerate(np.minimum(switch, g["lengths"])):
                 np.testing.assert_allclose(g["logprobs"][j, :t], want[j, :t], atol=2e-4)
     assert carried > 0
-    assert cstate.stream is None             # the last step closed it (a checkpoint step)
+    assert collect.carried_stream(trainer.ctx) is None    # the last step closed it (a checkpoint step)
 
 
 class SlowScorer:

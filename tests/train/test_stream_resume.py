@@ -30,15 +30,16 @@ FLAGS = ["--config.algo.stream_rounds=True", "--config.algo.max_staleness=1",
 KILLER = """
 import os, runpy, signal, sys, time
 import brorl_jax.train.loop as loop
+from brorl_jax.train import collect
 real, at, commit = loop.rl_step, int(os.environ["KILL_AT"]), os.environ["KILL_AFTER"]
 def rl_step(ctx, state, cstate, data_iter, step):
     if step == at:
-        live = cstate.stream
-        assert live is not None and live.scheduler.in_flight > 0, "nothing in flight"
+        live = collect.carried_stream(ctx)      # the collector's paused stream
+        assert live is not None and live.stream.in_flight > 0, "nothing in flight"
         deadline = time.time() + 300
         while not os.path.exists(commit) and time.time() < deadline:
             time.sleep(0.05)
-        print("killed with", live.scheduler.in_flight, "prompts in flight", flush=True)
+        print("killed with", live.stream.in_flight, "prompts in flight", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     return real(ctx, state, cstate, data_iter, step)
 loop.rl_step = rl_step

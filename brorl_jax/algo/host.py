@@ -50,15 +50,13 @@ class CollectState:
         checkpointed: a resumed step counts its own).
     stream_counts: (groups the filter kept, groups scored) over the run's streamed steps
         (algo.stream_rounds): the pass rate the stream's oversupply expects (stream_pass_rate).
-    stream: the live stream carried into the next step (algo.max_staleness >= 1; the train
-        layer's object: the paused engine, its prompts in flight and their policy versions).
-        Never checkpointed: the stream is closed at every checkpoint step (in an uninterrupted
-        run too), so a resumed run starts where the uninterrupted one starts afresh."""
+    Only data that checkpoints: the live stream a step leaves paused for the next is the
+    train layer's collector's (train/collect.py carried_stream), closed at every checkpoint
+    step, so a resumed run starts where the uninterrupted one starts afresh."""
     pass_rates: Mapping[int, float] = dataclasses.field(default_factory=dict)
     advantage_normalizer: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     health: VerifierHealth = dataclasses.field(default_factory=VerifierHealth, compare=False)
     stream_counts: tuple = ()
-    stream: Any = dataclasses.field(default=None, compare=False)
 
     def to_json(self) -> dict:
         """The checkpoint meta's form ({} for the paper's recipe); floats round-trip exactly."""
@@ -212,6 +210,13 @@ def prompts_to_feed(cfg: CollectConfig, *, needed: int, step_groups: int, in_fli
     ahead = step_groups if cfg.max_staleness > 0 else 0
     target = min(pool, math.ceil((needed + ahead) / max(pass_rate, 1e-6)))
     return int(max(0, min(target - in_flight, cap - fed)))
+
+
+def max_age(cfg: CollectConfig) -> int:
+    """The oldest (in steps) a sample the update uses may be: 0 = on-policy, nothing carried
+    into the next step; k >= 1 = a stream's groups in flight are carried (BroRL's off-policy
+    bound, algo.max_staleness)."""
+    return int(cfg.max_staleness)
 
 
 def is_stale(cfg: CollectConfig, version: int, step: int) -> bool:

@@ -1,0 +1,93 @@
+"""The rollout's result types: one prompt's group (:class:`GroupResult`, handed out as soon as its
+N samples are done) and a whole call (:class:`RolloutResult`, every group stacked)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutResult:
+    """Rollouts of G prompts x N samples, S = max_new_tokens (numpy arrays).
+
+    tokens int32[G, N, S]: generated ids, ``pad_id`` (0) past ``lengths``.
+    logprobs float32[G, N, S]: sampling-time ``log_softmax(logits / T)[token]`` (0 past lengths).
+    lengths int32[G, N]: generated tokens per sample, the stop token included.
+    finished bool[G, N]: a stop token was generated. truncated bool[G, N]: hit max_new_tokens
+    without a stop token (exactly one of finished/truncated is True).
+    mask bool[G, N, S]: ``t < lengths``.  prompt_lengths int32[G].
+    stats: per call, for logging and benchmarks (see ``Engine`` and docs/rollout.md): useful_tokens,
+      decode_steps, num_slots, pool_size, mean_live_slots, occupancy, refills, compactions,
+      round_trips, prefill/decode/host/total seconds, decode_forward_rows, decode_calls, ...
+    """
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    lengths: np.ndarray
+    finished: np.ndarray
+    truncated: np.ndarray
+    mask: np.ndarray
+    prompt_lengths: np.ndarray
+    stats: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_prompts(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def rollouts_per_prompt(self) -> int:
+        return self.tokens.shape[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupResult:
+    """The N samples of one prompt, handed out as soon as all of them are done.
+
+    prompt_index: position of the prompt in the call's ``prompts``. tokens/logprobs [N, S],
+    lengths/finished/truncated [N], mask [N, S] as in :class:`RolloutResult`.
+    decode_step: decode steps run (since the call started) when the group completed.
+    seconds: wall time from the start of the call to the group being ready on the host.
+    versions: the weights its tokens were sampled with, ((version, first [N]), ...) oldest
+    first: token t of sample n came from the last version whose first[n] <= t (the first entry
+    is the version it was admitted under, first = 0; an open stream adds one per weight swap
+    while the group was in flight: OpenStream.swap_params). ``((0, zeros),)`` in a plain call.
+    """
+
+    prompt_index: int
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    lengths: np.ndarray
+    finished: np.ndarray
+    truncated: np.ndarray
+    mask: np.ndarray
+    prompt_length: int
+    decode_step: int
+    seconds: float
+    versions: tuple = ()
+
+
+def group_result(prompt_index, tok, logp, lengths, fin, prompt_length, step,
+                 seconds) -> GroupResult:
+    """One group's arrays trimmed to its lengths (pad 0 past them)."""
+    s = tok.shape[-1]
+    mask = np.arange(s) < lengths[:, None]
+    fin = fin.astype(bool)
+    return GroupResult(prompt_index=int(prompt_index),
+                       tokens=np.where(mask, tok, 0).astype(np.int32),
+                       logprobs=np.where(mask, logp, 0.0).astype(np.float32),
+                       lengths=lengths.astype(np.int32), finished=fin, truncated=~fin, mask=mask,
+                       prompt_length=int(prompt_length), decode_step=int(step),
+                       seconds=float(seconds))
+
+
+def assemble(groups: Sequence[GroupResult], stats: dict | None = None) -> RolloutResult:
+    """A :class:`RolloutResult` from every prompt's group (any order)."""
+    groups = sorted(groups, key=lambda gr: gr.prompt_index)
+    stack = lambda name: np.stack([getattr(gr, name) for gr in groups])
+    return RolloutResult(tokens=stack("tokens"), logprobs=stack("logprobs"),
+                         lengths=stack("lengths"), finished=stack("finished"),
+                         truncated=stack("truncated"), mask=stack("mask"),
+                         prompt_lengths=np.asarray([gr.prompt_length for gr in groups], np.int32),
+                         stats=dict(stats or {}))
