@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from brorl_jax.algo.batch import UPDATE_KEYS as BATCH_KEYS, is_packed
+from brorl_jax.algo.batch import TokenRows, UpdateBatch
 from brorl_jax.algo.config import AlgoConfig
 from brorl_jax.algo.losses import get_loss_agg, policy_loss
 from pallas_kernels import fused_logprob, fused_logprob_stats
@@ -104,11 +104,6 @@ def split_attention_arg(attention_mask):
     return attention_mask, None
 
 
-def _attention_arg(mb: dict):
-    """What PolicyFns.hidden gets as attention_mask: segment ids for packed rows."""
-    return mb["segment_ids"] if "segment_ids" in mb else mb.get("attention_mask")
-
-
 def _resolve_policy(model_cfg, policy: PolicyFns | None) -> PolicyFns:
     if policy is not None:
         return policy
@@ -117,17 +112,17 @@ def _resolve_policy(model_cfg, policy: PolicyFns | None) -> PolicyFns:
     return model_policy_fns(model_cfg)
 
 
-def _token_logprobs(policy: PolicyFns, params, mb: dict, cfg: AlgoConfig, *, remat: bool, stats: bool = False,
-                    logprob_fn=None):
+def _token_logprobs(policy: PolicyFns, params, mb: TokenRows | UpdateBatch, cfg: AlgoConfig, *,
+                    remat: bool, stats: bool = False, logprob_fn=None):
     """Micro-batch rows -> (logp [b, T], entropy [b, T], sum_p2 [b, T] or None).
 
     logprob_fn(hidden[T, D], lm_head[D, V], targets[T], *, temperature, impl) replaces
     pallas_kernels.fused_logprob when given (e.g. the vocab-parallel shard_map version)."""
-    tokens = mb["input_tokens"]
+    tokens = mb.input_tokens
     b, t = tokens.shape
-    h = policy.hidden(params, tokens, mb["positions"], _attention_arg(mb), remat)
+    h = policy.hidden(params, tokens, mb.positions, mb.attention_arg(), remat)
     w = policy.lm_head(params).astype(h.dtype)
-    h2, tg = h.reshape(b * t, h.shape[-1]), mb["targets"].reshape(b * t)
+    h2, tg = h.reshape(b * t, h.shape[-1]), mb.targets.reshape(b * t)
     if stats:
         out = fused_logprob_stats(h2, w, tg, temperature=cfg.temperature, impl=cfg.logprob_impl)
         return (out["logp"].reshape(b, t), out["entropy"].reshape(b, t), out["sum_p2"].reshape(b, t))
@@ -256,25 +251,15 @@ def _micro_name(cfg: AlgoConfig) -> str:
             else f"algo.micro_batch_size={cfg.micro_batch_size}")
 
 
-def _check_batch(batch: dict, cfg: AlgoConfig) -> tuple[int, int, int]:
+def _check_batch(batch: UpdateBatch, cfg: AlgoConfig) -> tuple[int, int, int]:
     """-> (rows, mini-batch rows, micro-batch rows). A packed batch's mini-batches are padded to
     whole micro-batches in the step; a padded batch's must divide."""
-    missing = [k for k in BATCH_KEYS if k not in batch]
-    if missing:
-        raise ValueError(f"update batch is missing {missing}; required keys: {list(BATCH_KEYS)}")
-    packed = is_packed(batch)
-    if packed and "attention_mask" in batch:
-        raise ValueError("a packed batch (segment_ids) must not also have attention_mask: "
-                         "segment id 0 marks padding")
-    rows, seq = batch["input_tokens"].shape
-    for k in BATCH_KEYS + (("segment_ids",) if packed else ()):
-        want = (rows,) if (k == "advantages" and not packed) else (rows, seq)
-        if batch[k].shape != want:
-            raise ValueError(f"batch[{k!r}] has shape {batch[k].shape}, expected {want}"
-                             + (" (packed rows: per-token advantages)" if k == "advantages" and packed
-                                else ""))
-    if packed and "pack_units" in batch and len(batch["pack_units"]) % cfg.ppo_mini_batches:
-        raise ValueError(f"the packed batch has {len(batch['pack_units'])} packing units, not a "
+    if not isinstance(batch, UpdateBatch):
+        raise TypeError(f"the update takes an algo.batch.UpdateBatch, not {type(batch).__name__}")
+    rows, seq = batch.check_shapes()
+    packed = batch.packed
+    if packed and batch.pack_units is not None and len(batch.pack_units) % cfg.ppo_mini_batches:
+        raise ValueError(f"the packed batch has {len(batch.pack_units)} packing units, not a "
                          f"multiple of algo.ppo_mini_batches={cfg.ppo_mini_batches}: pass "
                          f"mini_batches=algo.ppo_mini_batches to assemble_update_batch")
     if rows % cfg.ppo_mini_batches:
@@ -284,7 +269,20 @@ def _check_batch(batch: dict, cfg: AlgoConfig) -> tuple[int, int, int]:
     if not packed and mini % micro:
         raise ValueError(f"mini-batch rows {mini} (= {rows} / ppo_mini_batches) not divisible by "
                          f"{micro} rows per micro-batch ({_micro_name(cfg)})")
+    if cfg.kl_coef > 0 and batch.ref_logprobs is None:
+        raise ValueError("algo.kl_coef > 0 but the update batch has no ref_logprobs: fill it "
+                         "with make_logprob_fn on the reference params")
     return rows, mini, micro
+
+
+@flax.struct.dataclass
+class _Rows:
+    """The update's rows as the loss reads them: the batch (without its host-side fields), pi_old
+    float32[R, T] (the step-start log-probs) and, per mini-batch, the loss aggregation weights
+    float32[R, T] (LOSS_AGG over the whole mini-batch)."""
+    batch: UpdateBatch
+    pi_old: jax.Array
+    agg_weights: jax.Array | None = None
 
 
 def _split(tree, n: int, shard_rows=None):
@@ -310,7 +308,8 @@ def _pad_rows(tree, axis: int, multiple: int):
 def make_logprob_fn(model_cfg=None, algo_cfg: AlgoConfig | None = None, *, policy: PolicyFns | None = None,
                     micro_batch_size: int | None = None, with_stats: bool = False,
                     unsampled_n: int | None = None, logprob_fn=None, shard_rows=None):
-    """-> logprobs(params, batch) -> (logp [B, T], entropy [B, T], stats dict).
+    """-> logprobs(params, batch) -> (logp [B, T], entropy [B, T], stats dict); batch: an
+    UpdateBatch or a TokenRows (only the fields a forward pass reads are used).
 
     No gradient; micro-batched with lax.map so memory does not grow with B. stats holds
     "sum_p2" [B, T] (sum_v p_v^2) when with_stats, and "sum_p2_unsampled" [B, T]
@@ -324,25 +323,23 @@ def make_logprob_fn(model_cfg=None, algo_cfg: AlgoConfig | None = None, *, polic
     pol = _resolve_policy(model_cfg, policy)
 
     def logprobs(params, batch):
-        rows, seq = batch["input_tokens"].shape
+        inputs = batch.token_rows()
+        rows, seq = inputs.input_tokens.shape
         micro = min(micro_batch_size or micro_batch_rows(cfg, seq), rows)
-        packed = is_packed(batch)
+        packed = inputs.segment_ids is not None
         if rows % micro and not packed:
             raise ValueError(f"batch rows {rows} not divisible by micro_batch_size={micro}")
-        keys = ["input_tokens", "positions", "targets"] + [
-            k for k in ("attention_mask", "segment_ids") if k in batch]
-        inputs = {k: batch[k] for k in keys}
         if packed:      # whole micro-batches: empty rows at the end, cut off again below
             inputs = _pad_rows(inputs, 0, micro)
-        parts = _split(inputs, inputs["input_tokens"].shape[0] // micro, shard_rows)
+        parts = _split(inputs, inputs.input_tokens.shape[0] // micro, shard_rows)
 
-        def one(mb):
+        def one(mb: TokenRows):
             if unsampled_n is not None:
-                tokens = mb["input_tokens"]
+                tokens = mb.input_tokens
                 b, t = tokens.shape
-                h = pol.hidden(params, tokens, mb["positions"], _attention_arg(mb), False)
+                h = pol.hidden(params, tokens, mb.positions, mb.attention_arg(), False)
                 w = pol.lm_head(params).astype(h.dtype)
-                out = fused_logprob_stats(h.reshape(b * t, -1), w, mb["targets"].reshape(-1),
+                out = fused_logprob_stats(h.reshape(b * t, -1), w, mb.targets.reshape(-1),
                                           temperature=cfg.temperature, impl=cfg.logprob_impl,
                                           unsampled_n=int(unsampled_n))
                 shape = lambda x: x.reshape(b, t)
@@ -378,7 +375,7 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
                      device_bytes: int | None = None):
     """-> update(state, batch, rng) -> (state, metrics). Pure; jit it (donate state if you like).
 
-    batch: the INTERFACES.md "algo" dict in either layout of algo.batch: padded (rows =
+    batch: an algo.batch.UpdateBatch in either layout: padded (rows =
     prompts_per_step * N; padded rows have an all-False loss_mask) or packed (segment ids,
     per-token advantages; its mini-batches are padded with empty rows to whole micro-batches).
     metrics (scalars): loss, pg_loss, kl, entropy, clip_frac, clip_frac_low,
@@ -411,18 +408,19 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
     inline_old = pi_old_in_gradient_pass(cfg, diagnostics_n)
     first_inline = first_pi_old_in_gradient_pass(cfg, diagnostics_n)
 
-    def micro_loss(params, mb, remat, first):
+    def micro_loss(params, rows: _Rows, remat, first):
+        mb = rows.batch
         logp, ent, _ = _token_logprobs(pol, params, mb, cfg, remat=remat, logprob_fn=logprob_fn)
         if inline_old:
             old = lax.stop_gradient(logp)
         elif first_inline:      # the first mini-batch's pi_old is its own log-prob
-            old = jnp.where(first, lax.stop_gradient(logp), mb["pi_old"])
+            old = jnp.where(first, lax.stop_gradient(logp), rows.pi_old)
         else:
-            old = mb["pi_old"]
-        return policy_loss(logp, ent, old_logp=old, rollout_logp=mb["old_logprobs"],
-                           ref_logp=mb["ref_logprobs"] if use_ref else None,
-                           advantages=mb["advantages"], loss_mask=mb["loss_mask"],
-                           agg_weights=mb["agg_weights"], cfg=cfg)
+            old = rows.pi_old
+        return policy_loss(logp, ent, old_logp=old, rollout_logp=mb.old_logprobs,
+                           ref_logp=mb.ref_logprobs if use_ref else None,
+                           advantages=mb.advantages, loss_mask=mb.loss_mask,
+                           agg_weights=rows.agg_weights, cfg=cfg)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
@@ -439,8 +437,8 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
         params, opt_state = carry
         mb, index = xs
         first = index == 0
-        mb = dict(mb, agg_weights=agg(mb["loss_mask"], mb.get("segment_ids")))
-        n_micro = mb["input_tokens"].shape[0] // micro_rows
+        mb = mb.replace(agg_weights=agg(mb.batch.loss_mask, mb.batch.segment_ids))
+        n_micro = mb.batch.input_tokens.shape[0] // micro_rows
         micro = _split(mb, n_micro, shard_rows)
 
         if n_micro == 1:
@@ -481,29 +479,30 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
                        finite=finite.astype(jnp.float32))
         return (params, opt_state), metrics
 
-    def update(state: TrainState, batch: dict, rng: jax.Array | None = None):
+    def update(state: TrainState, batch: UpdateBatch, rng: jax.Array | None = None):
         rows, mini, micro_rows = _check_batch(batch, cfg)
-        packed = is_packed(batch)
-        keys = list(BATCH_KEYS) + [k for k in ("attention_mask", "segment_ids") if k in batch]
-        data = {k: batch[k] for k in keys}
+        packed = batch.packed
+        # the host-side fields (sequence_index, pack_units) stay out of the device computation
+        batch = batch.replace(sequence_index=None, pack_units=None)
         diag = {}
-        pi_old = data["old_logprobs"]
+        pi_old = batch.old_logprobs
         if inline_old:     # folded into the gradient pass (pi_old_in_gradient_pass)
             pass
         elif first_inline:  # not for the first mini-batch's rows (first_pi_old_in_gradient_pass)
             head = rows // cfg.ppo_mini_batches
-            rest, _, _ = old_fn(state.params, jax.tree.map(lambda x: x[head:], data))
+            rest, _, _ = old_fn(state.params, jax.tree.map(lambda x: x[head:], batch.token_rows()))
             pi_old = jnp.concatenate([jnp.zeros_like(pi_old[:head]), rest], axis=0)
         elif cfg.recompute_old_logprobs or diagnostics_n is not None:
-            pi_old, _, stats = old_fn(state.params, data)
+            pi_old, _, stats = old_fn(state.params, batch)
             if diagnostics_n is not None:
-                mask = data["loss_mask"].astype(jnp.float32)
+                mask = batch.loss_mask.astype(jnp.float32)
                 denom = jnp.maximum(mask.sum(), 1.0)
                 diag = {"mass_balance/unsampled_second_moment":
                         (stats["sum_p2_unsampled"] * mask).sum() / denom,
                         "mass_balance/sum_p2": (stats["sum_p2"] * mask).sum() / denom}
         # (unused by micro_loss when inline_old: it takes stop_gradient of its own log-probs)
-        data["pi_old"] = pi_old if cfg.recompute_old_logprobs else data["old_logprobs"]
+        data = _Rows(batch=batch,
+                     pi_old=pi_old if cfg.recompute_old_logprobs else batch.old_logprobs)
         epochs = []
         for epoch in range(cfg.ppo_epochs):
             order = data
@@ -517,7 +516,7 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
             else:
                 epochs.append(_split(order, cfg.ppo_mini_batches, shard_rows))
         minis = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *epochs) if len(epochs) > 1 else epochs[0]
-        remat = resolve_remat(state.params, micro_rows * batch["input_tokens"].shape[1])
+        remat = resolve_remat(state.params, micro_rows * batch.input_tokens.shape[1])
         n_minis = jax.tree.leaves(minis)[0].shape[0]
         (params, opt_state), m = lax.scan(functools.partial(minibatch_step, micro_rows, remat),
                                           (state.params, state.opt_state),

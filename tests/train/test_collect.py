@@ -117,9 +117,9 @@ def test_options_off_is_the_paper_recipe_by_hand(tmp_path):
         [list(prompts["prompt_ids"][i]) for i in kept], res.tokens[kept], res.logprobs[kept],
         res.mask[kept], adv, seq_len=ctx.seq_len, pad_id=ctx.pad_id,
         mini_batches=cfg.algo.ppo_mini_batches)                       # packed, the default
-    assert sorted(batch) == sorted(want)
-    for k in want:
-        np.testing.assert_array_equal(batch[k], want[k], err_msg=k)
+    assert jax.tree.structure(batch) == jax.tree.structure(want)
+    for (path, got), expect in zip(jax.tree_util.tree_leaves_with_path(batch), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(got, expect, err_msg=jax.tree_util.keystr(path))
     assert stats["dynamic_sampling/kept_groups"] == len(kept)
     assert stats["dynamic_sampling/padded_groups"] == 0
 
@@ -208,7 +208,8 @@ def test_adaptive_n_does_not_recompile_once_buckets_are_warm(options_trainer):
                      for slots in {c[0] for c in out.stats["decode_calls"]}]
             jax.block_until_ready(state.params)
             compiled = counter[0] - before
-            shape = tuple(sorted((k, v.shape) for k, v in batch.items()))
+            shape = tuple((jax.tree_util.keystr(p), v.shape)
+                          for p, v in jax.tree_util.tree_leaves_with_path(batch))
             new = (set(calls) | {shape}) - shapes_seen
             shapes_seen |= set(calls) | {shape}
             batch_shapes.add(shape)
@@ -228,7 +229,7 @@ def test_adaptive_n_does_not_recompile_once_buckets_are_warm(options_trainer):
     assert warm_steps >= 2 and warm_mixed >= 1 and n_values >= {4, 12}
     # packed rows of width prompt + response, their count in a few buckets
     assert len(batch_shapes) <= 3
-    assert all(dict(sh)["input_tokens"][1] == 24 + 8 for sh in batch_shapes)
+    assert all(dict(sh)[".input_tokens"][1] == 24 + 8 for sh in batch_shapes)
 
 
 def test_options_run_end_to_end_and_resume_exactly(tmp_path):
