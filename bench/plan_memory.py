@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from brorl_jax.algo import UpdateBatch, sharded as algo_sharded  # noqa: E402
+from brorl_jax.algo import UpdateBatch, sharded_steps as algo_sharded  # noqa: E402
 from brorl_jax.algo.optimizer import make_optimizer  # noqa: E402
 from brorl_jax.config import algo_config, optimizer_config  # noqa: E402
 from brorl_jax.models import init_params  # noqa: E402

@@ -401,7 +401,6 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
     """
     cfg = algo_cfg
     pol = _resolve_policy(model_cfg, policy)
-    agg = get_loss_agg(cfg.loss_agg)
     old_fn = make_logprob_fn(algo_cfg=cfg, policy=pol, logprob_fn=logprob_fn, shard_rows=shard_rows,
                              unsampled_n=diagnostics_n)
     use_ref = cfg.kl_coef > 0
@@ -422,129 +421,159 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
                            advantages=mb.advantages, loss_mask=mb.loss_mask,
                            agg_weights=rows.agg_weights, cfg=cfg)
 
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-
-    def resolve_remat(params, micro_tokens):
-        if not cfg.remat:
-            return False
-        if remat_policy is not None:
-            return remat_policy
-        n_params = sum(int(x.size) for x in jax.tree.leaves(params))
-        mem = device_bytes if device_bytes is not None else device_memory_bytes()
-        return plan_remat_policy(model_cfg, micro_tokens, n_params, mem)
-
-    def minibatch_step(micro_rows, remat, carry, xs):
-        params, opt_state = carry
-        mb, index = xs
-        first = index == 0
-        mb = mb.replace(agg_weights=agg(mb.batch.loss_mask, mb.batch.segment_ids))
-        n_micro = mb.batch.input_tokens.shape[0] // micro_rows
-        micro = _split(mb, n_micro, shard_rows)
-
-        if n_micro == 1:
-            # one micro-batch: its gradient is the mini-batch's (no float32 accumulator to
-            # zero, add and re-read; one norm below)
-            (loss, sums), grads = grad_fn(params, jax.tree.map(lambda x: x[0], micro), remat,
-                                          first)
-            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-            grad_norm = optax.tree.norm(grads)
-            grad_var = jnp.float32(jnp.nan)
-        else:
-            def accumulate(acc, x):
-                g_acc, l_acc, s_acc, sq_acc = acc
-                (loss, sums), g = grad_fn(params, x, remat, first)
-                return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss,
-                        {k: s_acc[k] + sums[k] for k in s_acc},
-                        sq_acc + jnp.square(optax.tree.norm(g))), None
-
-            zeros_g = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-            zeros_s = {k: jnp.zeros((), jnp.float32) for k in _METRIC_SUMS}
-            zero = jnp.zeros((), jnp.float32)
-            (grads, loss, sums, sq), _ = lax.scan(accumulate, (zeros_g, zero, zeros_s, zero), micro)
-            total_sq = jnp.square(optax.tree.norm(grads))
-            grad_var = (n_micro ** 2 * sq - n_micro * total_sq) / (n_micro * (n_micro - 1))
-            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-            grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        # A non-finite step's update is computed and then dropped by `keep` (params and
-        # optimizer state stay as they were), so the gradients go in as they are: the global
-        # norm that optax's clip takes is then `grad_norm` itself (XLA computes it once), where
-        # zeroing them first made it a second pass over a second tree (2 % of the update's
-        # memory traffic at 8 x 2048 on an H100: bench/_roofline_update.py).
-        updates, new_opt = optimizer.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-        params, opt_state = keep(new_params, params), keep(new_opt, opt_state)
-        metrics = dict(sums, loss=loss, grad_norm=grad_norm, grad_var=grad_var,
-                       finite=finite.astype(jnp.float32))
-        return (params, opt_state), metrics
+    minibatch_step = functools.partial(
+        _minibatch_step, jax.value_and_grad(micro_loss, has_aux=True), optimizer,
+        get_loss_agg(cfg.loss_agg), shard_rows)
 
     def update(state: TrainState, batch: UpdateBatch, rng: jax.Array | None = None):
         rows, mini, micro_rows = _check_batch(batch, cfg)
         packed = batch.packed
         # the host-side fields (sequence_index, pack_units) stay out of the device computation
         batch = batch.replace(sequence_index=None, pack_units=None)
-        diag = {}
-        pi_old = batch.old_logprobs
-        if inline_old:     # folded into the gradient pass (pi_old_in_gradient_pass)
-            pass
-        elif first_inline:  # not for the first mini-batch's rows (first_pi_old_in_gradient_pass)
-            head = rows // cfg.ppo_mini_batches
-            rest, _, _ = old_fn(state.params, jax.tree.map(lambda x: x[head:], batch.token_rows()))
-            pi_old = jnp.concatenate([jnp.zeros_like(pi_old[:head]), rest], axis=0)
-        elif cfg.recompute_old_logprobs or diagnostics_n is not None:
-            pi_old, _, stats = old_fn(state.params, batch)
-            if diagnostics_n is not None:
-                mask = batch.loss_mask.astype(jnp.float32)
-                denom = jnp.maximum(mask.sum(), 1.0)
-                diag = {"mass_balance/unsampled_second_moment":
-                        (stats["sum_p2_unsampled"] * mask).sum() / denom,
-                        "mass_balance/sum_p2": (stats["sum_p2"] * mask).sum() / denom}
+        pi_old, diag = _pi_old(old_fn, state.params, batch, cfg, rows, inline_old=inline_old,
+                               first_inline=first_inline, diagnostics_n=diagnostics_n)
         # (unused by micro_loss when inline_old: it takes stop_gradient of its own log-probs)
         data = _Rows(batch=batch,
                      pi_old=pi_old if cfg.recompute_old_logprobs else batch.old_logprobs)
-        epochs = []
-        for epoch in range(cfg.ppo_epochs):
-            order = data
-            if rng is not None and cfg.ppo_epochs > 1 and epoch > 0:
-                # reshuffle rows between epochs (the first epoch keeps prompt groups together)
-                perm = jax.random.permutation(jax.random.fold_in(rng, epoch), rows)
-                order = jax.tree.map(lambda x: x[perm], data)
-            if packed:   # whole micro-batches: empty rows at the end of every mini-batch
-                split = _pad_rows(_split(order, cfg.ppo_mini_batches), 1, micro_rows)
-                epochs.append(shard_rows(split) if shard_rows is not None else split)
-            else:
-                epochs.append(_split(order, cfg.ppo_mini_batches, shard_rows))
-        minis = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *epochs) if len(epochs) > 1 else epochs[0]
-        remat = resolve_remat(state.params, micro_rows * batch.input_tokens.shape[1])
+        minis = _epoch_minibatches(data, cfg, rng, rows, micro_rows, packed, shard_rows)
+        remat = _resolve_remat(cfg, model_cfg, state.params, micro_rows * batch.input_tokens.shape[1],
+                               remat_policy, device_bytes)
         n_minis = jax.tree.leaves(minis)[0].shape[0]
         (params, opt_state), m = lax.scan(functools.partial(minibatch_step, micro_rows, remat),
                                           (state.params, state.opt_state),
                                           (minis, jnp.arange(n_minis)))
-
-        n_tok = jnp.maximum(m["n_tokens"], 1.0)
-        frac = lambda k: jnp.mean(m[k] / n_tok)
-        metrics = {
-            "loss": jnp.mean(m["loss"]),
-            "pg_loss": jnp.mean(m["pg_loss"]),
-            "kl": frac("kl_sum"),
-            "entropy": frac("entropy_sum"),
-            "clip_frac_low": frac("clip_low_sum"),
-            "clip_frac_high": frac("clip_high_sum"),
-            "clip_frac": jnp.mean((m["clip_low_sum"] + m["clip_high_sum"]) / n_tok),
-            "dual_clip_frac": frac("dual_clip_sum"),
-            "ratio_mean": frac("ratio_sum"),
-            "tis_dropped_frac": frac("tis_dropped_sum"),
-            "tis_weight_mean": frac("tis_weight_sum"),
-            "grad_norm": jnp.mean(m["grad_norm"]),
-            "grad_var": jnp.mean(m["grad_var"]),
-            "finite": jnp.min(m["finite"]),
-            "skipped": jnp.sum(1.0 - m["finite"]),
-            "n_tokens": jnp.sum(m["n_tokens"]) / cfg.ppo_epochs,
-            "optimizer_steps": jnp.sum(m["finite"]),
-            **diag,
-        }
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-        return new_state, metrics
+        return new_state, dict(_step_metrics(m, cfg), **diag)
 
     return update
+
+
+def _resolve_remat(cfg: AlgoConfig, model_cfg, params, micro_tokens: int, remat_policy: str | None,
+                   device_bytes: int | None):
+    """The remat argument of the gradient pass: False without algo.remat, else the given policy
+    or the memory plan's (plan_remat_policy) for a micro-batch of `micro_tokens`."""
+    if not cfg.remat:
+        return False
+    if remat_policy is not None:
+        return remat_policy
+    n_params = sum(int(x.size) for x in jax.tree.leaves(params))
+    mem = device_bytes if device_bytes is not None else device_memory_bytes()
+    return plan_remat_policy(model_cfg, micro_tokens, n_params, mem)
+
+
+def _pi_old(old_fn, params, batch: UpdateBatch, cfg: AlgoConfig, rows: int, *, inline_old: bool,
+            first_inline: bool, diagnostics_n: int | None):
+    """-> (pi_old float32[R, T], mass-balance diagnostics): the step-start log-probs of the
+    batch's targets (zeros for the rows the gradient pass supplies itself; the rollout's
+    log-probs when nothing is recomputed)."""
+    diag = {}
+    pi_old = batch.old_logprobs
+    if inline_old:     # folded into the gradient pass (pi_old_in_gradient_pass)
+        pass
+    elif first_inline:  # not for the first mini-batch's rows (first_pi_old_in_gradient_pass)
+        head = rows // cfg.ppo_mini_batches
+        rest, _, _ = old_fn(params, jax.tree.map(lambda x: x[head:], batch.token_rows()))
+        pi_old = jnp.concatenate([jnp.zeros_like(pi_old[:head]), rest], axis=0)
+    elif cfg.recompute_old_logprobs or diagnostics_n is not None:
+        pi_old, _, stats = old_fn(params, batch)
+        if diagnostics_n is not None:
+            mask = batch.loss_mask.astype(jnp.float32)
+            denom = jnp.maximum(mask.sum(), 1.0)
+            diag = {"mass_balance/unsampled_second_moment":
+                    (stats["sum_p2_unsampled"] * mask).sum() / denom,
+                    "mass_balance/sum_p2": (stats["sum_p2"] * mask).sum() / denom}
+    return pi_old, diag
+
+
+def _epoch_minibatches(data: _Rows, cfg: AlgoConfig, rng, rows: int, micro_rows: int,
+                       packed: bool, shard_rows):
+    """Every epoch's PPO mini-batches stacked: leaves [ppo_epochs * M, R / M (+ padding), ...].
+    Rows are reshuffled between epochs (the first keeps prompt groups together); a packed
+    mini-batch gets empty rows at its end up to whole micro-batches."""
+    epochs = []
+    for epoch in range(cfg.ppo_epochs):
+        order = data
+        if rng is not None and cfg.ppo_epochs > 1 and epoch > 0:
+            perm = jax.random.permutation(jax.random.fold_in(rng, epoch), rows)
+            order = jax.tree.map(lambda x: x[perm], data)
+        if packed:
+            split = _pad_rows(_split(order, cfg.ppo_mini_batches), 1, micro_rows)
+            epochs.append(shard_rows(split) if shard_rows is not None else split)
+        else:
+            epochs.append(_split(order, cfg.ppo_mini_batches, shard_rows))
+    if len(epochs) == 1:
+        return epochs[0]
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *epochs)
+
+
+def _minibatch_step(grad_fn, optimizer, agg, shard_rows, micro_rows, remat, carry, xs):
+    """One PPO mini-batch (a lax.scan step): the gradient summed over its micro-batches, then the
+    optax step, dropped when the loss or the gradient is not finite."""
+    params, opt_state = carry
+    mb, index = xs
+    first = index == 0
+    mb = mb.replace(agg_weights=agg(mb.batch.loss_mask, mb.batch.segment_ids))
+    n_micro = mb.batch.input_tokens.shape[0] // micro_rows
+    micro = _split(mb, n_micro, shard_rows)
+
+    if n_micro == 1:
+        # one micro-batch: its gradient is the mini-batch's (no float32 accumulator to
+        # zero, add and re-read; one norm below)
+        (loss, sums), grads = grad_fn(params, jax.tree.map(lambda x: x[0], micro), remat, first)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        grad_norm = optax.tree.norm(grads)
+        grad_var = jnp.float32(jnp.nan)
+    else:
+        def accumulate(acc, x):
+            g_acc, l_acc, s_acc, sq_acc = acc
+            (loss, sums), g = grad_fn(params, x, remat, first)
+            return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss,
+                    {k: s_acc[k] + sums[k] for k in s_acc},
+                    sq_acc + jnp.square(optax.tree.norm(g))), None
+
+        zeros_g = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        zeros_s = {k: jnp.zeros((), jnp.float32) for k in _METRIC_SUMS}
+        zero = jnp.zeros((), jnp.float32)
+        (grads, loss, sums, sq), _ = lax.scan(accumulate, (zeros_g, zero, zeros_s, zero), micro)
+        total_sq = jnp.square(optax.tree.norm(grads))
+        grad_var = (n_micro ** 2 * sq - n_micro * total_sq) / (n_micro * (n_micro - 1))
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    # A non-finite step's update is computed and then dropped by `keep` (params and
+    # optimizer state stay as they were), so the gradients go in as they are: the global
+    # norm that optax's clip takes is then `grad_norm` itself (XLA computes it once), where
+    # zeroing them first made it a second pass over a second tree (2 % of the update's
+    # memory traffic at 8 x 2048 on an H100: bench/_roofline_update.py).
+    updates, new_opt = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    params, opt_state = keep(new_params, params), keep(new_opt, opt_state)
+    metrics = dict(sums, loss=loss, grad_norm=grad_norm, grad_var=grad_var,
+                   finite=finite.astype(jnp.float32))
+    return (params, opt_state), metrics
+
+
+def _step_metrics(m: dict, cfg: AlgoConfig) -> dict:
+    """The step's metrics from the per-mini-batch ones (stacked [ppo_epochs * M])."""
+    n_tok = jnp.maximum(m["n_tokens"], 1.0)
+    frac = lambda k: jnp.mean(m[k] / n_tok)
+    return {
+        "loss": jnp.mean(m["loss"]),
+        "pg_loss": jnp.mean(m["pg_loss"]),
+        "kl": frac("kl_sum"),
+        "entropy": frac("entropy_sum"),
+        "clip_frac_low": frac("clip_low_sum"),
+        "clip_frac_high": frac("clip_high_sum"),
+        "clip_frac": jnp.mean((m["clip_low_sum"] + m["clip_high_sum"]) / n_tok),
+        "dual_clip_frac": frac("dual_clip_sum"),
+        "ratio_mean": frac("ratio_sum"),
+        "tis_dropped_frac": frac("tis_dropped_sum"),
+        "tis_weight_mean": frac("tis_weight_sum"),
+        "grad_norm": jnp.mean(m["grad_norm"]),
+        "grad_var": jnp.mean(m["grad_var"]),
+        "finite": jnp.min(m["finite"]),
+        "skipped": jnp.sum(1.0 - m["finite"]),
+        "n_tokens": jnp.sum(m["n_tokens"]) / cfg.ppo_epochs,
+        "optimizer_steps": jnp.sum(m["finite"]),
+    }

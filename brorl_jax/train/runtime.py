@@ -62,7 +62,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from brorl_jax import algo, rollout
-from brorl_jax.algo import sharded as algo_sharded
+from brorl_jax.algo import sharded_steps as algo_sharded
 from brorl_jax.config import ConfigError, rollout_memory_budget_bytes
 from brorl_jax.parallel import distributed, sharded
 from brorl_jax.parallel.mesh import batch_axis_size, make_mesh, mesh_from_config

@@ -27,7 +27,7 @@ def main(pid: int, nproc: int, port: int, out_dir: str, steps: int) -> None:
     from _multiprocess_common import ALGO, initial_params, make_optimizer_for_test
     from _sharded_worker import tiny_config, update_batch
 
-    from brorl_jax.algo import create_train_state, sharded as algo_sharded
+    from brorl_jax.algo import create_train_state, sharded_steps as algo_sharded
     from brorl_jax.parallel import sharded
     from brorl_jax.parallel.distributed import global_batch, process_rows
     from brorl_jax.parallel.mesh import make_mesh

@@ -23,7 +23,7 @@ from brorl_jax.algo import (
     create_train_state,
     make_logprob_fn,
     make_update_step,
-    sharded as algo_sharded,
+    sharded_steps as algo_sharded,
 )
 from brorl_jax.algo.batch import pad_packed_rows, unpack_to_padded
 from brorl_jax.config import algo_config
