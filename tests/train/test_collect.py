@@ -67,6 +67,13 @@ def fake_trainer(cfg, workdir) -> Trainer:
     return trainer
 
 
+def assert_batches_equal(got: algo.UpdateBatch, want: algo.UpdateBatch):
+    """The same fields present, every array equal."""
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
+
+
 def spy_update(ctx, batches: list):
     """Records every update batch (host numpy) the step hands the runtime."""
     real = ctx.runtime.update
@@ -117,9 +124,7 @@ def test_options_off_is_the_paper_recipe_by_hand(tmp_path):
         [list(prompts["prompt_ids"][i]) for i in kept], res.tokens[kept], res.logprobs[kept],
         res.mask[kept], adv, seq_len=ctx.seq_len, pad_id=ctx.pad_id,
         mini_batches=cfg.algo.ppo_mini_batches)                       # packed, the default
-    assert jax.tree.structure(batch) == jax.tree.structure(want)
-    for (path, got), expect in zip(jax.tree_util.tree_leaves_with_path(batch), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(got, expect, err_msg=jax.tree_util.keystr(path))
+    assert_batches_equal(batch, want)
     assert stats["dynamic_sampling/kept_groups"] == len(kept)
     assert stats["dynamic_sampling/padded_groups"] == 0
 
@@ -345,8 +350,7 @@ def test_groups_are_scored_while_decoding_goes_on(tmp_path):
         ctx.scorer = real_scorer
     finally:
         trainer.close()
-    for k in fast:
-        np.testing.assert_array_equal(batch4[k], fast[k], err_msg=k)
+    assert_batches_equal(batch4, fast)
     assert len(spans) == 16
     spans.sort()           # some call started before the one before it ended: they overlapped
     assert any(b[0] < a[1] for a, b in zip(spans, spans[1:])), spans
@@ -368,5 +372,4 @@ def test_groups_are_scored_while_decoding_goes_on(tmp_path):
     assert stats["rollout/refills"] == st.stats["refills"] > 0
     assert stats["rollout/compactions"] == st.stats["compactions"]
     assert 0 < stats["rollout/occupancy"] <= 1
-    for k in fast:
-        np.testing.assert_array_equal(batch[k], fast[k], err_msg=k)
+    assert_batches_equal(batch, fast)
