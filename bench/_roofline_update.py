@@ -55,15 +55,18 @@ def _targets():
     return TARGETS, _target_config, missing_extra, model_config
 
 
-def packed_batch_shapes(rows: int = ROWS, seq: int = SEQ) -> dict:
-    """The packed update batch (algo.batch's packed layout) as ShapeDtypeStructs."""
+def packed_batch_shapes(rows: int = ROWS, seq: int = SEQ):
+    """The packed update batch (algo.UpdateBatch in algo.batch's packed layout) as
+    ShapeDtypeStructs."""
     import jax
     import jax.numpy as jnp
+
+    from brorl_jax.algo import UpdateBatch
     i32, f32 = jnp.int32, jnp.float32
     s = lambda dt: jax.ShapeDtypeStruct((rows, seq), dt)
-    return {"input_tokens": s(i32), "positions": s(i32), "loss_mask": s(jnp.bool_),
-            "targets": s(i32), "old_logprobs": s(f32), "ref_logprobs": s(f32),
-            "advantages": s(f32), "segment_ids": s(i32)}
+    return UpdateBatch(input_tokens=s(i32), positions=s(i32), loss_mask=s(jnp.bool_),
+                       targets=s(i32), old_logprobs=s(f32), ref_logprobs=s(f32),
+                       advantages=s(f32), segment_ids=s(i32))
 
 
 def build_update(cfg, mc, *, device_bytes: int | None, remat_policy: str | None = None):

@@ -42,13 +42,15 @@ def random_packed_batch(rows: int, seq: int, vocab: int, seed: int = 0) -> dict:
             seg[r, start:start + n], pos[r, start:start + n] = sid, np.arange(n)
             start, sid = start + n, sid + 1
     real = seg > 0
-    return {"input_tokens": rng.integers(0, vocab, (rows, seq)).astype(np.int32),
-            "positions": pos, "segment_ids": seg,
-            "loss_mask": real & (pos > 16),
-            "targets": rng.integers(0, vocab, (rows, seq)).astype(np.int32),
-            "old_logprobs": np.where(real, -2.0 + 0.1 * rng.normal(size=(rows, seq)), 0).astype(np.float32),
-            "ref_logprobs": np.where(real, -2.0 + 0.1 * rng.normal(size=(rows, seq)), 0).astype(np.float32),
-            "advantages": np.where(real, rng.normal(size=(rows, seq)), 0).astype(np.float32)}
+    from brorl_jax.algo import UpdateBatch
+    return UpdateBatch(
+        input_tokens=rng.integers(0, vocab, (rows, seq)).astype(np.int32),
+        positions=pos, segment_ids=seg,
+        loss_mask=real & (pos > 16),
+        targets=rng.integers(0, vocab, (rows, seq)).astype(np.int32),
+        old_logprobs=np.where(real, -2.0 + 0.1 * rng.normal(size=(rows, seq)), 0).astype(np.float32),
+        ref_logprobs=np.where(real, -2.0 + 0.1 * rng.normal(size=(rows, seq)), 0).astype(np.float32),
+        advantages=np.where(real, rng.normal(size=(rows, seq)), 0).astype(np.float32))
 
 
 def main(argv=None) -> int:

@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from brorl_jax.algo import sharded as algo_sharded  # noqa: E402
+from brorl_jax.algo import UpdateBatch, sharded_steps as algo_sharded  # noqa: E402
 from brorl_jax.algo.optimizer import make_optimizer  # noqa: E402
 from brorl_jax.config import algo_config, optimizer_config  # noqa: E402
 from brorl_jax.models import init_params  # noqa: E402
@@ -58,13 +58,13 @@ GIB = 2**30
 STEPS = ("update_micro", "update_full", "logprob", "decode")
 
 
-def abstract_batch(rows: int, seq: int) -> dict:
+def abstract_batch(rows: int, seq: int) -> UpdateBatch:
     i32 = lambda: jax.ShapeDtypeStruct((rows, seq), jnp.int32)
     f32 = lambda: jax.ShapeDtypeStruct((rows, seq), jnp.float32)
-    return {"input_tokens": i32(), "positions": i32(),
-            "loss_mask": jax.ShapeDtypeStruct((rows, seq), jnp.bool_), "targets": i32(),
-            "old_logprobs": f32(), "ref_logprobs": f32(),
-            "advantages": jax.ShapeDtypeStruct((rows,), jnp.float32)}
+    return UpdateBatch(input_tokens=i32(), positions=i32(),
+                       loss_mask=jax.ShapeDtypeStruct((rows, seq), jnp.bool_), targets=i32(),
+                       old_logprobs=f32(), ref_logprobs=f32(),
+                       advantages=jax.ShapeDtypeStruct((rows,), jnp.float32))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -196,8 +196,7 @@ def main(argv=None) -> int:
                 record(f"update_full[{tag}]", fn, state, batch, rng)
             if "logprob" in steps:
                 algo = algo_config(cfg, micro_batch_size=micro)
-                batch = abstract_batch(rows, seq)
-                batch = {k: batch[k] for k in ("input_tokens", "positions", "targets")}
+                batch = abstract_batch(rows, seq).token_rows()
                 fn, _ = algo_sharded.make_sharded_logprob(mc, algo, mesh, params, batch,
                                                      micro_batch_size=micro, attention=attention,
                                                      q_chunk=args.q_chunk, logprob=lp)

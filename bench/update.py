@@ -42,7 +42,7 @@ def child(a) -> None:
     import jax
     from _measure import current_rss_bytes, device_peak_bytes, peak_rss_bytes
 
-    from brorl_jax.algo import create_train_state, make_optimizer, make_update_step
+    from brorl_jax.algo import UpdateBatch, create_train_state, make_optimizer, make_update_step
     from brorl_jax.config import algo_config, optimizer_config
     from brorl_jax.models import init_params
 
@@ -56,12 +56,12 @@ def child(a) -> None:
     rng = np.random.default_rng(0)
     mask = np.zeros((rows, t), bool)
     mask[:, a.seq // 4:] = True
-    batch = {"input_tokens": rng.integers(0, a.vocab, (rows, t)).astype(np.int32),
-             "positions": np.tile(np.arange(t, dtype=np.int32), (rows, 1)),
-             "loss_mask": mask, "targets": rng.integers(0, a.vocab, (rows, t)).astype(np.int32),
-             "old_logprobs": np.full((rows, t), -10.0, np.float32),
-             "ref_logprobs": np.full((rows, t), -10.0, np.float32),
-             "advantages": rng.normal(size=rows).astype(np.float32)}
+    batch = UpdateBatch(input_tokens=rng.integers(0, a.vocab, (rows, t)).astype(np.int32),
+                        positions=np.tile(np.arange(t, dtype=np.int32), (rows, 1)),
+                        loss_mask=mask, targets=rng.integers(0, a.vocab, (rows, t)).astype(np.int32),
+                        old_logprobs=np.full((rows, t), -10.0, np.float32),
+                        ref_logprobs=np.full((rows, t), -10.0, np.float32),
+                        advantages=rng.normal(size=rows).astype(np.float32))
     batch = jax.device_put(batch)
     update = jax.jit(make_update_step(mc, cfg, opt))
     compiled = update.lower(state, batch, jax.random.PRNGKey(0)).compile()
@@ -169,15 +169,14 @@ def long_tail_child(a) -> None:
         cfg = algo_config(micro_batch_tokens=micro * t, **base)
         real = int(sum(len(p) for p in args[0]) * n + lens.sum())
         variants[name] = dict(batch=jax.device_put(batch), cfg=cfg, real_tokens=real,
-                              rows=batch["input_tokens"].shape[0], width=t, micro_rows=micro,
+                              rows=batch.input_tokens.shape[0], width=t, micro_rows=micro,
                               update=jax.jit(make_update_step(mc, cfg, opt)),
                               ref=jax.jit(make_logprob_fn(mc, cfg)))
     state = create_train_state(params, opt)
 
     def step(v):
-        inputs = {k: x for k, x in v["batch"].items() if k != "ref_logprobs"}
-        ref_lp, _, _ = v["ref"](state.ref_params, inputs)
-        new_state, metrics = v["update"](state, dict(v["batch"], ref_logprobs=ref_lp),
+        ref_lp, _, _ = v["ref"](state.ref_params, v["batch"])
+        new_state, metrics = v["update"](state, v["batch"].replace(ref_logprobs=ref_lp),
                                          jax.random.PRNGKey(0))
         jax.block_until_ready(new_state)
         return metrics

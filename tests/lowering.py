@@ -15,7 +15,7 @@ def packed_update_text(platform: str, *, rows: int, hidden: int, kv_heads: int,
     import jax.numpy as jnp
     import optax
 
-    from brorl_jax.algo import create_train_state, make_update_step
+    from brorl_jax.algo import UpdateBatch, create_train_state, make_update_step
     from brorl_jax.config import algo_config, default_config
     from brorl_jax.models import ModelConfig, init_params
     mc = ModelConfig(model_type="qwen2", vocab_size=640, hidden_size=hidden,
@@ -32,9 +32,9 @@ def packed_update_text(platform: str, *, rows: int, hidden: int, kv_heads: int,
     state = jax.eval_shape(lambda p: create_train_state(p, opt, with_reference=False), params)
     i32 = lambda: jax.ShapeDtypeStruct((rows, T), jnp.int32)
     f32 = lambda: jax.ShapeDtypeStruct((rows, T), jnp.float32)
-    batch = {"input_tokens": i32(), "positions": i32(), "targets": i32(), "segment_ids": i32(),
-             "loss_mask": jax.ShapeDtypeStruct((rows, T), jnp.bool_), "old_logprobs": f32(),
-             "ref_logprobs": f32(), "advantages": f32()}
+    batch = UpdateBatch(input_tokens=i32(), positions=i32(), targets=i32(), segment_ids=i32(),
+                        loss_mask=jax.ShapeDtypeStruct((rows, T), jnp.bool_),
+                        old_logprobs=f32(), ref_logprobs=f32(), advantages=f32())
     step = make_update_step(mc, cfg, opt, remat_policy="dots")
     return jax.jit(step).trace(state, batch, None).lower(
         lowering_platforms=(platform,)).as_text()

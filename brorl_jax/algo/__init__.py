@@ -9,6 +9,8 @@ are the lists of choices that config validation and --help read.
 from brorl_jax.algo import host  # noqa: E402 - after the modules it builds on
 from brorl_jax.algo.advantages import ADVANTAGES, compute_advantages, get_advantage_fn
 from brorl_jax.algo.batch import (
+                                  TokenRows,
+                                  UpdateBatch,
                                   assemble_groups,
                                   assemble_update_batch,
                                   bucket_rows,
@@ -67,6 +69,7 @@ from brorl_jax.algo.update import (
 __all__ = [
     "ADVANTAGES", "compute_advantages", "get_advantage_fn", "assemble_groups",
     "assemble_update_batch", "bucket_rows", "is_packed", "pad_packed_rows", "unpack_to_padded",
+    "TokenRows", "UpdateBatch",
     "AlgoConfig", "CollectConfig", "CAP_POLICIES", "GROUP_FILTERS", "DynamicSamplingError",
     "Group", "GroupSampler", "generation_batch_size", "get_group_filter", "select_groups",
     "apply_length_penalty", "cosine_length_reward", "length_penalty_active", "KL_ESTIMATORS",

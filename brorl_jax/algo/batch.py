@@ -26,18 +26,110 @@ run compiles a bounded set of update shapes.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from typing import Any, Sequence
 
+import flax.struct
+import jax
 import numpy as np
 
-# Keys of the update batch, required in both layouts.
-UPDATE_KEYS = ("input_tokens", "positions", "loss_mask", "targets", "old_logprobs", "ref_logprobs",
-               "advantages")
+Array = Any     # numpy on the host, jax.Array on device, jax.ShapeDtypeStruct when abstract
 
 
-def is_packed(batch) -> bool:
+@flax.struct.dataclass
+class TokenRows:
+    """What a forward pass over update rows reads (the log-prob passes: reference, pi_old).
+
+    input_tokens: int32[R, T]   positions: int32[R, T]   targets: int32[R, T] (next token)
+    segment_ids: int32[R, T] | None    packed rows: 1, 2, ... per sequence, 0 = padding
+    attention_mask: bool[R, T] | None  padded rows: an optional padding mask (never with
+                                       segment_ids)
+    """
+    input_tokens: Array
+    positions: Array
+    targets: Array
+    segment_ids: Array | None = None
+    attention_mask: Array | None = None
+
+    def token_rows(self) -> "TokenRows":
+        return self
+
+    def attention_arg(self):
+        """What PolicyFns.hidden gets as attention_mask: segment ids for packed rows."""
+        return self.segment_ids if self.segment_ids is not None else self.attention_mask
+
+
+@flax.struct.dataclass
+class UpdateBatch:
+    """The update's input (docs/INTERFACES.md "algo"): R rows of width T in one of the two layouts
+    of this module. A pytree: jax.tree.map slices it (micro- and mini-batches), jit takes it, and
+    parallel.rules.batch_shardings lays it out. An optional field is None when its feature is off.
+
+    input_tokens: int32[R, T]     prompt ++ response (++ more sequences when packed) ++ pad
+    positions: int32[R, T]        0, 1, ... (packed: restarting with every sequence)
+    targets: int32[R, T]          next token (pad where there is none)
+    loss_mask: bool[R, T]         targets[t] is a sampled response token of a valid group
+    old_logprobs: float32[R, T]   the rollout's (behaviour policy's) log-prob of targets[t]: TIS's
+                                  behaviour policy, and pi_old when recompute_old_logprobs=False
+    advantages: float32[R]        padded: per row; packed: float32[R, T], per token
+    ref_logprobs: float32[R, T] | None   the reference policy's log-probs: only with the KL term
+                                  (algo.kl_coef > 0), filled by the runtime (make_logprob_fn)
+    segment_ids: int32[R, T] | None      packed rows: 1, 2, ... per sequence, 0 = padding
+    sequence_index: int32[R, T] | None   packed rows: the sequence's padded-layout row, -1 = pad
+                                  (host side: unpack_to_padded)
+    pack_units: int32[U] | None   packed rows: sequences per packing unit (U units, a multiple
+                                  of algo.ppo_mini_batches)
+    attention_mask: bool[R, T] | None    padded rows: an optional padding mask
+    """
+    input_tokens: Array
+    positions: Array
+    targets: Array
+    loss_mask: Array
+    old_logprobs: Array
+    advantages: Array
+    ref_logprobs: Array | None = None
+    segment_ids: Array | None = None
+    sequence_index: Array | None = None
+    pack_units: Array | None = None
+    attention_mask: Array | None = None
+
+    @property
+    def packed(self) -> bool:
+        """True for the packed layout (it has segment ids)."""
+        return self.segment_ids is not None
+
+    def token_rows(self) -> TokenRows:
+        """The fields a forward pass reads."""
+        return TokenRows(input_tokens=self.input_tokens, positions=self.positions,
+                         targets=self.targets, segment_ids=self.segment_ids,
+                         attention_mask=self.attention_mask)
+
+    def attention_arg(self):
+        """What PolicyFns.hidden gets as attention_mask: segment ids for packed rows."""
+        return self.token_rows().attention_arg()
+
+    def check_shapes(self) -> tuple[int, int]:
+        """-> (rows, width); ValueError naming the field whose shape disagrees."""
+        if self.packed and self.attention_mask is not None:
+            raise ValueError("a packed batch (segment_ids) must not also have attention_mask: "
+                             "segment id 0 marks padding")
+        rows, seq = self.input_tokens.shape
+        for field in dataclasses.fields(self):       # every per-token field: [R, T]
+            x = getattr(self, field.name)
+            if field.name in ("advantages", "pack_units") or x is None:
+                continue
+            if x.shape != (rows, seq):
+                raise ValueError(f"batch.{field.name} has shape {x.shape}, expected {(rows, seq)}")
+        want = (rows, seq) if self.packed else (rows,)
+        if self.advantages.shape != want:
+            raise ValueError(f"batch.advantages has shape {self.advantages.shape}, expected {want}"
+                             + (" (packed rows: per-token advantages)" if self.packed else ""))
+        return rows, seq
+
+
+def is_packed(batch: UpdateBatch) -> bool:
     """True for the packed layout (it has segment ids)."""
-    return "segment_ids" in batch
+    return batch.packed
 
 
 def bucket_rows(rows: int, multiple: int = 1) -> int:
@@ -94,7 +186,7 @@ def assemble_update_batch(
     mini_batches: int | None = None,
     row_multiple: int = 1,
     min_rows: int = 0,
-) -> dict[str, np.ndarray]:
+) -> UpdateBatch:
     """prompts: G token lists; response_tokens int [G, N, S]; response_logprobs f32 [G, N, S];
     response_mask bool [G, N, S]; advantages [G, N]; group_valid bool [G] (None = all valid).
     seq_len: the row width (>= longest prompt + S: every sequence fits one row).
@@ -107,7 +199,7 @@ def assemble_update_batch(
       row_multiple  each unit's rows are a multiple of this (micro-batch rows x data shards);
       min_rows      each unit gets at least this many rows (processes or steps sharing a shape).
     Rows per unit: bucket_rows(max(rows needed, min_rows), row_multiple).
-    ref_logprobs is zero-filled: fill it with make_logprob_fn on the reference params."""
+    ref_logprobs is None: with the KL term, fill it with make_logprob_fn on the reference params."""
     tok = np.asarray(response_tokens)
     lp = np.asarray(response_logprobs, np.float32)
     rm = np.asarray(response_mask, bool)
@@ -152,15 +244,14 @@ def _padded(prompts, tok, lp, rm, adv, gv, seq_len, pad_id):
         old[i, :, lp_len - 1:lp_len - 1 + s] = np.where(rm[i], lp[i], 0.0)
     inp = inp.reshape(g * n, seq_len)
     targets = np.concatenate([inp[:, 1:], np.full((g * n, 1), pad_id, np.int32)], axis=1)
-    return {
-        "input_tokens": inp,
-        "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), (g * n, seq_len)).copy(),
-        "loss_mask": mask.reshape(g * n, seq_len),
-        "targets": targets,
-        "old_logprobs": old.reshape(g * n, seq_len),
-        "ref_logprobs": np.zeros((g * n, seq_len), np.float32),
-        "advantages": np.where(gv[:, None], adv, 0.0).reshape(g * n).astype(np.float32),
-    }
+    return UpdateBatch(
+        input_tokens=inp,
+        positions=np.broadcast_to(np.arange(seq_len, dtype=np.int32), (g * n, seq_len)).copy(),
+        targets=targets,
+        loss_mask=mask.reshape(g * n, seq_len),
+        old_logprobs=old.reshape(g * n, seq_len),
+        advantages=np.where(gv[:, None], adv, 0.0).reshape(g * n).astype(np.float32),
+    )
 
 
 def _packed(prompts, tok, lp, rm, adv, gv, width, pad_id, units, row_multiple, min_rows):
@@ -222,35 +313,32 @@ def _packed(prompts, tok, lp, rm, adv, gv, width, pad_id, units, row_multiple, m
     trained = (tj >= 0) & has_target & rm[sg, sn, tj_c] & gv[sg]
     old_flat = np.where((tj >= 0) & has_target & rm[sg, sn, tj_c], lp[sg, sn, tj_c], 0.0)
 
-    shape = (total_rows, width)
-
     def scatter(values, fill, dtype):
         out = np.full(total_rows * width, fill, dtype)
         out[flat] = values
-        return out.reshape(shape)
+        return out.reshape(total_rows, width)
 
-    return {
-        "input_tokens": scatter(tokens_flat, pad_id, np.int32),
-        "positions": scatter(k, 0, np.int32),
-        "loss_mask": scatter(trained, False, bool),
-        "targets": scatter(target_flat, pad_id, np.int32),
-        "old_logprobs": scatter(old_flat, 0.0, np.float32),
-        "ref_logprobs": np.zeros(shape, np.float32),
-        "advantages": scatter(np.where(gv[sg], adv[sg, sn], 0.0), 0.0, np.float32),
-        "segment_ids": scatter(segment[ent], 0, np.int32),
-        "sequence_index": scatter(order[ent], -1, np.int32),
-        "pack_units": np.full(units, per_unit, np.int32),
-    }
+    return UpdateBatch(
+        input_tokens=scatter(tokens_flat, pad_id, np.int32),
+        positions=scatter(k, 0, np.int32),
+        targets=scatter(target_flat, pad_id, np.int32),
+        loss_mask=scatter(trained, False, bool),
+        old_logprobs=scatter(old_flat, 0.0, np.float32),
+        advantages=scatter(np.where(gv[sg], adv[sg, sn], 0.0), 0.0, np.float32),
+        segment_ids=scatter(segment[ent], 0, np.int32),
+        sequence_index=scatter(order[ent], -1, np.int32),
+        pack_units=np.full(units, per_unit, np.int32),
+    )
 
 
-def unpack_to_padded(batch: dict, values, num_sequences: int, seq_len: int | None = None,
+def unpack_to_padded(batch: UpdateBatch, values, num_sequences: int, seq_len: int | None = None,
                      fill: float = 0.0) -> np.ndarray:
     """Per-token values [R, T] of a packed batch (e.g. log-probs) -> [num_sequences, T] in the
     padded layout's rows and columns (sequence g * N + n, position t); `fill` where a sequence
     was left out or has no token."""
     values = np.asarray(values)
-    seq = np.asarray(batch["sequence_index"])
-    pos = np.asarray(batch["positions"])
+    seq = np.asarray(batch.sequence_index)
+    pos = np.asarray(batch.positions)
     t = seq.shape[1] if seq_len is None else seq_len
     out = np.full((num_sequences, t) + values.shape[2:], fill, values.dtype)
     real = seq >= 0
@@ -258,30 +346,34 @@ def unpack_to_padded(batch: dict, values, num_sequences: int, seq_len: int | Non
     return out
 
 
-def pad_packed_rows(batch: dict, rows_per_unit: int, pad_id: int = 0) -> dict:
+def pad_packed_rows(batch: UpdateBatch, rows_per_unit: int, pad_id: int = 0) -> UpdateBatch:
     """A packed batch with every unit padded to `rows_per_unit` rows (empty rows: pad_id tokens,
     segment 0, no loss tokens), e.g. so that processes that packed their own sequences share one
     shape: each packs, they agree on the largest rows per unit, each pads to it."""
-    units = len(batch["pack_units"])
-    rows, t = batch["input_tokens"].shape
+    units = len(batch.pack_units)
+    rows = batch.input_tokens.shape[0]
     have = rows // units
     if rows_per_unit < have:
         raise ValueError(f"pad_packed_rows: rows_per_unit={rows_per_unit} < the {have} rows a unit has")
-    fill = {"input_tokens": pad_id, "targets": pad_id, "sequence_index": -1}
-    out = {}
-    for key, x in batch.items():
-        if key == "pack_units":
-            out[key] = x
-            continue
+
+    def pad(x, fill=0):
+        if x is None:
+            return None
         x = np.asarray(x).reshape((units, have) + x.shape[1:])
-        pad = np.full((units, rows_per_unit - have) + x.shape[2:], fill.get(key, 0), x.dtype)
-        out[key] = np.concatenate([x, pad], axis=1).reshape((units * rows_per_unit,) + x.shape[2:])
-    return out
+        empty = np.full((units, rows_per_unit - have) + x.shape[2:], fill, x.dtype)
+        return np.concatenate([x, empty], axis=1).reshape((units * rows_per_unit,) + x.shape[2:])
+
+    return batch.replace(
+        input_tokens=pad(batch.input_tokens, pad_id), positions=pad(batch.positions),
+        targets=pad(batch.targets, pad_id), loss_mask=pad(batch.loss_mask),
+        old_logprobs=pad(batch.old_logprobs), advantages=pad(batch.advantages),
+        ref_logprobs=pad(batch.ref_logprobs), segment_ids=pad(batch.segment_ids),
+        sequence_index=pad(batch.sequence_index, -1), attention_mask=pad(batch.attention_mask))
 
 
 def assemble_groups(groups, advantages, *, rows: int, seq_len: int, pad_id: int = 0,
                     pack: bool = False, mini_batches: int = 1, row_multiple: int = 1,
-                    min_rows: int = 0) -> dict[str, np.ndarray]:
+                    min_rows: int = 0) -> UpdateBatch:
     """The update batch from kept groups (algo.Group, any sizes); advantages[g]: float32 [n_g].
 
     pack=False: each group's rows as assemble_update_batch builds them, concatenated in order,
@@ -315,13 +407,12 @@ def assemble_groups(groups, advantages, *, rows: int, seq_len: int, pad_id: int 
                                    seq_len=seq_len, pad_id=pad_id, pack=False)
              for grp, adv in zip(groups, advantages)]
     pad = rows - used
-    filler = {
-        "input_tokens": np.full((pad, seq_len), pad_id, np.int32),
-        "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), (pad, seq_len)).copy(),
-        "loss_mask": np.zeros((pad, seq_len), bool),
-        "targets": np.full((pad, seq_len), pad_id, np.int32),
-        "old_logprobs": np.zeros((pad, seq_len), np.float32),
-        "ref_logprobs": np.zeros((pad, seq_len), np.float32),
-        "advantages": np.zeros((pad,), np.float32),
-    }
-    return {k: np.concatenate([p[k] for p in parts] + [filler[k]], axis=0) for k in filler}
+    filler = UpdateBatch(
+        input_tokens=np.full((pad, seq_len), pad_id, np.int32),
+        positions=np.broadcast_to(np.arange(seq_len, dtype=np.int32), (pad, seq_len)).copy(),
+        targets=np.full((pad, seq_len), pad_id, np.int32),
+        loss_mask=np.zeros((pad, seq_len), bool),
+        old_logprobs=np.zeros((pad, seq_len), np.float32),
+        advantages=np.zeros((pad,), np.float32),
+    )
+    return jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *parts, filler)

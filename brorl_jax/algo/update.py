@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from brorl_jax.algo.batch import UPDATE_KEYS as BATCH_KEYS, is_packed
+from brorl_jax.algo.batch import TokenRows, UpdateBatch
 from brorl_jax.algo.config import AlgoConfig
 from brorl_jax.algo.losses import get_loss_agg, policy_loss
 from pallas_kernels import fused_logprob, fused_logprob_stats
@@ -104,11 +104,6 @@ def split_attention_arg(attention_mask):
     return attention_mask, None
 
 
-def _attention_arg(mb: dict):
-    """What PolicyFns.hidden gets as attention_mask: segment ids for packed rows."""
-    return mb["segment_ids"] if "segment_ids" in mb else mb.get("attention_mask")
-
-
 def _resolve_policy(model_cfg, policy: PolicyFns | None) -> PolicyFns:
     if policy is not None:
         return policy
@@ -117,17 +112,17 @@ def _resolve_policy(model_cfg, policy: PolicyFns | None) -> PolicyFns:
     return model_policy_fns(model_cfg)
 
 
-def _token_logprobs(policy: PolicyFns, params, mb: dict, cfg: AlgoConfig, *, remat: bool, stats: bool = False,
-                    logprob_fn=None):
+def _token_logprobs(policy: PolicyFns, params, mb: TokenRows | UpdateBatch, cfg: AlgoConfig, *,
+                    remat: bool, stats: bool = False, logprob_fn=None):
     """Micro-batch rows -> (logp [b, T], entropy [b, T], sum_p2 [b, T] or None).
 
     logprob_fn(hidden[T, D], lm_head[D, V], targets[T], *, temperature, impl) replaces
     pallas_kernels.fused_logprob when given (e.g. the vocab-parallel shard_map version)."""
-    tokens = mb["input_tokens"]
+    tokens = mb.input_tokens
     b, t = tokens.shape
-    h = policy.hidden(params, tokens, mb["positions"], _attention_arg(mb), remat)
+    h = policy.hidden(params, tokens, mb.positions, mb.attention_arg(), remat)
     w = policy.lm_head(params).astype(h.dtype)
-    h2, tg = h.reshape(b * t, h.shape[-1]), mb["targets"].reshape(b * t)
+    h2, tg = h.reshape(b * t, h.shape[-1]), mb.targets.reshape(b * t)
     if stats:
         out = fused_logprob_stats(h2, w, tg, temperature=cfg.temperature, impl=cfg.logprob_impl)
         return (out["logp"].reshape(b, t), out["entropy"].reshape(b, t), out["sum_p2"].reshape(b, t))
@@ -256,25 +251,15 @@ def _micro_name(cfg: AlgoConfig) -> str:
             else f"algo.micro_batch_size={cfg.micro_batch_size}")
 
 
-def _check_batch(batch: dict, cfg: AlgoConfig) -> tuple[int, int, int]:
+def _check_batch(batch: UpdateBatch, cfg: AlgoConfig) -> tuple[int, int, int]:
     """-> (rows, mini-batch rows, micro-batch rows). A packed batch's mini-batches are padded to
     whole micro-batches in the step; a padded batch's must divide."""
-    missing = [k for k in BATCH_KEYS if k not in batch]
-    if missing:
-        raise ValueError(f"update batch is missing {missing}; required keys: {list(BATCH_KEYS)}")
-    packed = is_packed(batch)
-    if packed and "attention_mask" in batch:
-        raise ValueError("a packed batch (segment_ids) must not also have attention_mask: "
-                         "segment id 0 marks padding")
-    rows, seq = batch["input_tokens"].shape
-    for k in BATCH_KEYS + (("segment_ids",) if packed else ()):
-        want = (rows,) if (k == "advantages" and not packed) else (rows, seq)
-        if batch[k].shape != want:
-            raise ValueError(f"batch[{k!r}] has shape {batch[k].shape}, expected {want}"
-                             + (" (packed rows: per-token advantages)" if k == "advantages" and packed
-                                else ""))
-    if packed and "pack_units" in batch and len(batch["pack_units"]) % cfg.ppo_mini_batches:
-        raise ValueError(f"the packed batch has {len(batch['pack_units'])} packing units, not a "
+    if not isinstance(batch, UpdateBatch):
+        raise TypeError(f"the update takes an algo.batch.UpdateBatch, not {type(batch).__name__}")
+    rows, seq = batch.check_shapes()
+    packed = batch.packed
+    if packed and batch.pack_units is not None and len(batch.pack_units) % cfg.ppo_mini_batches:
+        raise ValueError(f"the packed batch has {len(batch.pack_units)} packing units, not a "
                          f"multiple of algo.ppo_mini_batches={cfg.ppo_mini_batches}: pass "
                          f"mini_batches=algo.ppo_mini_batches to assemble_update_batch")
     if rows % cfg.ppo_mini_batches:
@@ -284,7 +269,20 @@ def _check_batch(batch: dict, cfg: AlgoConfig) -> tuple[int, int, int]:
     if not packed and mini % micro:
         raise ValueError(f"mini-batch rows {mini} (= {rows} / ppo_mini_batches) not divisible by "
                          f"{micro} rows per micro-batch ({_micro_name(cfg)})")
+    if cfg.kl_coef > 0 and batch.ref_logprobs is None:
+        raise ValueError("algo.kl_coef > 0 but the update batch has no ref_logprobs: fill it "
+                         "with make_logprob_fn on the reference params")
     return rows, mini, micro
+
+
+@flax.struct.dataclass
+class _Rows:
+    """The update's rows as the loss reads them: the batch (without its host-side fields), pi_old
+    float32[R, T] (the step-start log-probs) and, per mini-batch, the loss aggregation weights
+    float32[R, T] (LOSS_AGG over the whole mini-batch)."""
+    batch: UpdateBatch
+    pi_old: jax.Array
+    agg_weights: jax.Array | None = None
 
 
 def _split(tree, n: int, shard_rows=None):
@@ -310,7 +308,8 @@ def _pad_rows(tree, axis: int, multiple: int):
 def make_logprob_fn(model_cfg=None, algo_cfg: AlgoConfig | None = None, *, policy: PolicyFns | None = None,
                     micro_batch_size: int | None = None, with_stats: bool = False,
                     unsampled_n: int | None = None, logprob_fn=None, shard_rows=None):
-    """-> logprobs(params, batch) -> (logp [B, T], entropy [B, T], stats dict).
+    """-> logprobs(params, batch) -> (logp [B, T], entropy [B, T], stats dict); batch: an
+    UpdateBatch or a TokenRows (only the fields a forward pass reads are used).
 
     No gradient; micro-batched with lax.map so memory does not grow with B. stats holds
     "sum_p2" [B, T] (sum_v p_v^2) when with_stats, and "sum_p2_unsampled" [B, T]
@@ -324,25 +323,23 @@ def make_logprob_fn(model_cfg=None, algo_cfg: AlgoConfig | None = None, *, polic
     pol = _resolve_policy(model_cfg, policy)
 
     def logprobs(params, batch):
-        rows, seq = batch["input_tokens"].shape
+        inputs = batch.token_rows()
+        rows, seq = inputs.input_tokens.shape
         micro = min(micro_batch_size or micro_batch_rows(cfg, seq), rows)
-        packed = is_packed(batch)
+        packed = inputs.segment_ids is not None
         if rows % micro and not packed:
             raise ValueError(f"batch rows {rows} not divisible by micro_batch_size={micro}")
-        keys = ["input_tokens", "positions", "targets"] + [
-            k for k in ("attention_mask", "segment_ids") if k in batch]
-        inputs = {k: batch[k] for k in keys}
         if packed:      # whole micro-batches: empty rows at the end, cut off again below
             inputs = _pad_rows(inputs, 0, micro)
-        parts = _split(inputs, inputs["input_tokens"].shape[0] // micro, shard_rows)
+        parts = _split(inputs, inputs.input_tokens.shape[0] // micro, shard_rows)
 
-        def one(mb):
+        def one(mb: TokenRows):
             if unsampled_n is not None:
-                tokens = mb["input_tokens"]
+                tokens = mb.input_tokens
                 b, t = tokens.shape
-                h = pol.hidden(params, tokens, mb["positions"], _attention_arg(mb), False)
+                h = pol.hidden(params, tokens, mb.positions, mb.attention_arg(), False)
                 w = pol.lm_head(params).astype(h.dtype)
-                out = fused_logprob_stats(h.reshape(b * t, -1), w, mb["targets"].reshape(-1),
+                out = fused_logprob_stats(h.reshape(b * t, -1), w, mb.targets.reshape(-1),
                                           temperature=cfg.temperature, impl=cfg.logprob_impl,
                                           unsampled_n=int(unsampled_n))
                 shape = lambda x: x.reshape(b, t)
@@ -378,7 +375,7 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
                      device_bytes: int | None = None):
     """-> update(state, batch, rng) -> (state, metrics). Pure; jit it (donate state if you like).
 
-    batch: the INTERFACES.md "algo" dict in either layout of algo.batch: padded (rows =
+    batch: an algo.batch.UpdateBatch in either layout: padded (rows =
     prompts_per_step * N; padded rows have an all-False loss_mask) or packed (segment ids,
     per-token advantages; its mini-batches are padded with empty rows to whole micro-batches).
     metrics (scalars): loss, pg_loss, kl, entropy, clip_frac, clip_frac_low,
@@ -404,148 +401,179 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
     """
     cfg = algo_cfg
     pol = _resolve_policy(model_cfg, policy)
-    agg = get_loss_agg(cfg.loss_agg)
     old_fn = make_logprob_fn(algo_cfg=cfg, policy=pol, logprob_fn=logprob_fn, shard_rows=shard_rows,
                              unsampled_n=diagnostics_n)
     use_ref = cfg.kl_coef > 0
     inline_old = pi_old_in_gradient_pass(cfg, diagnostics_n)
     first_inline = first_pi_old_in_gradient_pass(cfg, diagnostics_n)
 
-    def micro_loss(params, mb, remat, first):
+    def micro_loss(params, rows: _Rows, remat, first):
+        mb = rows.batch
         logp, ent, _ = _token_logprobs(pol, params, mb, cfg, remat=remat, logprob_fn=logprob_fn)
         if inline_old:
             old = lax.stop_gradient(logp)
         elif first_inline:      # the first mini-batch's pi_old is its own log-prob
-            old = jnp.where(first, lax.stop_gradient(logp), mb["pi_old"])
+            old = jnp.where(first, lax.stop_gradient(logp), rows.pi_old)
         else:
-            old = mb["pi_old"]
-        return policy_loss(logp, ent, old_logp=old, rollout_logp=mb["old_logprobs"],
-                           ref_logp=mb["ref_logprobs"] if use_ref else None,
-                           advantages=mb["advantages"], loss_mask=mb["loss_mask"],
-                           agg_weights=mb["agg_weights"], cfg=cfg)
+            old = rows.pi_old
+        return policy_loss(logp, ent, old_logp=old, rollout_logp=mb.old_logprobs,
+                           ref_logp=mb.ref_logprobs if use_ref else None,
+                           advantages=mb.advantages, loss_mask=mb.loss_mask,
+                           agg_weights=rows.agg_weights, cfg=cfg)
 
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    minibatch_step = functools.partial(
+        _minibatch_step, jax.value_and_grad(micro_loss, has_aux=True), optimizer,
+        get_loss_agg(cfg.loss_agg), shard_rows)
 
-    def resolve_remat(params, micro_tokens):
-        if not cfg.remat:
-            return False
-        if remat_policy is not None:
-            return remat_policy
-        n_params = sum(int(x.size) for x in jax.tree.leaves(params))
-        mem = device_bytes if device_bytes is not None else device_memory_bytes()
-        return plan_remat_policy(model_cfg, micro_tokens, n_params, mem)
-
-    def minibatch_step(micro_rows, remat, carry, xs):
-        params, opt_state = carry
-        mb, index = xs
-        first = index == 0
-        mb = dict(mb, agg_weights=agg(mb["loss_mask"], mb.get("segment_ids")))
-        n_micro = mb["input_tokens"].shape[0] // micro_rows
-        micro = _split(mb, n_micro, shard_rows)
-
-        if n_micro == 1:
-            # one micro-batch: its gradient is the mini-batch's (no float32 accumulator to
-            # zero, add and re-read; one norm below)
-            (loss, sums), grads = grad_fn(params, jax.tree.map(lambda x: x[0], micro), remat,
-                                          first)
-            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-            grad_norm = optax.tree.norm(grads)
-            grad_var = jnp.float32(jnp.nan)
-        else:
-            def accumulate(acc, x):
-                g_acc, l_acc, s_acc, sq_acc = acc
-                (loss, sums), g = grad_fn(params, x, remat, first)
-                return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss,
-                        {k: s_acc[k] + sums[k] for k in s_acc},
-                        sq_acc + jnp.square(optax.tree.norm(g))), None
-
-            zeros_g = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-            zeros_s = {k: jnp.zeros((), jnp.float32) for k in _METRIC_SUMS}
-            zero = jnp.zeros((), jnp.float32)
-            (grads, loss, sums, sq), _ = lax.scan(accumulate, (zeros_g, zero, zeros_s, zero), micro)
-            total_sq = jnp.square(optax.tree.norm(grads))
-            grad_var = (n_micro ** 2 * sq - n_micro * total_sq) / (n_micro * (n_micro - 1))
-            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-            grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        # A non-finite step's update is computed and then dropped by `keep` (params and
-        # optimizer state stay as they were), so the gradients go in as they are: the global
-        # norm that optax's clip takes is then `grad_norm` itself (XLA computes it once), where
-        # zeroing them first made it a second pass over a second tree (2 % of the update's
-        # memory traffic at 8 x 2048 on an H100: bench/_roofline_update.py).
-        updates, new_opt = optimizer.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-        params, opt_state = keep(new_params, params), keep(new_opt, opt_state)
-        metrics = dict(sums, loss=loss, grad_norm=grad_norm, grad_var=grad_var,
-                       finite=finite.astype(jnp.float32))
-        return (params, opt_state), metrics
-
-    def update(state: TrainState, batch: dict, rng: jax.Array | None = None):
+    def update(state: TrainState, batch: UpdateBatch, rng: jax.Array | None = None):
         rows, mini, micro_rows = _check_batch(batch, cfg)
-        packed = is_packed(batch)
-        keys = list(BATCH_KEYS) + [k for k in ("attention_mask", "segment_ids") if k in batch]
-        data = {k: batch[k] for k in keys}
-        diag = {}
-        pi_old = data["old_logprobs"]
-        if inline_old:     # folded into the gradient pass (pi_old_in_gradient_pass)
-            pass
-        elif first_inline:  # not for the first mini-batch's rows (first_pi_old_in_gradient_pass)
-            head = rows // cfg.ppo_mini_batches
-            rest, _, _ = old_fn(state.params, jax.tree.map(lambda x: x[head:], data))
-            pi_old = jnp.concatenate([jnp.zeros_like(pi_old[:head]), rest], axis=0)
-        elif cfg.recompute_old_logprobs or diagnostics_n is not None:
-            pi_old, _, stats = old_fn(state.params, data)
-            if diagnostics_n is not None:
-                mask = data["loss_mask"].astype(jnp.float32)
-                denom = jnp.maximum(mask.sum(), 1.0)
-                diag = {"mass_balance/unsampled_second_moment":
-                        (stats["sum_p2_unsampled"] * mask).sum() / denom,
-                        "mass_balance/sum_p2": (stats["sum_p2"] * mask).sum() / denom}
+        packed = batch.packed
+        # the host-side fields (sequence_index, pack_units) stay out of the device computation
+        batch = batch.replace(sequence_index=None, pack_units=None)
+        pi_old, diag = _pi_old(old_fn, state.params, batch, cfg, rows, inline_old=inline_old,
+                               first_inline=first_inline, diagnostics_n=diagnostics_n)
         # (unused by micro_loss when inline_old: it takes stop_gradient of its own log-probs)
-        data["pi_old"] = pi_old if cfg.recompute_old_logprobs else data["old_logprobs"]
-        epochs = []
-        for epoch in range(cfg.ppo_epochs):
-            order = data
-            if rng is not None and cfg.ppo_epochs > 1 and epoch > 0:
-                # reshuffle rows between epochs (the first epoch keeps prompt groups together)
-                perm = jax.random.permutation(jax.random.fold_in(rng, epoch), rows)
-                order = jax.tree.map(lambda x: x[perm], data)
-            if packed:   # whole micro-batches: empty rows at the end of every mini-batch
-                split = _pad_rows(_split(order, cfg.ppo_mini_batches), 1, micro_rows)
-                epochs.append(shard_rows(split) if shard_rows is not None else split)
-            else:
-                epochs.append(_split(order, cfg.ppo_mini_batches, shard_rows))
-        minis = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *epochs) if len(epochs) > 1 else epochs[0]
-        remat = resolve_remat(state.params, micro_rows * batch["input_tokens"].shape[1])
+        data = _Rows(batch=batch,
+                     pi_old=pi_old if cfg.recompute_old_logprobs else batch.old_logprobs)
+        minis = _epoch_minibatches(data, cfg, rng, rows, micro_rows, packed, shard_rows)
+        remat = _resolve_remat(cfg, model_cfg, state.params, micro_rows * batch.input_tokens.shape[1],
+                               remat_policy, device_bytes)
         n_minis = jax.tree.leaves(minis)[0].shape[0]
         (params, opt_state), m = lax.scan(functools.partial(minibatch_step, micro_rows, remat),
                                           (state.params, state.opt_state),
                                           (minis, jnp.arange(n_minis)))
-
-        n_tok = jnp.maximum(m["n_tokens"], 1.0)
-        frac = lambda k: jnp.mean(m[k] / n_tok)
-        metrics = {
-            "loss": jnp.mean(m["loss"]),
-            "pg_loss": jnp.mean(m["pg_loss"]),
-            "kl": frac("kl_sum"),
-            "entropy": frac("entropy_sum"),
-            "clip_frac_low": frac("clip_low_sum"),
-            "clip_frac_high": frac("clip_high_sum"),
-            "clip_frac": jnp.mean((m["clip_low_sum"] + m["clip_high_sum"]) / n_tok),
-            "dual_clip_frac": frac("dual_clip_sum"),
-            "ratio_mean": frac("ratio_sum"),
-            "tis_dropped_frac": frac("tis_dropped_sum"),
-            "tis_weight_mean": frac("tis_weight_sum"),
-            "grad_norm": jnp.mean(m["grad_norm"]),
-            "grad_var": jnp.mean(m["grad_var"]),
-            "finite": jnp.min(m["finite"]),
-            "skipped": jnp.sum(1.0 - m["finite"]),
-            "n_tokens": jnp.sum(m["n_tokens"]) / cfg.ppo_epochs,
-            "optimizer_steps": jnp.sum(m["finite"]),
-            **diag,
-        }
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-        return new_state, metrics
+        return new_state, dict(_step_metrics(m, cfg), **diag)
 
     return update
+
+
+def _resolve_remat(cfg: AlgoConfig, model_cfg, params, micro_tokens: int, remat_policy: str | None,
+                   device_bytes: int | None):
+    """The remat argument of the gradient pass: False without algo.remat, else the given policy
+    or the memory plan's (plan_remat_policy) for a micro-batch of `micro_tokens`."""
+    if not cfg.remat:
+        return False
+    if remat_policy is not None:
+        return remat_policy
+    n_params = sum(int(x.size) for x in jax.tree.leaves(params))
+    mem = device_bytes if device_bytes is not None else device_memory_bytes()
+    return plan_remat_policy(model_cfg, micro_tokens, n_params, mem)
+
+
+def _pi_old(old_fn, params, batch: UpdateBatch, cfg: AlgoConfig, rows: int, *, inline_old: bool,
+            first_inline: bool, diagnostics_n: int | None):
+    """-> (pi_old float32[R, T], mass-balance diagnostics): the step-start log-probs of the
+    batch's targets (zeros for the rows the gradient pass supplies itself; the rollout's
+    log-probs when nothing is recomputed)."""
+    diag = {}
+    pi_old = batch.old_logprobs
+    if inline_old:     # folded into the gradient pass (pi_old_in_gradient_pass)
+        pass
+    elif first_inline:  # not for the first mini-batch's rows (first_pi_old_in_gradient_pass)
+        head = rows // cfg.ppo_mini_batches
+        rest, _, _ = old_fn(params, jax.tree.map(lambda x: x[head:], batch.token_rows()))
+        pi_old = jnp.concatenate([jnp.zeros_like(pi_old[:head]), rest], axis=0)
+    elif cfg.recompute_old_logprobs or diagnostics_n is not None:
+        pi_old, _, stats = old_fn(params, batch)
+        if diagnostics_n is not None:
+            mask = batch.loss_mask.astype(jnp.float32)
+            denom = jnp.maximum(mask.sum(), 1.0)
+            diag = {"mass_balance/unsampled_second_moment":
+                    (stats["sum_p2_unsampled"] * mask).sum() / denom,
+                    "mass_balance/sum_p2": (stats["sum_p2"] * mask).sum() / denom}
+    return pi_old, diag
+
+
+def _epoch_minibatches(data: _Rows, cfg: AlgoConfig, rng, rows: int, micro_rows: int,
+                       packed: bool, shard_rows):
+    """Every epoch's PPO mini-batches stacked: leaves [ppo_epochs * M, R / M (+ padding), ...].
+    Rows are reshuffled between epochs (the first keeps prompt groups together); a packed
+    mini-batch gets empty rows at its end up to whole micro-batches."""
+    epochs = []
+    for epoch in range(cfg.ppo_epochs):
+        order = data
+        if rng is not None and cfg.ppo_epochs > 1 and epoch > 0:
+            perm = jax.random.permutation(jax.random.fold_in(rng, epoch), rows)
+            order = jax.tree.map(lambda x: x[perm], data)
+        if packed:
+            split = _pad_rows(_split(order, cfg.ppo_mini_batches), 1, micro_rows)
+            epochs.append(shard_rows(split) if shard_rows is not None else split)
+        else:
+            epochs.append(_split(order, cfg.ppo_mini_batches, shard_rows))
+    if len(epochs) == 1:
+        return epochs[0]
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *epochs)
+
+
+def _minibatch_step(grad_fn, optimizer, agg, shard_rows, micro_rows, remat, carry, xs):
+    """One PPO mini-batch (a lax.scan step): the gradient summed over its micro-batches, then the
+    optax step, dropped when the loss or the gradient is not finite."""
+    params, opt_state = carry
+    mb, index = xs
+    first = index == 0
+    mb = mb.replace(agg_weights=agg(mb.batch.loss_mask, mb.batch.segment_ids))
+    n_micro = mb.batch.input_tokens.shape[0] // micro_rows
+    micro = _split(mb, n_micro, shard_rows)
+
+    if n_micro == 1:
+        # one micro-batch: its gradient is the mini-batch's (no float32 accumulator to
+        # zero, add and re-read; one norm below)
+        (loss, sums), grads = grad_fn(params, jax.tree.map(lambda x: x[0], micro), remat, first)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        grad_norm = optax.tree.norm(grads)
+        grad_var = jnp.float32(jnp.nan)
+    else:
+        def accumulate(acc, x):
+            g_acc, l_acc, s_acc, sq_acc = acc
+            (loss, sums), g = grad_fn(params, x, remat, first)
+            return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss,
+                    {k: s_acc[k] + sums[k] for k in s_acc},
+                    sq_acc + jnp.square(optax.tree.norm(g))), None
+
+        zeros_g = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        zeros_s = {k: jnp.zeros((), jnp.float32) for k in _METRIC_SUMS}
+        zero = jnp.zeros((), jnp.float32)
+        (grads, loss, sums, sq), _ = lax.scan(accumulate, (zeros_g, zero, zeros_s, zero), micro)
+        total_sq = jnp.square(optax.tree.norm(grads))
+        grad_var = (n_micro ** 2 * sq - n_micro * total_sq) / (n_micro * (n_micro - 1))
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    # A non-finite step's update is computed and then dropped by `keep` (params and
+    # optimizer state stay as they were), so the gradients go in as they are: the global
+    # norm that optax's clip takes is then `grad_norm` itself (XLA computes it once), where
+    # zeroing them first made it a second pass over a second tree (2 % of the update's
+    # memory traffic at 8 x 2048 on an H100: bench/_roofline_update.py).
+    updates, new_opt = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    params, opt_state = keep(new_params, params), keep(new_opt, opt_state)
+    metrics = dict(sums, loss=loss, grad_norm=grad_norm, grad_var=grad_var,
+                   finite=finite.astype(jnp.float32))
+    return (params, opt_state), metrics
+
+
+def _step_metrics(m: dict, cfg: AlgoConfig) -> dict:
+    """The step's metrics from the per-mini-batch ones (stacked [ppo_epochs * M])."""
+    n_tok = jnp.maximum(m["n_tokens"], 1.0)
+    frac = lambda k: jnp.mean(m[k] / n_tok)
+    return {
+        "loss": jnp.mean(m["loss"]),
+        "pg_loss": jnp.mean(m["pg_loss"]),
+        "kl": frac("kl_sum"),
+        "entropy": frac("entropy_sum"),
+        "clip_frac_low": frac("clip_low_sum"),
+        "clip_frac_high": frac("clip_high_sum"),
+        "clip_frac": jnp.mean((m["clip_low_sum"] + m["clip_high_sum"]) / n_tok),
+        "dual_clip_frac": frac("dual_clip_sum"),
+        "ratio_mean": frac("ratio_sum"),
+        "tis_dropped_frac": frac("tis_dropped_sum"),
+        "tis_weight_mean": frac("tis_weight_sum"),
+        "grad_norm": jnp.mean(m["grad_norm"]),
+        "grad_var": jnp.mean(m["grad_var"]),
+        "finite": jnp.min(m["finite"]),
+        "skipped": jnp.sum(1.0 - m["finite"]),
+        "n_tokens": jnp.sum(m["n_tokens"]) / cfg.ppo_epochs,
+        "optimizer_steps": jnp.sum(m["finite"]),
+    }

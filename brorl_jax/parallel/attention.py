@@ -1,7 +1,7 @@
 """The packed-attention kernel on a mesh: pallas_kernels.packed_attention inside shard_map.
 
 GSPMD cannot partition a Mosaic kernel and would replicate a Triton one, so under an
-auto-partitioned mesh (the sharded update and log-prob steps, brorl_jax.algo.sharded)
+auto-partitioned mesh (the sharded update and log-prob steps, brorl_jax.algo.sharded_steps)
 `packed_attention(impl="auto")` alone falls back to its jnp reference and its [T, T] scores.
 `packed_attention_on_mesh` runs the kernel per device instead: rows split over the batch axes
 (rules.LOGICAL_AXES "batch", the axes of the ambient mesh whose product divides the rows) and

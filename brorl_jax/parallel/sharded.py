@@ -1,6 +1,6 @@
 """Placement helpers on a mesh: replicate, split rows over the batch axes, put host trees on
 devices (one or several processes). The step builders that use them live beside their steps:
-brorl_jax.algo.sharded (update, log-probs) and brorl_jax.rollout (generation).
+brorl_jax.algo.sharded_steps (update, log-probs) and brorl_jax.rollout (generation).
 """
 from __future__ import annotations
 

@@ -305,7 +305,7 @@ def advantages(ctx: RunContext, state: algo.CollectState, kept: Sequence[algo.Gr
     return adv[first:first + len(kept)], state
 
 
-def update_batch(ctx: RunContext, kept: Sequence[algo.Group], advs: list[np.ndarray]) -> dict:
+def update_batch(ctx: RunContext, kept: Sequence[algo.Group], advs: list[np.ndarray]) -> algo.UpdateBatch:
     """This process's rows of the update batch. Each process packs its own groups into its units
     of PPO mini-batches; the processes then agree on the rows per unit."""
     ccfg, runtime = ctx.collect_cfg, ctx.runtime
@@ -315,7 +315,7 @@ def update_batch(ctx: RunContext, kept: Sequence[algo.Group], advs: list[np.ndar
                               seq_len=ctx.seq_len, pad_id=ctx.pad_id, units=units,
                               row_multiple=runtime.row_multiple)
     if ccfg.pack_sequences and procs > 1:
-        per_unit = batch["input_tokens"].shape[0] // units
+        per_unit = batch.input_tokens.shape[0] // units
         rows = int(runtime.allgather_rows(np.array([per_unit])).max())
         batch = algo.pad_packed_rows(batch, rows, pad_id=ctx.pad_id)
     return batch

@@ -62,7 +62,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from brorl_jax import algo, rollout
-from brorl_jax.algo import sharded as algo_sharded
+from brorl_jax.algo import sharded_steps as algo_sharded
 from brorl_jax.config import ConfigError, rollout_memory_budget_bytes
 from brorl_jax.parallel import distributed, sharded
 from brorl_jax.parallel.mesh import batch_axis_size, make_mesh, mesh_from_config
@@ -194,7 +194,7 @@ class Runtime:
                                            impl=self.rollout_impl)
         return self._rollout
 
-    def update(self, algo_cfg, state, batch: dict, rng):
+    def update(self, algo_cfg, state, batch: algo.UpdateBatch, rng):
         raise NotImplementedError
 
     def update_device_bytes(self) -> int | None:
@@ -233,11 +233,12 @@ class LocalRuntime(Runtime):
                 jax.jit(algo.make_logprob_fn(self.model_cfg, algo_cfg)))
         return self._steps[algo_cfg]
 
-    def update(self, algo_cfg, state, batch: dict, rng):
+    def update(self, algo_cfg, state, batch: algo.UpdateBatch, rng):
         steps = self._compiled(algo_cfg)
         batch = jax.tree.map(jnp.asarray, batch)
         if algo_cfg.kl_coef > 0:
-            batch["ref_logprobs"], _, _ = steps.logprob(state.ref_params, batch)
+            ref_logprobs, _, _ = steps.logprob(state.ref_params, batch)
+            batch = batch.replace(ref_logprobs=ref_logprobs)
         return steps.update(state, batch, rng)
 
 
@@ -272,7 +273,7 @@ def _local_replicas(x: jax.Array, sharding: NamedSharding) -> jax.Array:
 class _MeshSteps:
     update: Callable
     logprob: Callable | None
-    batch_sharding: dict
+    batch_sharding: algo.UpdateBatch      # of NamedShardings
 
 
 class MeshRuntime(Runtime):
@@ -349,38 +350,40 @@ class MeshRuntime(Runtime):
                              if s.device in local.device_set]), full)
 
     # -- update ---------------------------------------------------------------------------------
-    def _compile(self, algo_cfg, state, local_batch: dict) -> _MeshSteps:
+    def _compile(self, algo_cfg, state, local_batch: algo.UpdateBatch) -> _MeshSteps:
         p = self.num_processes
-        abstract = {k: jax.ShapeDtypeStruct((v.shape[0] * p,) + v.shape[1:], v.dtype)
-                    for k, v in local_batch.items()}
-        if "ref_logprobs" not in abstract:   # assemble_update_batch zero-fills it
-            rows, t = abstract["input_tokens"].shape
-            abstract["ref_logprobs"] = jax.ShapeDtypeStruct((rows, t), np.float32)
+        abstract = jax.tree.map(
+            lambda v: jax.ShapeDtypeStruct((v.shape[0] * p,) + v.shape[1:], v.dtype), local_batch)
+        if algo_cfg.kl_coef > 0 and abstract.ref_logprobs is None:   # filled by the update call
+            abstract = abstract.replace(
+                ref_logprobs=jax.ShapeDtypeStruct(abstract.input_tokens.shape, np.float32))
         update, sh = algo_sharded.make_sharded_update(
             self.model_cfg, algo_cfg, self.optimizer, self.mesh, state, abstract,
             rules=self.rules, diagnostics_n=self.diagnostics_n,
             device_bytes=self.update_device_bytes())
         logprob = None
         if algo_cfg.kl_coef > 0:
-            no_ref = {k: v for k, v in abstract.items() if k != "ref_logprobs"}
-            logprob, _ = algo_sharded.make_sharded_logprob(self.model_cfg, algo_cfg, self.mesh,
-                                                      state.params, no_ref, rules=self.rules)
+            logprob, _ = algo_sharded.make_sharded_logprob(
+                self.model_cfg, algo_cfg, self.mesh, state.params,
+                abstract.replace(ref_logprobs=None), rules=self.rules)
         return _MeshSteps(update, logprob, sh["batch"])
 
-    def update(self, algo_cfg, state, local_batch: dict, rng):
+    def update(self, algo_cfg, state, local_batch: algo.UpdateBatch, rng):
         """One update on the mesh from this process's rows of the batch (host numpy)."""
-        key = (algo_cfg, tuple(sorted((k, v.shape, str(v.dtype))
-                                      for k, v in local_batch.items())))
+        key = (algo_cfg, jax.tree.structure(local_batch),
+               tuple((v.shape, str(v.dtype)) for v in jax.tree.leaves(local_batch)))
         if key not in self._steps:
             self._steps[key] = self._compile(algo_cfg, state, local_batch)
         steps = self._steps[key]
-        shard = {k: s for k, s in steps.batch_sharding.items() if k in local_batch}
+        shard = steps.batch_sharding
+        if local_batch.ref_logprobs is None:     # the reference log-probs are computed below
+            shard = shard.replace(ref_logprobs=None)
         if self.num_processes > 1:
             batch = distributed.global_batch(local_batch, shard)
         else:
             batch = sharded.place(local_batch, shard)
         if steps.logprob is not None:
-            inputs = {k: v for k, v in batch.items() if k != "ref_logprobs"}
-            batch["ref_logprobs"], _, _ = steps.logprob(state.ref_params, inputs)
+            ref_logprobs, _, _ = steps.logprob(state.ref_params, batch.replace(ref_logprobs=None))
+            batch = batch.replace(ref_logprobs=ref_logprobs)
         rng = np.asarray(jax.random.key_data(rng))      # a host value: replicated everywhere
         return steps.update(state, batch, rng)

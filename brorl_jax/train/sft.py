@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,33 +49,43 @@ def answer_text(record: dict, truth=None) -> str:
                      f"{source!r}; set sft.steps=0 or use reasoning_gym/math prompts.")
 
 
+@flax.struct.dataclass
+class SupervisedBatch:
+    """Rows in the update's padded layout (algo.UpdateBatch's first fields), loss on the answer:
+    input_tokens: int32[B, T]  prompt ++ answer ++ pad    targets: int32[B, T]  next token
+    positions: int32[B, T]     0, 1, ...                  loss_mask: bool[B, T]  answer targets"""
+    input_tokens: Any
+    targets: Any
+    positions: Any
+    loss_mask: Any
+
+
 def build_sft_batch(prompt_ids: Sequence[Sequence[int]], answer_ids: Sequence[Sequence[int]],
-                    *, seq_len: int, pad_id: int = 0) -> dict[str, np.ndarray]:
+                    *, seq_len: int, pad_id: int = 0) -> SupervisedBatch:
     """A supervised batch in the update's layout (algo.assemble_update_batch): loss on the
     answer tokens only."""
     rows = len(prompt_ids)
-    out = {
-        "input_tokens": np.full((rows, seq_len), pad_id, np.int32),
-        "targets": np.full((rows, seq_len), pad_id, np.int32),
-        "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), (rows, seq_len)).copy(),
-        "loss_mask": np.zeros((rows, seq_len), bool),
-    }
+    tokens = np.full((rows, seq_len), pad_id, np.int32)
+    targets = np.full((rows, seq_len), pad_id, np.int32)
+    loss_mask = np.zeros((rows, seq_len), bool)
     for r, (prompt, answer) in enumerate(zip(prompt_ids, answer_ids)):
         seq = np.asarray(list(prompt) + list(answer), np.int32)[:seq_len]
         p = len(prompt)
-        out["input_tokens"][r, :len(seq)] = seq
-        out["targets"][r, :len(seq) - 1] = seq[1:]
-        out["loss_mask"][r, p - 1:len(seq) - 1] = True
-    return out
+        tokens[r, :len(seq)] = seq
+        targets[r, :len(seq) - 1] = seq[1:]
+        loss_mask[r, p - 1:len(seq) - 1] = True
+    positions = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (rows, seq_len)).copy()
+    return SupervisedBatch(input_tokens=tokens, targets=targets, positions=positions,
+                           loss_mask=loss_mask)
 
 
-def _sft_loss(params, mcfg, batch):
-    h = models.forward(params, mcfg, batch["input_tokens"], positions=batch["positions"],
+def _sft_loss(params, mcfg, batch: SupervisedBatch):
+    h = models.forward(params, mcfg, batch.input_tokens, positions=batch.positions,
                        return_hidden=True)
     b, t, d = h.shape
     logp, _ = fused_logprob(h.reshape(b * t, d), models.lm_head_matrix(params, mcfg),
-                            batch["targets"].reshape(-1))
-    mask = batch["loss_mask"].reshape(-1).astype(jnp.float32)
+                            batch.targets.reshape(-1))
+    mask = batch.loss_mask.reshape(-1).astype(jnp.float32)
     return -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from brorl_jax.algo import PolicyFns
+from brorl_jax.algo import PolicyFns, UpdateBatch
 
 VOCAB, DIM = 48, 16
 
@@ -40,15 +40,13 @@ def random_batch(rows=8, seq=6, seed=0, pad_rows=0):
     adv = rng.normal(size=rows).astype(np.float32)
     if pad_rows:
         adv[rows - pad_rows:] = 0.0
-    return {
-        "input_tokens": rng.integers(0, VOCAB, (rows, seq)).astype(np.int32),
-        "positions": np.tile(np.arange(seq, dtype=np.int32), (rows, 1)),
-        "loss_mask": mask,
-        "targets": rng.integers(0, VOCAB, (rows, seq)).astype(np.int32),
-        "old_logprobs": (np.log(1.0 / VOCAB) + 0.3 * rng.normal(size=(rows, seq))).astype(np.float32),
-        "ref_logprobs": (np.log(1.0 / VOCAB) + 0.3 * rng.normal(size=(rows, seq))).astype(np.float32),
-        "advantages": adv,
-    }
+    tokens = rng.integers(0, VOCAB, (rows, seq)).astype(np.int32)
+    positions = np.tile(np.arange(seq, dtype=np.int32), (rows, 1))
+    targets = rng.integers(0, VOCAB, (rows, seq)).astype(np.int32)
+    old = (np.log(1.0 / VOCAB) + 0.3 * rng.normal(size=(rows, seq))).astype(np.float32)
+    ref = (np.log(1.0 / VOCAB) + 0.3 * rng.normal(size=(rows, seq))).astype(np.float32)
+    return UpdateBatch(input_tokens=tokens, positions=positions, targets=targets, loss_mask=mask,
+                       old_logprobs=old, advantages=adv, ref_logprobs=ref)
 
 
 @pytest.fixture

@@ -57,7 +57,7 @@ def both_layouts(seed=0, mini_batches=2, **kw):
 
 def to_packed(packed, padded_values):
     """Padded-layout per-token values [G*N, T] -> the packed rows' [R, T] (0 on padding)."""
-    seq, pos = packed["sequence_index"], packed["positions"]
+    seq, pos = packed.sequence_index, packed.positions
     return np.where(seq >= 0, np.asarray(padded_values)[np.maximum(seq, 0), pos], 0).astype(
         np.asarray(padded_values).dtype)
 
@@ -109,55 +109,55 @@ def test_packed_layout_hand_case():
         np.array([[[1, 1, 1], [1, 0, 0]], [[1, 1, 0], [0, 0, 0]]], bool),
         np.array([[0.5, -0.5], [1.0, 2.0]]), seq_len=8, mini_batches=1)
     # sequences: 0 = [7 8 1 2 3] (5), 1 = [7 8 4] (3), 2 = [9 5 6] (3), 3 = empty response
-    np.testing.assert_array_equal(batch["input_tokens"], [[7, 8, 1, 2, 3, 7, 8, 4],
+    np.testing.assert_array_equal(batch.input_tokens, [[7, 8, 1, 2, 3, 7, 8, 4],
                                                           [9, 5, 6, 0, 0, 0, 0, 0]])
-    np.testing.assert_array_equal(batch["segment_ids"], [[1, 1, 1, 1, 1, 2, 2, 2],
+    np.testing.assert_array_equal(batch.segment_ids, [[1, 1, 1, 1, 1, 2, 2, 2],
                                                          [1, 1, 1, 0, 0, 0, 0, 0]])
-    np.testing.assert_array_equal(batch["positions"], [[0, 1, 2, 3, 4, 0, 1, 2],
+    np.testing.assert_array_equal(batch.positions, [[0, 1, 2, 3, 4, 0, 1, 2],
                                                        [0, 1, 2, 0, 0, 0, 0, 0]])
-    np.testing.assert_array_equal(batch["targets"], [[8, 1, 2, 3, 0, 8, 4, 0],
+    np.testing.assert_array_equal(batch.targets, [[8, 1, 2, 3, 0, 8, 4, 0],
                                                      [5, 6, 0, 0, 0, 0, 0, 0]])
-    np.testing.assert_array_equal(batch["loss_mask"], [[0, 1, 1, 1, 0, 0, 1, 0],
+    np.testing.assert_array_equal(batch.loss_mask, [[0, 1, 1, 1, 0, 0, 1, 0],
                                                        [1, 1, 0, 0, 0, 0, 0, 0]])
-    np.testing.assert_array_equal(batch["old_logprobs"], [[0, -1, -2, -3, 0, 0, -4, 0],
+    np.testing.assert_array_equal(batch.old_logprobs, [[0, -1, -2, -3, 0, 0, -4, 0],
                                                           [-7, -8, 0, 0, 0, 0, 0, 0]])
-    np.testing.assert_array_equal(batch["advantages"], [[.5] * 5 + [-.5] * 3, [1.] * 3 + [0.] * 5])
-    np.testing.assert_array_equal(batch["sequence_index"], [[0] * 5 + [1] * 3, [2] * 3 + [-1] * 5])
-    np.testing.assert_array_equal(batch["pack_units"], [4])
+    np.testing.assert_array_equal(batch.advantages, [[.5] * 5 + [-.5] * 3, [1.] * 3 + [0.] * 5])
+    np.testing.assert_array_equal(batch.sequence_index, [[0] * 5 + [1] * 3, [2] * 3 + [-1] * 5])
+    np.testing.assert_array_equal(batch.pack_units, [4])
 
 
 def test_packed_rows_hold_the_padded_tokens():
     padded, packed = both_layouts()
-    assert packed["input_tokens"].shape[1] == WIDTH
-    assert packed["input_tokens"].shape[0] < padded["input_tokens"].shape[0]
-    real = unpack_to_padded(packed, np.ones(packed["loss_mask"].shape, bool), G * N)
-    lm = padded["loss_mask"]
-    assert packed["loss_mask"].sum() == lm.sum() and (real | ~lm).all()
+    assert packed.input_tokens.shape[1] == WIDTH
+    assert packed.input_tokens.shape[0] < padded.input_tokens.shape[0]
+    real = unpack_to_padded(packed, np.ones(packed.loss_mask.shape, bool), G * N)
+    lm = padded.loss_mask
+    assert packed.loss_mask.sum() == lm.sum() and (real | ~lm).all()
     for k in ("input_tokens", "targets", "old_logprobs", "loss_mask"):
-        back = unpack_to_padded(packed, packed[k], G * N)
-        np.testing.assert_array_equal(back[lm], padded[k][lm], err_msg=k)
-    np.testing.assert_array_equal(unpack_to_padded(packed, packed["input_tokens"], G * N)[real],
-                                  padded["input_tokens"][real])
-    adv = unpack_to_padded(packed, packed["advantages"], G * N)
-    np.testing.assert_array_equal(adv[lm], np.broadcast_to(padded["advantages"][:, None], lm.shape)[lm])
+        back = unpack_to_padded(packed, getattr(packed, k), G * N)
+        np.testing.assert_array_equal(back[lm], getattr(padded, k)[lm], err_msg=k)
+    np.testing.assert_array_equal(unpack_to_padded(packed, packed.input_tokens, G * N)[real],
+                                  padded.input_tokens[real])
+    adv = unpack_to_padded(packed, packed.advantages, G * N)
+    np.testing.assert_array_equal(adv[lm], np.broadcast_to(padded.advantages[:, None], lm.shape)[lm])
     # unit u holds only sequences of the padded layout's mini-batch u, in rows [u R/2, (u+1) R/2)
-    rows = packed["input_tokens"].shape[0] // 2
+    rows = packed.input_tokens.shape[0] // 2
     for u in range(2):
-        seq = packed["sequence_index"][u * rows:(u + 1) * rows]
+        seq = packed.sequence_index[u * rows:(u + 1) * rows]
         assert set(seq[seq >= 0]) <= set(range(u * G * N // 2, (u + 1) * G * N // 2))
 
 
 def test_row_multiple_min_rows_and_pad_packed_rows():
     _, packed = both_layouts(row_multiple=3, min_rows=7)
-    units = len(packed["pack_units"])
-    assert packed["input_tokens"].shape[0] == units * 9          # bucket(7) = 7 -> multiple of 3
+    units = len(packed.pack_units)
+    assert packed.input_tokens.shape[0] == units * 9          # bucket(7) = 7 -> multiple of 3
     grown = pad_packed_rows(packed, 12)
-    assert grown["input_tokens"].shape == (units * 12, WIDTH)
+    assert grown.input_tokens.shape == (units * 12, WIDTH)
     for u in range(units):
-        np.testing.assert_array_equal(grown["segment_ids"][u * 12:u * 12 + 9],
-                                      packed["segment_ids"][u * 9:(u + 1) * 9])
-        assert not grown["loss_mask"][u * 12 + 9:(u + 1) * 12].any()
-    assert (grown["sequence_index"][9:12] == -1).all()
+        np.testing.assert_array_equal(grown.segment_ids[u * 12:u * 12 + 9],
+                                      packed.segment_ids[u * 9:(u + 1) * 9])
+        assert not grown.loss_mask[u * 12 + 9:(u + 1) * 12].any()
+    assert (grown.sequence_index[9:12] == -1).all()
 
 
 def test_assemble_groups_packs_ragged_groups_like_its_padded_rows():
@@ -176,13 +176,14 @@ def test_assemble_groups_packs_ragged_groups_like_its_padded_rows():
     adv = [rng.normal(size=g.n).astype(np.float32) for g in groups]
     padded = assemble_groups(groups, adv, rows=12, seq_len=WIDTH)
     packed = assemble_groups(groups, adv, rows=12, seq_len=WIDTH, pack=True, mini_batches=2)
-    np.testing.assert_array_equal(packed["pack_units"], [6, 6])
-    lm = padded["loss_mask"]
-    assert packed["loss_mask"].sum() == lm.sum() > 0
+    np.testing.assert_array_equal(packed.pack_units, [6, 6])
+    lm = padded.loss_mask
+    assert packed.loss_mask.sum() == lm.sum() > 0
     for k in ("input_tokens", "targets", "old_logprobs", "loss_mask"):
-        np.testing.assert_array_equal(unpack_to_padded(packed, packed[k], 12)[lm], padded[k][lm], err_msg=k)
-    adv_back = unpack_to_padded(packed, packed["advantages"], 12)
-    np.testing.assert_array_equal(adv_back[lm], np.broadcast_to(padded["advantages"][:, None], lm.shape)[lm])
+        np.testing.assert_array_equal(unpack_to_padded(packed, getattr(packed, k), 12)[lm],
+                                      getattr(padded, k)[lm], err_msg=k)
+    adv_back = unpack_to_padded(packed, packed.advantages, 12)
+    np.testing.assert_array_equal(adv_back[lm], np.broadcast_to(padded.advantages[:, None], lm.shape)[lm])
 
 
 # --------------------------------------------------------------------- losses on packed rows
@@ -207,7 +208,7 @@ def test_every_loss_variant_same_on_packed_rows(agg, kl, tis):
                      kl_clamp=0.5)
     padded, packed = both_layouts(seed=VARIANTS.index((agg, kl, tis)))
     rng = np.random.default_rng(1)
-    shape = padded["loss_mask"].shape
+    shape = padded.loss_mask.shape
     base = np.log(1 / VOCAB)
     x = {k: (base + s * rng.normal(size=shape)).astype(np.float32)
          for k, s in (("logp", 0.4), ("old", 0.4), ("rollout", 0.6), ("ref", 0.4))}
@@ -217,15 +218,15 @@ def test_every_loss_variant_same_on_packed_rows(agg, kl, tis):
         def loss_of(logp):
             return policy_loss(logp, values["entropy"], old_logp=values["old"],
                                rollout_logp=values["rollout"], ref_logp=values["ref"],
-                               advantages=batch["advantages"], loss_mask=batch["loss_mask"],
-                               agg_weights=get_loss_agg(agg)(jnp.asarray(batch["loss_mask"]),
+                               advantages=batch.advantages, loss_mask=batch.loss_mask,
+                               agg_weights=get_loss_agg(agg)(jnp.asarray(batch.loss_mask),
                                                              segments), cfg=cfg)
         (loss, sums), grad = jax.value_and_grad(loss_of, has_aux=True)(values["logp"])
         return float(loss), {k: float(v) for k, v in sums.items()}, np.asarray(grad)
 
     l_pad, s_pad, g_pad = run(padded, x, None)
     l_pk, s_pk, g_pk = run(packed, {k: to_packed(packed, v) for k, v in x.items()},
-                           jnp.asarray(packed["segment_ids"]))
+                           jnp.asarray(packed.segment_ids))
     assert l_pk == pytest.approx(l_pad, rel=1e-5, abs=1e-7)
     for k in s_pad:
         assert s_pk[k] == pytest.approx(s_pad[k], rel=1e-5, abs=1e-6), k
@@ -246,9 +247,9 @@ def test_logprobs_entropy_and_stats_same_on_packed_rows(model, impl):
     padded, packed = both_layouts()
     cfg = algo_config(temperature=0.8, micro_batch_size=4, logprob_impl=impl)
     fn = jax.jit(make_logprob_fn(mc, cfg, with_stats=True))
-    lm = padded["loss_mask"]
+    lm = padded.loss_mask
     (a_lp, a_ent, a_st), (b_lp, b_ent, b_st) = fn(params, padded), fn(params, packed)
-    assert b_lp.shape == packed["loss_mask"].shape
+    assert b_lp.shape == packed.loss_mask.shape
     for a, b in ((a_lp, b_lp), (a_ent, b_ent), (a_st["sum_p2"], b_st["sum_p2"])):
         np.testing.assert_allclose(unpack_to_padded(packed, b, G * N)[lm], np.asarray(a)[lm],
                                    rtol=1e-5, atol=1e-5)
@@ -276,16 +277,16 @@ def test_update_step_same_on_packed_rows(model, agg, policy):
     cfg_pad = algo_config(micro_batch_size=G * N // 2, **base)
     cfg_pk = algo_config(micro_batch_tokens=100 * WIDTH, **base)
     ref_params = jax.tree.map(lambda x: 0.9 * x, params)
-    for batch, cfg in ((padded, cfg_pad), (packed, cfg_pk)):
-        batch["ref_logprobs"] = np.asarray(
-            jax.jit(make_logprob_fn(mc, cfg, policy=pol))(ref_params, batch)[0])
+    padded, packed = (batch.replace(ref_logprobs=np.asarray(
+        jax.jit(make_logprob_fn(mc, cfg, policy=pol))(ref_params, batch)[0]))
+        for batch, cfg in ((padded, cfg_pad), (packed, cfg_pk)))
     sgd = optax.sgd(0.5)
     out = []
     for batch, cfg in ((padded, cfg_pad), (packed, cfg_pk)):
         step = jax.jit(make_update_step(mc, cfg, sgd, policy=pol, diagnostics_n=N))
         out.append(step(create_train_state(params, sgd), batch, jax.random.PRNGKey(0)))
     (s_pad, m_pad), (s_pk, m_pk) = out
-    assert float(m_pad["n_tokens"]) == padded["loss_mask"].sum() > 0
+    assert float(m_pad["n_tokens"]) == padded.loss_mask.sum() > 0
     for k in METRICS:
         np.testing.assert_allclose(float(m_pk[k]), float(m_pad[k]), rtol=1e-5, atol=1e-7, err_msg=k)
     assert float(m_pad["kl"]) > 0 and float(m_pad["tis_dropped_frac"]) > 0
@@ -311,30 +312,30 @@ def test_packed_micro_batches_by_tokens_do_not_change_the_update():
         step = jax.jit(make_update_step(None, cfg, sgd, policy=TOY_POLICY))
         results.append(step(create_train_state(toy_params(), sgd), packed, jax.random.PRNGKey(0)))
     (s1, m1), (s3, m3) = results
-    assert packed["input_tokens"].shape[0] // 2 % 3 != 0          # the padding path is taken
+    assert packed.input_tokens.shape[0] // 2 % 3 != 0          # the padding path is taken
     assert float(m3["loss"]) == pytest.approx(float(m1["loss"]), rel=1e-5)
     for a, b in zip(jax.tree.leaves(s3.params), jax.tree.leaves(s1.params)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
     # grad_var with one-row micro-batches on the first mini-batch (unit 0's rows)
-    rows = packed["input_tokens"].shape[0] // 2
-    first = {k: v[:rows] for k, v in packed.items() if k != "pack_units"}
+    rows = packed.input_tokens.shape[0] // 2
+    first = jax.tree.map(lambda v: v[:rows], packed.replace(pack_units=None))
     cfg = algo_config(rollouts_per_prompt=N, prompts_per_step=G, ppo_mini_batches=1,
                       micro_batch_tokens=WIDTH, kl_coef=0.0, entropy_coef=0.0,
                       tis_mode="ice_pop", tis_high=5.0)      # the brute force below: ICE-POP
     _, m = jax.jit(make_update_step(None, cfg, sgd, policy=TOY_POLICY))(
         create_train_state(toy_params(), sgd), first, jax.random.PRNGKey(0))
-    tokens, targets = jnp.asarray(first["input_tokens"]), jnp.asarray(first["targets"])
-    mask = jnp.asarray(first["loss_mask"], jnp.float32)
+    tokens, targets = jnp.asarray(first.input_tokens), jnp.asarray(first.targets)
+    mask = jnp.asarray(first.loss_mask, jnp.float32)
 
     def logp_of(p):
-        logits = toy_logits(p, tokens, jnp.asarray(first["positions"]))
+        logits = toy_logits(p, tokens, jnp.asarray(first.positions))
         return jnp.take_along_axis(jax.nn.log_softmax(logits, -1), targets[..., None], -1)[..., 0]
 
     old = logp_of(toy_params())
-    k = jnp.exp(old - first["old_logprobs"])
+    k = jnp.exp(old - first.old_logprobs)
     w_is = jnp.where((k >= 0.5) & (k <= 5.0), k, 0.0)
-    adv = jnp.asarray(first["advantages"])
+    adv = jnp.asarray(first.advantages)
 
     @jax.jit
     def row_grad(p, r):
@@ -361,15 +362,15 @@ def test_no_recompilation_while_packed_rows_stay_in_one_bucket():
     rows = {}
     for seed in range(6):
         batch = assemble_update_batch(*mixed_rollouts(seed), seq_len=WIDTH, mini_batches=2)
-        rows.setdefault(batch["input_tokens"].shape[0], []).append(seed)
-        batch["ref_logprobs"] = np.asarray(logp(state.params, batch)[0])
+        rows.setdefault(batch.input_tokens.shape[0], []).append(seed)
+        batch = batch.replace(ref_logprobs=np.asarray(logp(state.params, batch)[0]))
         state, m = step(state, batch, jax.random.PRNGKey(seed))
         assert float(m["finite"]) == 1.0
     assert sum(len(v) for v in rows.values()) == 6 and max(len(v) for v in rows.values()) > 1
     assert step._cache_size() == len(rows) and logp._cache_size() == len(rows)
     # short responses fall into a smaller bucket: one more shape, not one per step
     short = assemble_update_batch(*mixed_rollouts(0, max_len=1), seq_len=WIDTH, mini_batches=2)
-    assert short["input_tokens"].shape[0] not in rows
+    assert short.input_tokens.shape[0] not in rows
 
 
 def test_packed_batch_errors_name_the_fix():
@@ -385,7 +386,7 @@ def test_packed_batch_errors_name_the_fix():
         make_update_step(None, small, optax.sgd(1.0), policy=TOY_POLICY)(state, packed, None)
     with pytest.raises(ValueError, match="mini_batches=3 must be >= 1 and divide"):
         assemble_update_batch(*mixed_rollouts(), seq_len=WIDTH, mini_batches=3)
-    bad = dict(packed, advantages=packed["advantages"][:, 0])
+    bad = packed.replace(advantages=packed.advantages[:, 0])
     with pytest.raises(ValueError, match="per-token advantages"):
         make_update_step(None, algo_config(ppo_mini_batches=2), optax.sgd(1.0),
                          policy=TOY_POLICY)(state, bad, None)

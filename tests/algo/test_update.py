@@ -32,9 +32,9 @@ def _cfg(**kw):
 
 
 def _naive_logp_entropy(params, batch, temperature):
-    logits = toy_logits(params, batch["input_tokens"], batch["positions"]) / temperature
+    logits = toy_logits(params, batch.input_tokens, batch.positions) / temperature
     logp_all = jax.nn.log_softmax(logits, -1)
-    logp = jnp.take_along_axis(logp_all, batch["targets"][..., None], -1)[..., 0]
+    logp = jnp.take_along_axis(logp_all, batch.targets[..., None], -1)[..., 0]
     return logp, -jnp.sum(jnp.exp(logp_all) * logp_all, -1)
 
 
@@ -48,16 +48,16 @@ def test_update_equals_independent_loss_and_gradient():
     new_state, m = update(state, batch, jax.random.PRNGKey(0))
 
     old_logp, _ = _naive_logp_entropy(params, batch, cfg.temperature)
-    mask = jnp.asarray(batch["loss_mask"], jnp.float32)
+    mask = jnp.asarray(batch.loss_mask, jnp.float32)
 
     def independent(p):
         logp, ent = _naive_logp_entropy(p, batch, cfg.temperature)
         ratio = jnp.exp(logp - old_logp)
-        adv = batch["advantages"][:, None]
+        adv = batch.advantages[:, None]
         surr = jnp.minimum(ratio * adv, jnp.clip(ratio, 0.8, 1.28) * adv)
-        k = jnp.exp(old_logp - batch["old_logprobs"])
+        k = jnp.exp(old_logp - batch.old_logprobs)
         w_is = jnp.where((k >= 0.5) & (k <= 5.0), k, 0.0)
-        x = jnp.clip(logp - batch["ref_logprobs"], -10, 10)
+        x = jnp.clip(logp - batch.ref_logprobs, -10, 10)
         per_tok = -w_is * surr + 0.05 * 0.5 * x ** 2 - 0.01 * ent
         return jnp.sum(per_tok * mask) / jnp.sum(mask)
 
@@ -104,12 +104,12 @@ def test_nan_guard_skips_update_and_keeps_state():
     opt = optax.adam(1e-2)
     update = jax.jit(make_update_step(None, cfg, opt, policy=TOY_POLICY))
     batch = random_batch(rows=8)
-    batch["advantages"][0] = np.nan          # poisons the first mini-batch only
+    batch.advantages[0] = np.nan          # poisons the first mini-batch only
     state = create_train_state(toy_params(), opt)
     s, m = update(state, batch, jax.random.PRNGKey(0))
     assert float(m["skipped"]) == 1.0 and float(m["finite"]) == 0.0
     assert int(s.opt_state[0].count) == 1    # only the finite mini-batch stepped
-    batch["advantages"][:] = np.nan
+    batch.advantages[:] = np.nan
     s2, m2 = update(state, batch, jax.random.PRNGKey(0))
     assert float(m2["skipped"]) == 2.0
     for k in state.params:
@@ -126,7 +126,7 @@ def test_reference_reset_zeroes_kl_and_keeps_or_clears_optimizer(reset_optimizer
     state = create_train_state(toy_params(), opt)
     batch = random_batch(rows=8)
     for _ in range(3):
-        batch["ref_logprobs"] = np.asarray(logprobs(state.ref_params, batch)[0])
+        batch = batch.replace(ref_logprobs=np.asarray(logprobs(state.ref_params, batch)[0]))
         state, m = update(state, batch, jax.random.PRNGKey(0))
     assert float(m["kl"]) > 0
     count_before = int(state.opt_state[0].count)
@@ -134,7 +134,7 @@ def test_reference_reset_zeroes_kl_and_keeps_or_clears_optimizer(reset_optimizer
     state = reset_reference(state, opt, reset_optimizer=reset_optimizer)
     pol, ref = logprobs(state.params, batch)[0], logprobs(state.ref_params, batch)[0]
     np.testing.assert_array_equal(pol, ref)
-    batch["ref_logprobs"] = np.asarray(ref)
+    batch = batch.replace(ref_logprobs=np.asarray(ref))
     _, m = update(state, batch, jax.random.PRNGKey(0))
     assert float(m["kl"]) == 0.0   # one mini-batch: measured before the policy moves
     if reset_optimizer:
@@ -176,7 +176,8 @@ def test_dynamic_sampling_padding_keeps_shapes_no_recompilation():
         kept = s.groups
         adv = np.asarray(compute_advantages(ccfg.advantage, np.stack([g.shaped for g in kept])))
         batch = assemble_groups(kept, list(adv), rows=cfg.batch_rows, seq_len=8)
-        shapes.append({k: v.shape for k, v in batch.items()})
+        batch = batch.replace(ref_logprobs=np.zeros_like(batch.old_logprobs))   # KL on
+        shapes.append(jax.tree.map(lambda v: v.shape, batch))
         _, m = update(state, batch, jax.random.PRNGKey(0))
         assert float(m["finite"]) == 1.0
     assert shapes[0] == shapes[1]
@@ -190,11 +191,11 @@ def test_assemble_update_batch_padded_layout():
                                   np.array([[[-1., -2., -3.], [-4., -5., -6.]]]),
                                   np.array([[[True, True, False], [True, True, True]]]),
                                   np.array([[0.5, -0.5]]), seq_len=6, pack=False)
-    np.testing.assert_array_equal(batch["input_tokens"], [[7, 8, 1, 2, 3, 0], [7, 8, 4, 5, 6, 0]])
-    np.testing.assert_array_equal(batch["targets"], [[8, 1, 2, 3, 0, 0], [8, 4, 5, 6, 0, 0]])
-    np.testing.assert_array_equal(batch["loss_mask"], [[0, 1, 1, 0, 0, 0], [0, 1, 1, 1, 0, 0]])
-    np.testing.assert_array_equal(batch["old_logprobs"], [[0, -1, -2, 0, 0, 0], [0, -4, -5, -6, 0, 0]])
-    np.testing.assert_array_equal(batch["advantages"], [0.5, -0.5])
+    np.testing.assert_array_equal(batch.input_tokens, [[7, 8, 1, 2, 3, 0], [7, 8, 4, 5, 6, 0]])
+    np.testing.assert_array_equal(batch.targets, [[8, 1, 2, 3, 0, 0], [8, 4, 5, 6, 0, 0]])
+    np.testing.assert_array_equal(batch.loss_mask, [[0, 1, 1, 0, 0, 0], [0, 1, 1, 1, 0, 0]])
+    np.testing.assert_array_equal(batch.old_logprobs, [[0, -1, -2, 0, 0, 0], [0, -4, -5, -6, 0, 0]])
+    np.testing.assert_array_equal(batch.advantages, [0.5, -0.5])
     with pytest.raises(ValueError, match="seq_len"):
         assemble_update_batch([[7, 8]], np.zeros((1, 2, 3)), np.zeros((1, 2, 3)), np.ones((1, 2, 3), bool),
                               np.zeros((1, 2)), seq_len=4)
@@ -208,9 +209,8 @@ def test_bad_batch_gives_clear_error():
     state = create_train_state(toy_params(), optax.adam(1e-3))
     with pytest.raises(ValueError, match="micro_batch_size"):
         update(state, random_batch(rows=7), None)
-    bad = random_batch(rows=8)
-    del bad["ref_logprobs"]
-    with pytest.raises(ValueError, match="missing \\['ref_logprobs'\\]"):
+    bad = random_batch(rows=8).replace(ref_logprobs=None)     # the KL term is on
+    with pytest.raises(ValueError, match="no ref_logprobs"):
         update(state, bad, None)
 
 
@@ -227,12 +227,12 @@ def test_real_transformer_logprobs_and_update():
     cfg = _cfg(ppo_mini_batches=2)
     batch = random_batch(rows=8, seq=6)
     logp, ent, stats = jax.jit(make_logprob_fn(mc, cfg, with_stats=True))(params, batch)
-    logits = forward(params, mc, jnp.asarray(batch["input_tokens"]), positions=jnp.asarray(batch["positions"]))
+    logits = forward(params, mc, jnp.asarray(batch.input_tokens), positions=jnp.asarray(batch.positions))
     ref_all = jax.nn.log_softmax(logits / cfg.temperature, -1)
-    ref = jnp.take_along_axis(ref_all, jnp.asarray(batch["targets"])[..., None], -1)[..., 0]
+    ref = jnp.take_along_axis(ref_all, jnp.asarray(batch.targets)[..., None], -1)[..., 0]
     np.testing.assert_allclose(logp, ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(stats["sum_p2"], jnp.sum(jnp.exp(2 * ref_all), -1), rtol=1e-5)
-    batch["ref_logprobs"] = np.asarray(logp)
+    batch = batch.replace(ref_logprobs=np.asarray(logp))
     opt = make_optimizer(optimizer_config(lr=1e-3))
     state = create_train_state(params, opt)
     new_state, m = jax.jit(make_update_step(mc, cfg, opt))(state, batch, jax.random.PRNGKey(0))
@@ -253,15 +253,15 @@ def test_grad_var_matches_brute_force_micro_batch_gradients():
 
     params = toy_params()
     old_logp, _ = _naive_logp_entropy(params, batch, cfg.temperature)
-    mask = jnp.asarray(batch["loss_mask"], jnp.float32)
+    mask = jnp.asarray(batch.loss_mask, jnp.float32)
     total = jnp.sum(mask)
 
     def part_loss(p, rows):
         logp, _ = _naive_logp_entropy(p, batch, cfg.temperature)
         ratio = jnp.exp(logp - old_logp)
-        adv = batch["advantages"][:, None]
+        adv = batch.advantages[:, None]
         surr = jnp.minimum(ratio * adv, jnp.clip(ratio, 0.8, 1.28) * adv)
-        k = jnp.exp(old_logp - batch["old_logprobs"])
+        k = jnp.exp(old_logp - batch.old_logprobs)
         w = jnp.where((k >= 0.5) & (k <= 5.0), k, 0.0)
         sel = jnp.zeros(8).at[rows].set(1.0)[:, None]
         return jnp.sum(-w * surr * mask * sel) / total
@@ -280,9 +280,9 @@ def test_mass_balance_diagnostics_from_the_pi_old_pass():
     opt = optax.sgd(0.0)
     update = jax.jit(make_update_step(None, cfg, opt, policy=TOY_POLICY, diagnostics_n=n))
     _, m = update(create_train_state(toy_params(), opt), batch, jax.random.PRNGKey(0))
-    logits = toy_logits(toy_params(), batch["input_tokens"], batch["positions"]) / cfg.temperature
+    logits = toy_logits(toy_params(), batch.input_tokens, batch.positions) / cfg.temperature
     p = np.asarray(jax.nn.softmax(logits, -1), np.float64)
-    mask = batch["loss_mask"]
+    mask = batch.loss_mask
     expect_u = (p ** 2 * (1 - p) ** n).sum(-1)[mask].mean()
     expect_p2 = (p ** 2).sum(-1)[mask].mean()
     assert float(m["mass_balance/unsampled_second_moment"]) == pytest.approx(expect_u, rel=1e-4)
@@ -301,9 +301,8 @@ def _packed_batch(rows=2, seq=32, seed=5):
         for s in range(1, seg[r].max() + 1):
             idx = np.flatnonzero(seg[r] == s)
             pos[r, idx] = np.arange(len(idx))
-    b.update(segment_ids=seg, positions=pos, loss_mask=b["loss_mask"] & (seg > 0),
-             advantages=rng.normal(size=(rows, seq)).astype(np.float32) * (seg > 0))
-    return b
+    return b.replace(segment_ids=seg, positions=pos, loss_mask=b.loss_mask & (seg > 0),
+                     advantages=rng.normal(size=(rows, seq)).astype(np.float32) * (seg > 0))
 
 
 def _tiny_model(**kw):
@@ -392,7 +391,7 @@ def test_first_mini_batch_pi_old_from_its_gradient_pass_equals_the_separate_pass
         fn = real_make(*a, **kw)
 
         def logprobs(params, batch):
-            rows_seen.append(batch["input_tokens"].shape[0])
+            rows_seen.append(batch.input_tokens.shape[0])
             return fn(params, batch)
         return logprobs
     monkeypatch.setattr(update_mod, "make_logprob_fn", spy_make)

@@ -173,9 +173,11 @@ def _model_cfg(name: str):
 
 def _abstract_batch(rows: int, seq: int):
     i, b, f = (lambda s: sds(s, "int32")), (lambda s: sds(s, "bool")), (lambda s: sds(s, "float32"))
-    return {"input_tokens": i((rows, seq)), "positions": i((rows, seq)), "loss_mask": b((rows, seq)),
-            "targets": i((rows, seq)), "old_logprobs": f((rows, seq)), "ref_logprobs": f((rows, seq)),
-            "advantages": f((rows,))}
+    from brorl_jax.algo import UpdateBatch
+    return UpdateBatch(input_tokens=i((rows, seq)), positions=i((rows, seq)),
+                       loss_mask=b((rows, seq)), targets=i((rows, seq)),
+                       old_logprobs=f((rows, seq)), ref_logprobs=f((rows, seq)),
+                       advantages=f((rows,)))
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ def main(pid: int, nproc: int, port: int, out_dir: str, steps: int) -> None:
     from _multiprocess_common import ALGO, initial_params, make_optimizer_for_test
     from _sharded_worker import tiny_config, update_batch
 
-    from brorl_jax.algo import create_train_state, sharded as algo_sharded
+    from brorl_jax.algo import create_train_state, sharded_steps as algo_sharded
     from brorl_jax.parallel import sharded
     from brorl_jax.parallel.distributed import global_batch, process_rows
     from brorl_jax.parallel.mesh import make_mesh
@@ -44,7 +44,7 @@ def main(pid: int, nproc: int, port: int, out_dir: str, steps: int) -> None:
     rows = process_rows(16)
     for step in range(steps):
         full = update_batch(16, 16, cfg.vocab_size, seed=step)      # every host could build it...
-        local = {k: v[rows] for k, v in full.items()}             # ...but feeds only its rows
+        local = jax.tree.map(lambda v: v[rows], full)               # ...but feeds only its rows
         state, metrics = update(state, global_batch(local, sh["batch"]),
                                 jax.random.PRNGKey(100 + step))
         distributed.log(f"step {step} loss {float(metrics['loss']):.6f}")

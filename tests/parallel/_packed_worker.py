@@ -18,11 +18,12 @@ import optax
 from _sharded_worker import tiny_config
 
 from brorl_jax.algo import (
+    UpdateBatch,
     assemble_update_batch,
     create_train_state,
     make_logprob_fn,
     make_update_step,
-    sharded as algo_sharded,
+    sharded_steps as algo_sharded,
 )
 from brorl_jax.algo.batch import pad_packed_rows, unpack_to_padded
 from brorl_jax.config import algo_config
@@ -47,7 +48,7 @@ def rollouts(vocab: int):
     return prompts, tokens, logprobs, mask, adv, valid
 
 
-def per_shard_packed(args, shards: int = 2) -> dict:
+def per_shard_packed(args, shards: int = 2) -> UpdateBatch:
     """Each shard (process) packs its own groups; common rows per unit; concatenated."""
     prompts, tokens, logprobs, mask, adv, valid = args
     per = G // shards
@@ -56,11 +57,12 @@ def per_shard_packed(args, shards: int = 2) -> dict:
                                    adv[i * per:(i + 1) * per], valid[i * per:(i + 1) * per],
                                    seq_len=WIDTH, mini_batches=1, row_multiple=8)
              for i in range(shards)]
-    rows = max(p["input_tokens"].shape[0] for p in parts)
+    rows = max(p.input_tokens.shape[0] for p in parts)
     parts = [pad_packed_rows(p, rows) for p in parts]
-    for i, p in enumerate(parts):                           # global sequence numbers
-        p["sequence_index"] = np.where(p["sequence_index"] >= 0, p["sequence_index"] + i * per * N, -1)
-    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    parts = [p.replace(sequence_index=np.where(p.sequence_index >= 0,       # global sequence numbers
+                                               p.sequence_index + i * per * N, -1))
+             for i, p in enumerate(parts)]
+    return jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
 
 
 def main(out_path: str, layouts: str) -> None:
@@ -77,9 +79,9 @@ def main(out_path: str, layouts: str) -> None:
     cfg_pad = algo_config(micro_batch_size=8, **base)
     optimizer = optax.sgd(0.5)
     rng = jax.random.PRNGKey(7)
-    out = {"packed_rows": np.asarray(packed["input_tokens"].shape[0]),
-           "padded_rows": np.asarray(padded["input_tokens"].shape[0]),
-           "loss_tokens": np.asarray(padded["loss_mask"].sum())}
+    out = {"packed_rows": np.asarray(packed.input_tokens.shape[0]),
+           "padded_rows": np.asarray(padded.input_tokens.shape[0]),
+           "loss_tokens": np.asarray(padded.loss_mask.sum())}
 
     def save(tag, state, metrics):
         for k in ("loss", "pg_loss", "kl", "entropy", "n_tokens", "grad_norm"):
@@ -91,22 +93,23 @@ def main(out_path: str, layouts: str) -> None:
         out["init/params/" + jax.tree_util.keystr(path)] = np.asarray(leaf)
     # one device: the padded layout and the packed batch
     for tag, batch, acfg in (("padded", padded, cfg_pad), ("one", packed, cfg_pk)):
-        batch["ref_logprobs"] = np.asarray(jax.jit(make_logprob_fn(cfg, acfg))(ref_params, batch)[0])
+        ref_lp = np.asarray(jax.jit(make_logprob_fn(cfg, acfg))(ref_params, batch)[0])
         state, metrics = jax.jit(make_update_step(cfg, acfg, optimizer))(
-            create_train_state(params, optimizer), batch, rng)
+            create_train_state(params, optimizer), batch.replace(ref_logprobs=ref_lp), rng)
         save(tag, state, metrics)
-    out["one/ref_logprobs"] = unpack_to_padded(packed, packed["ref_logprobs"], G * N)
+        if tag == "one":
+            out["one/ref_logprobs"] = unpack_to_padded(packed, ref_lp, G * N)
 
     for layout in layouts.split(";"):
         spec, _, attention = layout.partition(":")
         sizes = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
         mesh = make_mesh({a: sizes.get(a, 1) for a in ("data", "fsdp", "tensor")})
         attention = attention or "plain"
-        inputs = {k: v for k, v in packed.items() if k != "ref_logprobs"}
+        inputs = packed
         lfn, lsh = algo_sharded.make_sharded_logprob(cfg, cfg_pk, mesh, params, inputs, attention=attention)
         ref_lp, _, _ = lfn(sharded.place(ref_params, lsh["params"]), sharded.place(inputs, lsh["batch"]))
         out[f"{layout}/ref_logprobs"] = unpack_to_padded(packed, np.asarray(ref_lp), G * N)
-        batch = dict(packed, ref_logprobs=np.asarray(ref_lp))
+        batch = packed.replace(ref_logprobs=np.asarray(ref_lp))
         state0 = create_train_state(params, optimizer)
         fn, sh = algo_sharded.make_sharded_update(cfg, cfg_pk, optimizer, mesh, state0, batch,
                                              attention=attention)

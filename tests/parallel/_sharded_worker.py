@@ -17,10 +17,11 @@ import numpy as np
 import optax
 
 from brorl_jax.algo import (
+    UpdateBatch,
     create_train_state,
     make_logprob_fn,
     make_update_step,
-    sharded as algo_sharded,
+    sharded_steps as algo_sharded,
 )
 from brorl_jax.config import algo_config
 from brorl_jax.models import Model, ModelConfig, init_params
@@ -42,21 +43,21 @@ def tiny_config() -> ModelConfig:
         bos_token_id=None, eos_token_ids=(EOS,))
 
 
-def update_batch(rows: int, seq: int, vocab: int, seed: int = 0) -> dict:
+def update_batch(rows: int, seq: int, vocab: int, seed: int = 0) -> UpdateBatch:
     rng = np.random.default_rng(seed)
     tokens = rng.integers(4, vocab, (rows, seq)).astype(np.int32)
     mask = np.zeros((rows, seq), bool)
     for r in range(rows):                      # response tokens after a 4-token prompt
         mask[r, 3:3 + rng.integers(2, seq - 3)] = True
-    return {
-        "input_tokens": tokens,
-        "positions": np.tile(np.arange(seq, dtype=np.int32), (rows, 1)),
-        "loss_mask": mask,
-        "targets": np.roll(tokens, -1, axis=1),
-        "old_logprobs": (np.log(1 / vocab) + 0.2 * rng.normal(size=(rows, seq))).astype(np.float32),
-        "ref_logprobs": (np.log(1 / vocab) + 0.2 * rng.normal(size=(rows, seq))).astype(np.float32),
-        "advantages": rng.normal(size=rows).astype(np.float32),
-    }
+    return UpdateBatch(
+        input_tokens=tokens,
+        positions=np.tile(np.arange(seq, dtype=np.int32), (rows, 1)),
+        loss_mask=mask,
+        targets=np.roll(tokens, -1, axis=1),
+        old_logprobs=(np.log(1 / vocab) + 0.2 * rng.normal(size=(rows, seq))).astype(np.float32),
+        ref_logprobs=(np.log(1 / vocab) + 0.2 * rng.normal(size=(rows, seq))).astype(np.float32),
+        advantages=rng.normal(size=rows).astype(np.float32),
+    )
 
 
 def main(out_path: str, layouts: str) -> None:

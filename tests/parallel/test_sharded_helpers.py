@@ -5,7 +5,7 @@ import jax
 import optax
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
-from brorl_jax.algo import sharded as algo_sharded
+from brorl_jax.algo import sharded_steps as algo_sharded
 from brorl_jax.models import ModelConfig, init_params
 
 MESH = AbstractMesh((2, 4, 1), ("data", "fsdp", "tensor"))

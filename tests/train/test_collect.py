@@ -67,6 +67,13 @@ def fake_trainer(cfg, workdir) -> Trainer:
     return trainer
 
 
+def assert_batches_equal(got: algo.UpdateBatch, want: algo.UpdateBatch):
+    """The same fields present, every array equal."""
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
+
+
 def spy_update(ctx, batches: list):
     """Records every update batch (host numpy) the step hands the runtime."""
     real = ctx.runtime.update
@@ -117,9 +124,7 @@ def test_options_off_is_the_paper_recipe_by_hand(tmp_path):
         [list(prompts["prompt_ids"][i]) for i in kept], res.tokens[kept], res.logprobs[kept],
         res.mask[kept], adv, seq_len=ctx.seq_len, pad_id=ctx.pad_id,
         mini_batches=cfg.algo.ppo_mini_batches)                       # packed, the default
-    assert sorted(batch) == sorted(want)
-    for k in want:
-        np.testing.assert_array_equal(batch[k], want[k], err_msg=k)
+    assert_batches_equal(batch, want)
     assert stats["dynamic_sampling/kept_groups"] == len(kept)
     assert stats["dynamic_sampling/padded_groups"] == 0
 
@@ -208,7 +213,8 @@ def test_adaptive_n_does_not_recompile_once_buckets_are_warm(options_trainer):
                      for slots in {c[0] for c in out.stats["decode_calls"]}]
             jax.block_until_ready(state.params)
             compiled = counter[0] - before
-            shape = tuple(sorted((k, v.shape) for k, v in batch.items()))
+            shape = tuple((jax.tree_util.keystr(p), v.shape)
+                          for p, v in jax.tree_util.tree_leaves_with_path(batch))
             new = (set(calls) | {shape}) - shapes_seen
             shapes_seen |= set(calls) | {shape}
             batch_shapes.add(shape)
@@ -228,7 +234,7 @@ def test_adaptive_n_does_not_recompile_once_buckets_are_warm(options_trainer):
     assert warm_steps >= 2 and warm_mixed >= 1 and n_values >= {4, 12}
     # packed rows of width prompt + response, their count in a few buckets
     assert len(batch_shapes) <= 3
-    assert all(dict(sh)["input_tokens"][1] == 24 + 8 for sh in batch_shapes)
+    assert all(dict(sh)[".input_tokens"][1] == 24 + 8 for sh in batch_shapes)
 
 
 def test_options_run_end_to_end_and_resume_exactly(tmp_path):
@@ -344,8 +350,7 @@ def test_groups_are_scored_while_decoding_goes_on(tmp_path):
         ctx.scorer = real_scorer
     finally:
         trainer.close()
-    for k in fast:
-        np.testing.assert_array_equal(batch4[k], fast[k], err_msg=k)
+    assert_batches_equal(batch4, fast)
     assert len(spans) == 16
     spans.sort()           # some call started before the one before it ended: they overlapped
     assert any(b[0] < a[1] for a, b in zip(spans, spans[1:])), spans
@@ -367,5 +372,4 @@ def test_groups_are_scored_while_decoding_goes_on(tmp_path):
     assert stats["rollout/refills"] == st.stats["refills"] > 0
     assert stats["rollout/compactions"] == st.stats["compactions"]
     assert 0 < stats["rollout/occupancy"] <= 1
-    for k in fast:
-        np.testing.assert_array_equal(batch[k], fast[k], err_msg=k)
+    assert_batches_equal(batch, fast)

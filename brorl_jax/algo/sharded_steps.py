@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import jax
 from jax.sharding import Mesh
 
+from brorl_jax.algo.batch import TokenRows, UpdateBatch
 from brorl_jax.algo.update import (
     PolicyFns,
     TrainState,
@@ -100,7 +101,7 @@ def abstract_train_state(params: Any, optimizer, *, with_reference: bool = True)
 # Update and log-prob steps
 # -------------------------------------------------------------------------------------------------
 def make_sharded_update(model_cfg, algo_cfg, optimizer, mesh: Mesh, state: TrainState,
-                        batch: dict, *, rules: str | Sequence = "default",
+                        batch: UpdateBatch, *, rules: str | Sequence = "default",
                         axes: str | dict = "default", attention: str = "plain",
                         q_chunk: int = 512, logprob: str = "shard_map", donate: bool = True,
                         **update_kwargs):
@@ -110,7 +111,8 @@ def make_sharded_update(model_cfg, algo_cfg, optimizer, mesh: Mesh, state: Train
     logprob: "shard_map" (default) passes the per-device fused log-prob and the row constraints
       to the update (its logprob_fn / shard_rows hooks); "algo" leaves them out.
     update_kwargs: passed to make_update_step (e.g. diagnostics_n).
-    -> (update(state, batch, rng) -> (state, metrics), shardings dict with "state" and "batch").
+    -> (update(state, batch, rng) -> (state, metrics), shardings dict with "state" and "batch"
+    (an UpdateBatch of NamedShardings)).
     The state is donated (its buffers are reused for the new state); metrics are replicated.
     `rng` must be a key array (jax.random.key / PRNGKey), replicated."""
     policy = sharded_policy_fns(model_cfg, mesh, axes, attention=attention, q_chunk=q_chunk)
@@ -124,13 +126,15 @@ def make_sharded_update(model_cfg, algo_cfg, optimizer, mesh: Mesh, state: Train
     return fn, {"state": state_sh, "batch": batch_sh}
 
 
-def make_sharded_logprob(model_cfg, algo_cfg, mesh: Mesh, params: Any, batch: dict, *,
+def make_sharded_logprob(model_cfg, algo_cfg, mesh: Mesh, params: Any,
+                         batch: UpdateBatch | TokenRows, *,
                          rules: str | Sequence = "default", axes: str | dict = "default",
                          micro_batch_size: int | None = None, with_stats: bool = False,
                          attention: str = "plain", q_chunk: int = 512,
                          logprob: str = "shard_map"):
     """algo.make_logprob_fn compiled for `mesh` (reference / pi_old log-probs); `logprob` as in
     make_sharded_update (with_stats uses the kernel's stats path, without the shard_map hook).
+    batch: the (abstract) batch the compiled function will take, an UpdateBatch or a TokenRows.
 
     -> (logprobs(params, batch) -> (logp [B, T], entropy [B, T], stats), shardings dict)."""
     policy = sharded_policy_fns(model_cfg, mesh, axes, attention=attention, q_chunk=q_chunk)
@@ -138,14 +142,15 @@ def make_sharded_logprob(model_cfg, algo_cfg, mesh: Mesh, params: Any, batch: di
                          with_stats=with_stats, **_logprob_hooks(mesh, axes, logprob))
     params_sh = R.param_shardings(params, mesh, rules)
     batch_sh = R.batch_shardings(batch, mesh, axes)
-    tok_sh = batch_sh["input_tokens"]
+    tok_sh = batch_sh.input_tokens
     stats_sh = {"sum_p2": tok_sh} if with_stats else {}
     jitted = jax.jit(fn, in_shardings=(params_sh, batch_sh),
                      out_shardings=(tok_sh, tok_sh, stats_sh))
     return jitted, {"params": params_sh, "batch": batch_sh}
 
 
-def make_vocab_parallel_logprob(model_cfg, mesh: Mesh, params: Any, batch: dict, *,
+def make_vocab_parallel_logprob(model_cfg, mesh: Mesh, params: Any,
+                                batch: UpdateBatch | TokenRows, *,
                                 temperature: float = 1.0, micro_batch_size: int | None = None,
                                 rules: str | Sequence = "default", axes: str | dict = "default",
                                 attention: str = "plain", q_chunk: int = 512,
@@ -160,20 +165,18 @@ def make_vocab_parallel_logprob(model_cfg, mesh: Mesh, params: Any, batch: dict,
     token_axes = (token_axes,) if isinstance(token_axes, str) else tuple(token_axes or ())
 
     def logprobs(params, batch):
-        rows, t = batch["input_tokens"].shape
+        inputs = batch.token_rows()
+        rows, t = inputs.input_tokens.shape
         micro = min(micro_batch_size or rows, rows)
         if rows % micro:
             raise ValueError(f"batch rows {rows} not divisible by micro_batch_size={micro}")
-        keys = ["input_tokens", "positions", "targets"] + [
-            k for k in ("attention_mask", "segment_ids") if k in batch]
-        parts = {k: batch[k].reshape((rows // micro, micro) + batch[k].shape[1:]) for k in keys}
+        parts = jax.tree.map(lambda x: x.reshape((rows // micro, micro) + x.shape[1:]), inputs)
 
-        def one(mb):
-            h = policy.hidden(params, mb["input_tokens"], mb["positions"],
-                              mb.get("segment_ids", mb.get("attention_mask")), False)
+        def one(mb: TokenRows):
+            h = policy.hidden(params, mb.input_tokens, mb.positions, mb.attention_arg(), False)
             w = policy.lm_head(params).astype(h.dtype)
             logp, ent = vocab_parallel_logprob(
-                h.reshape(micro * t, -1), w, mb["targets"].reshape(micro * t), mesh=mesh,
+                h.reshape(micro * t, -1), w, mb.targets.reshape(micro * t), mesh=mesh,
                 token_axes=token_axes, temperature=temperature, block_t=block_t)
             return logp.reshape(micro, t), ent.reshape(micro, t)
 
@@ -182,7 +185,7 @@ def make_vocab_parallel_logprob(model_cfg, mesh: Mesh, params: Any, batch: dict,
 
     params_sh = R.param_shardings(params, mesh, rules)
     batch_sh = R.batch_shardings(batch, mesh, axes)
-    tok_sh = batch_sh["input_tokens"]
+    tok_sh = batch_sh.input_tokens
     jitted = jax.jit(logprobs, in_shardings=(params_sh, batch_sh), out_shardings=(tok_sh, tok_sh))
     return jitted, {"params": params_sh, "batch": batch_sh}
 
