@@ -34,7 +34,7 @@ def evaluate(cfg, workdir: str | None = None, step: int | None = None) -> dict:
     from brorl_jax.train.evaluation import evaluate as evaluate_params
     from brorl_jax.train.loop import restore_params
     from brorl_jax.train.memory_plan import check_at_door
-    from brorl_jax.train.workdir import has_checkpoints, require_existing
+    from brorl_jax.workdir.layout import has_checkpoints, require_existing
     validate(cfg)
     if workdir:                          # before anything expensive; never created
         require_existing(workdir)

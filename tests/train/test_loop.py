@@ -13,8 +13,8 @@ import procs
 import pytest
 from run_metrics import assert_same_metrics
 
-from brorl_jax.train.logger import read_metrics
 from brorl_jax.train.loop import restore_params
+from brorl_jax.workdir.logger import read_metrics
 from configs import tiny
 
 pytestmark = pytest.mark.slow     # end-to-end or many compiles: out of `-m "not slow"`
