@@ -34,9 +34,9 @@ from typing import Any
 import jax
 
 from brorl_jax import algo, data, models
-from brorl_jax.config import check_mesh, derived_learning_rate, optimizer_config, validate
+from brorl_jax.config import derived_learning_rate, optimizer_config
 from brorl_jax.errors import CheckpointError, DataError
-from brorl_jax.train import evaluation, memory_plan
+from brorl_jax.train import door, evaluation
 from brorl_jax.train.context import (
     RunContext,
     build_context,
@@ -45,13 +45,12 @@ from brorl_jax.train.context import (
     load_records,
     log as _log,
     make_prompt_tokenizer,
-    read_model_config,
 )
 from brorl_jax.train.sft import run_warm_start
 from brorl_jax.train.step import LOSS_KEYS, SUMMED_METRICS, rl_step  # noqa: F401 - re-exported
 from brorl_jax.workdir import layout, saved_config
 from brorl_jax.workdir.checkpoint import Checkpointer
-from brorl_jax.workdir.logger import MetricsLogger, check_config, plot_metrics
+from brorl_jax.workdir.logger import MetricsLogger, plot_metrics
 from brorl_jax.workdir.signals import GracefulStop
 
 __all__ = ["Trainer", "RunResult", "train", "restore_params", "check_model_path", "load_model"]
@@ -71,12 +70,7 @@ class Trainer:
 
     def __init__(self, cfg, workdir: str, *, allow_config_change=()):
         # Checks first, cheapest first: nothing expensive starts before they pass.
-        validate(cfg)
-        check_mesh(cfg, jax.device_count(), jax.process_count())
-        check_config(cfg)                 # train.loggers: a missing extra is named here
-        check_model_path(cfg.model.path)
-        self._model_cfg = read_model_config(cfg)      # config.json only: no weights yet
-        memory_plan.check_at_door(cfg, self._model_cfg)
+        self._facts = door.check_training(cfg)
         self.cfg = cfg
         self.workdir = workdir
         layout.prepare(workdir)     # reads only: a locked directory stays as it was
@@ -96,14 +90,15 @@ class Trainer:
         self.data_metrics = data.check_overlap(train_records, eval_records, log=_log)  # step 0
         self.lr, self.lr_note = derived_learning_rate(cfg)
         model = load_model(cfg)
-        if self._model_cfg is None:             # a .gguf model: its config came with it
-            memory_plan.check_at_door(cfg, model.config)
+        if self._facts.model_cfg is None:       # a .gguf model: its config came with it
+            self._facts = door.check_loaded_model(cfg, model.config)
         # the training data's checks before the context's (evaluation prompts, runtime, scorer)
         self.loader = self._make_loader(train_records, make_prompt_tokenizer(cfg, model))
         self.logger_args = dict(loggers=cfg.train.loggers, config=cfg, lr=self.lr,
                                 lr_note=self.lr_note)
-        self.ctx: RunContext = build_context(cfg, eval_records, model=model,
-                                             records=train_records + eval_records)
+        self.ctx: RunContext = build_context(
+            cfg, eval_records, model=model, records=train_records + eval_records,
+            paused_engine_bytes=self._facts.paused_engine_bytes)
         try:                            # the scoring workers run from here: stop them on error
             layout.check_lock(self.lock, self.runtime.allgather_json)
             self.checkpointer = Checkpointer(
