@@ -28,7 +28,7 @@ from brorl_jax.parallel import sharded
 from brorl_jax.parallel.mesh import make_mesh
 from brorl_jax.parallel.vocab_parallel import sharded_fused_logprob, vocab_parallel_logprob
 from brorl_jax.rollout import Engine, generate, rollout_bytes
-from pallas_kernels.fused_logprob_reference import fused_logprob_reference
+from pallas_kernels.fused_logprob.reference import fused_logprob_reference
 
 EOS = 3
 
