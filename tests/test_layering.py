@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from testutil import ROOT
 
 # Lower number = lower layer. A package may import its own modules and packages of lower layers.
 LAYERS = {
@@ -48,7 +48,7 @@ def _package(module: str) -> str | None:
 def _modules() -> dict[str, Path]:
     out = {}
     for top in ("brorl_jax", "pallas_kernels"):
-        for path in (ROOT / top).rglob("*.py"):
+        for path in Path(ROOT, top).rglob("*.py"):
             parts = list(path.relative_to(ROOT).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts = parts[:-1]

@@ -21,12 +21,12 @@ import jax
 import numpy as np
 import procs
 import pytest
+from testutil import ROOT
 
 from brorl_jax.workdir.logger import read_metrics
 
 pytestmark = pytest.mark.slow     # end-to-end or many compiles: out of `-m "not slow"`
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--config=configs/tiny.py", "--config.sft.steps=0"]
 STEPS = 2
 
