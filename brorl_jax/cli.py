@@ -225,7 +225,7 @@ def _parse_flags(argv: Sequence[str]):
 
 def _exit_now(code: int) -> None:
     """Ends the process without interpreter finalization: after a stop inside a phase without a
-    safe point (train/signals.py StopNow) XLA may still be compiling or running on its own
+    safe point (workdir/signals.py StopNow) XLA may still be compiling or running on its own
     threads, and tearing the interpreter down under them can crash (SIGSEGV instead of the exit
     code). The trainer has already closed its checkpointer and workers; logs are flushed."""
     logging.flush()

@@ -44,7 +44,7 @@ class WorkdirError(UserError):
 
 
 class WorkdirLockedError(WorkdirError):
-    """Another live run holds the work directory (train/workdir.py: one run at a time); nothing
+    """Another live run holds the work directory (workdir/layout.py: one run at a time); nothing
     is written into it, not even the error log."""
 
 

@@ -22,33 +22,17 @@ def evaluate(cfg, workdir: str | None = None, step: int | None = None) -> dict:
     """pass@k / mean@k of checkpoint `step` of the run in `workdir` (default: the newest that
     restores), or of the model at config.model.path without a workdir. Builds the run context
     only (the model loads once; no training loader, no work directory of its own)."""
-    from brorl_jax.config import validate
-    from brorl_jax.errors import CheckpointError
-    from brorl_jax.train.context import (
-        build_context,
-        check_model_path,
-        load_model,
-        load_records,
-        read_model_config,
-    )
+    from brorl_jax.train import door
+    from brorl_jax.train.context import build_context, load_model, load_records
     from brorl_jax.train.evaluation import evaluate as evaluate_params
     from brorl_jax.train.loop import restore_params
-    from brorl_jax.train.memory_plan import check_at_door
-    from brorl_jax.train.workdir import has_checkpoints, require_existing
-    validate(cfg)
-    if workdir:                          # before anything expensive; never created
-        require_existing(workdir)
-        if not has_checkpoints(workdir):
-            raise CheckpointError(f"no complete checkpoint in {workdir}/checkpoints; train "
-                                  "first.")
-    check_model_path(cfg.model.path)
-    model_cfg = read_model_config(cfg)       # config.json only: no weights yet
-    check_at_door(cfg, model_cfg, update=False)
+    facts = door.check_evaluation(cfg, workdir)     # before anything expensive
     _, eval_records = load_records(cfg)
     model = load_model(cfg)
-    if model_cfg is None:                    # a .gguf model: its config came with it
-        check_at_door(cfg, model.config, update=False)
-    ctx = build_context(cfg, eval_records, model=model)
+    if facts.model_cfg is None:              # a .gguf model: its config came with it
+        facts = door.check_loaded_model(cfg, model.config, update=False)
+    ctx = build_context(cfg, eval_records, model=model,
+                        paused_engine_bytes=facts.paused_engine_bytes)
     try:
         params = ctx.model.params
         if workdir:

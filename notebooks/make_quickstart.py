@@ -226,7 +226,7 @@ CELLS: list[tuple[str, str]] = [
     ("code", r"""
         import shutil
 
-        from brorl_jax.train.logger import read_metrics
+        from brorl_jax.workdir.logger import read_metrics
         from brorl_jax.train.loop import Trainer
 
         cfg.train.steps = 2 if QUICK else 10

@@ -5,12 +5,9 @@ import atexit
 import fcntl
 import os
 import shutil
-import sys
 import tempfile
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # One persistent JAX compilation cache for the session, set before anything imports jax: the
 # many runs of the same tiny configs (in this process and in the `main` subprocesses, which
@@ -24,7 +21,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 # The session's compile flags (LLVM optimisation off): tests/compile_env.py says why.
 import compile_env  # noqa: E402, F401
-import procs  # noqa: E402 - started commands fork from a preloaded interpreter (tests/zygote.py)
+import procs  # noqa: E402, F401 - started commands fork from a preloaded interpreter (tests/zygote.py)
+from testutil import run_main  # noqa: E402
 
 # The order the two workers take the files in (`make test`: --dist loadfile, and
 # --no-loadscope-reorder so that xdist keeps this order instead of putting the files with the
@@ -65,10 +63,7 @@ def tiny_warm_start(tmp_path_factory) -> list[str]:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (work / "BUILT").exists():
             shutil.rmtree(work, ignore_errors=True)
-            out = procs.run(
-                [sys.executable, "-m", "brorl_jax.main", "--config=configs/tiny.py",
-                 f"--workdir={work}", "--config.train.steps=0", "--config.train.tensorboard=False"],
-                cwd=ROOT, capture_output=True, text=True, timeout=600)
+            out = run_main(work, "--config.train.steps=0", "--config.train.tensorboard=False")
             assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
             (work / "BUILT").touch()
     return [f"--config.model.path={work / 'warm_start_model'}", "--config.sft.steps=0"]

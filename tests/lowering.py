@@ -5,6 +5,8 @@ tests/parallel). T = 384 is no other dimension of the program."""
 from __future__ import annotations
 
 T = 384
+# What a Pallas kernel lowers to, per platform: a Triton call on CUDA, a Mosaic call on TPU.
+CUSTOM_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 
 
 def packed_update_text(platform: str, *, rows: int, hidden: int, kv_heads: int,
@@ -14,17 +16,15 @@ def packed_update_text(platform: str, *, rows: int, hidden: int, kv_heads: int,
     import jax
     import jax.numpy as jnp
     import optax
+    from testutil import tiny_model_config
 
     from brorl_jax.algo import UpdateBatch, create_train_state, make_update_step
     from brorl_jax.config import algo_config, default_config
-    from brorl_jax.models import ModelConfig, init_params
-    mc = ModelConfig(model_type="qwen2", vocab_size=640, hidden_size=hidden,
-                     intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
-                     num_key_value_heads=kv_heads, head_dim=128, rope_theta=1e4,
-                     rope_scaling=None, rms_norm_eps=1e-6, attention_bias=True, qk_norm=False,
-                     tie_word_embeddings=True, max_position_embeddings=512, bos_token_id=None,
-                     eos_token_ids=(1,), dtype="bfloat16",
-                     attention_impl=default_config().model.attention_impl)
+    from brorl_jax.models import init_params
+    mc = tiny_model_config(vocab_size=640, hidden_size=hidden, intermediate_size=192,
+                           num_attention_heads=2, num_key_value_heads=kv_heads, head_dim=128,
+                           tie_word_embeddings=True, max_position_embeddings=512,
+                           dtype="bfloat16", attention_impl=default_config().model.attention_impl)
     cfg = algo_config(rollouts_per_prompt=rollouts_per_prompt, prompts_per_step=2,
                       micro_batch_size=micro_batch_size, ppo_mini_batches=2, kl_coef=0.0)
     opt = optax.adam(1e-3)

@@ -12,12 +12,12 @@ from pathlib import Path
 import ml_collections
 import procs
 import pytest
+from testutil import ROOT
 
 from brorl_jax.config import ConfigError, _flatten, default_config, derived_learning_rate, validate
 from configs import brorl, prorl
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG_FILES = sorted(p.stem for p in (ROOT / "configs").glob("*.py")
+CONFIG_FILES = sorted(p.stem for p in Path(ROOT, "configs").glob("*.py")
                       if p.stem not in ("__init__", "common"))
 # Preset arguments documented as "configs/NAME.py:ARG" in the config files, README and docs.
 _PRESET = re.compile(r"configs/(\w+)\.py:([\w=,.*+-]+)")
@@ -26,8 +26,8 @@ PROSE_PRESETS = {"smollm2_arith": ["op=*,n=8,prompts=4,steps=2,tokens=32,eval_pr
 
 
 def _documented_presets() -> list[tuple[str, str | None]]:
-    texts = [p.read_text() for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md"),
-                                     *(ROOT / "configs").glob("*.py")]]
+    texts = [p.read_text() for p in [Path(ROOT, "README.md"), *Path(ROOT, "docs").glob("*.md"),
+                                     *Path(ROOT, "configs").glob("*.py")]]
     found = {(m.group(1), m.group(2).rstrip(".,")) for t in texts for m in _PRESET.finditer(t)}
     found |= {(name, arg) for name, args in PROSE_PRESETS.items() for arg in args}
     return [(name, None) for name in CONFIG_FILES] + sorted(found)
@@ -128,7 +128,7 @@ def _static_reads(schema: dict) -> set[str]:
                 reads.update(a.value for a in n.args
                              if isinstance(a, ast.Constant) and a.value in schema)
 
-    for path in sorted((ROOT / "brorl_jax").rglob("*.py")):
+    for path in sorted(Path(ROOT, "brorl_jax").rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
         rel = path.relative_to(ROOT).as_posix()
         if rel == "brorl_jax/config.py":

@@ -107,11 +107,11 @@ def test_decoding_during_the_update_needs_carried_samples():
         validate(cfg)
 
 
-# -- the memory plans (train/memory_plan.py): what the plans cannot hold, refused before the
+# -- the memory plans (train/door.py): what the plans cannot hold, refused before the
 # weights load, each fix the message names accepted by the same plan ---------------------------
 from brorl_jax.models.demo_model import demo_model_config  # noqa: E402
 from brorl_jax.rollout import plan as rollout_plan  # noqa: E402
-from brorl_jax.train import memory_plan  # noqa: E402
+from brorl_jax.train import door, rollout_calls  # noqa: E402
 
 MODEL = demo_model_config(vocab_size=128, bos_token_id=1, eos_token_id=2)
 MB = 2**20
@@ -125,7 +125,7 @@ def _plan_config(overrides):
 
 
 def _check(cfg, device_bytes=None, **kw):
-    memory_plan.check_memory_plan(cfg, MODEL, num_devices=1, device_bytes=device_bytes, **kw)
+    door.check_memory_plan(cfg, MODEL, num_devices=1, device_bytes=device_bytes, **kw)
 
 
 def _number_after(text, words):
@@ -185,7 +185,7 @@ def test_settings_the_memory_plan_cannot_hold_are_refused_naming_key_limit_and_f
 def test_the_door_minimum_is_the_plan_s_own():
     """min_budget_bytes is the budget plan_slots refuses below: the door and the rollout agree."""
     cfg = _plan_config({})
-    for call in memory_plan.rollout_calls(cfg):
+    for call in door.rollout_calls(cfg):
         shapes = (MODEL, call.num_prompts, 32, call.rollouts_per_prompt, call.max_new_tokens)
         least = rollout_plan.min_budget_bytes(*shapes, num_devices=2)
         assert rollout_plan.plan_slots(*shapes, least, num_devices=2).slots >= 1
@@ -227,11 +227,11 @@ def test_the_engine_paused_across_the_update_is_counted_beside_it(monkeypatch):
             "algo.stream_rounds": True}
     k0 = _plan_config(over)
     k1 = _plan_config({**over, "algo.max_staleness": 1})
-    assert memory_plan.paused_engine_bytes(k0, MODEL, num_devices=1) == 0
+    assert rollout_calls.paused_engine_bytes(k0, MODEL, num_devices=1) == 0
     apart = _plan_config({**over, "algo.max_staleness": 1, "mesh.rollout_devices": 4})
-    assert memory_plan.paused_engine_bytes(apart, MODEL, num_devices=4) == 0   # not beside it
-    paused = memory_plan.paused_engine_bytes(k1, MODEL, num_devices=1)
-    call, _ = memory_plan.rollout_calls(k1)
+    assert rollout_calls.paused_engine_bytes(apart, MODEL, num_devices=4) == 0   # not beside it
+    paused = rollout_calls.paused_engine_bytes(k1, MODEL, num_devices=1)
+    call, _ = door.rollout_calls(k1)
     plan = rollout_plan.plan_slots(MODEL, call.num_prompts, 32, call.rollouts_per_prompt,
                                    call.max_new_tokens, int(0.004 * 2**30))
     assert paused == rollout_plan.stream_plan(MODEL, plan, 32, call.max_new_tokens).bytes_per_device
@@ -244,9 +244,15 @@ def test_the_engine_paused_across_the_update_is_counted_beside_it(monkeypatch):
                                           r"engine paused across the update .*max_staleness=1"):
         _check(k1, device)
     _check(k1, alone + paused)
+    found = [door.check_loaded_model(cfg, MODEL) for cfg in (k0, k1)]   # what the door finds
     from brorl_jax.train.runtime import LocalRuntime
     monkeypatch.setattr(update, "device_memory_bytes", lambda: device)
-    for cfg, less in ((k0, 0), (k1, memory_plan.paused_engine_bytes(
-            k1, MODEL, num_devices=jax.local_device_count()))):
+    for (cfg, less), facts in zip(((k0, 0), (k1, rollout_calls.paused_engine_bytes(
+            k1, MODEL, num_devices=jax.local_device_count()))), found):
         assert LocalRuntime(cfg, MODEL, None, diagnostics_n=None).update_device_bytes() \
             == device - less
+        # the door hands its count to the runtime as a number (Trainer -> build_context)
+        assert facts.paused_engine_bytes == less
+        assert LocalRuntime(cfg, MODEL, None, diagnostics_n=None,
+                            paused_engine_bytes=facts.paused_engine_bytes
+                            ).update_device_bytes() == device - less

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from testutil import ROOT
 
 # Lower number = lower layer. A package may import its own modules and packages of lower layers.
 LAYERS = {
@@ -20,14 +20,18 @@ LAYERS = {
     "brorl_jax.rollout": 3,         # generation
     "brorl_jax.algo": 3,            # advantages, losses, the update step
     "brorl_jax.config": 4,          # the run-config schema (reads the registries below it)
-    "brorl_jax.train": 5,           # the loop
-    "brorl_jax.cli": 6,             # what the commands share
-    "brorl_jax.main": 7,            # the commands
-    "brorl_jax.evaluate": 7,
-    "brorl_jax.export": 7,
-    "brorl_jax.experiments": 7,
-    "brorl_jax": 8,                 # the package itself (its __init__ imports nothing)
+    "brorl_jax.workdir": 5,         # the run's files and the process (layout, checkpoints, loggers)
+    "brorl_jax.train": 6,           # the loop
+    "brorl_jax.cli": 7,             # what the commands share
+    "brorl_jax.main": 8,            # the commands
+    "brorl_jax.evaluate": 8,
+    "brorl_jax.export": 8,
+    "brorl_jax.experiments": 8,
+    "brorl_jax": 9,                 # the package itself (its __init__ imports nothing)
 }
+# The run's files and process know nothing of the RL step: a checkpoint, a log line or a signal
+# never depends on how samples are made or the update computed.
+RL_STEP = ("brorl_jax.train", "brorl_jax.algo", "brorl_jax.rollout")
 # rewards runs inside worker processes and must stay light (brorl_jax/rewards/__init__.py).
 NO_JAX = ("brorl_jax.rewards",)
 
@@ -44,7 +48,7 @@ def _package(module: str) -> str | None:
 def _modules() -> dict[str, Path]:
     out = {}
     for top in ("brorl_jax", "pallas_kernels"):
-        for path in (ROOT / top).rglob("*.py"):
+        for path in Path(ROOT, top).rglob("*.py"):
             parts = list(path.relative_to(ROOT).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts = parts[:-1]
@@ -125,6 +129,12 @@ def test_no_import_cycles():
         if node not in state:
             visit(node, [])
     assert cycles == [], "import cycles:\n" + "\n".join(cycles)
+
+
+def test_workdir_imports_nothing_of_the_rl_step():
+    bad = [f"{mod} -> {dep}" for mod, deps in _graph().items() if _package(mod) == "brorl_jax.workdir"
+           for dep in deps if _package(dep) in RL_STEP]
+    assert bad == []
 
 
 def test_rewards_do_not_import_jax():

@@ -84,8 +84,8 @@ def start_model(base, out: str) -> str:
 def run(base, out: str, ns: list[int], samples: int, evals: int,
         seeds: list[int] = (0,)) -> dict:
     """{N: {seed: summarize_arm(...)}}, written out after every run (write())."""
-    from brorl_jax.train.logger import read_metrics
     from brorl_jax.train.loop import Trainer
+    from brorl_jax.workdir.logger import read_metrics
 
     os.makedirs(out, exist_ok=True)
     model_path = start_model(base, out)
@@ -231,7 +231,7 @@ def main(values: dict) -> int:
     rows = base.algo.prompts_per_step * base.rollout.rollouts_per_prompt
     for n in ns:
         validate(arm_config(base, n, rows, values["samples"], values["evals"], ""))
-    from brorl_jax.train.workdir import check_writable, prepare
+    from brorl_jax.workdir.layout import check_writable, prepare
     prepare(values["out"])
     check_writable(values["out"])
     results = run(base, values["out"], ns, values["samples"], values["evals"], seeds)

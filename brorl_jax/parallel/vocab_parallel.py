@@ -18,7 +18,7 @@ rematerialised in the backward pass (jax.checkpoint), so memory is O(block_t * V
 Gradients flow through the collectives: shard_map with check_vma=True tracks that `hidden` is
 the same on every tensor shard while the lm_head slice differs, so the backward pass psums the
 per-shard d hidden contributions; d lm_head stays sharded. Tests compare values and gradients
-with pallas_kernels.fused_logprob_reference (the unsharded naive reference).
+with pallas_kernels.fused_logprob.reference (the unsharded naive reference).
 
 Where the Pallas kernel compiles (GPU/TPU), each shard instead runs it on its columns
 (pallas_kernels.fused_logprob_vocab_shard: the same merge of per-shard lse / target logit /

@@ -52,15 +52,6 @@ def check_model_path(path: str) -> None:
         raise ModelError(f"config key 'model.path' = {path!r}: {problem}.")
 
 
-def read_model_config(cfg) -> models.ModelConfig | None:
-    """The ModelConfig load_model(cfg) will have, read from the model's config.json without its
-    weights (the door's memory plan, train/memory_plan.py); None for a .gguf file or a path
-    load_model will refuse."""
-    mcfg = models.read_config(cfg.model.path or models.ensure_demo_model(),
-                              dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
-    return None if mcfg is None else with_config_impls(mcfg, cfg)
-
-
 def with_config_impls(mcfg: models.ModelConfig, cfg) -> models.ModelConfig:
     """``mcfg`` with the config's model implementations (model.attention_impl, model.mlp_impl):
     implementations of the same model, not part of the checkpoint."""
@@ -303,11 +294,13 @@ def verifiers_for(records: Sequence[dict], reward_map: dict, reward_options: dic
 
 
 def build_context(cfg, eval_records: Sequence[dict], *, model: models.Model | None = None,
-                  records: Sequence[dict] | None = None) -> RunContext:
+                  records: Sequence[dict] | None = None,
+                  paused_engine_bytes: int | None = None) -> RunContext:
     """The run's context from a validated config and its held-out records: the model (loaded
     here unless given), the runtime, the scoring pool and the evaluation prompts. `records`:
     every record the run will score (default: the held-out ones); the workers load the
-    verifiers those need."""
+    verifiers those need. `paused_engine_bytes`: the door's count (train/door.py DoorFacts),
+    handed to the runtime (None: the runtime counts it)."""
     model = load_model(cfg) if model is None else model
     prompt_tokenizer = make_prompt_tokenizer(cfg, model)
     tok = model.tokenizer
@@ -317,7 +310,8 @@ def build_context(cfg, eval_records: Sequence[dict], *, model: models.Model | No
     # Mass-balance diagnostics (BroRL Lemma 2) come from the update's pi_old pass over the
     # vocabulary, at the run's N; no extra pass.
     diag_n = cfg.rollout.rollouts_per_prompt if cfg.train.mass_balance_diagnostics else None
-    runtime = make_runtime(cfg, model.config, optimizer, diagnostics_n=diag_n)
+    runtime = make_runtime(cfg, model.config, optimizer, diagnostics_n=diag_n,
+                           paused_engine_bytes=paused_engine_bytes)
     reward_map, reward_options = reward_routing(cfg)
     service = ScoringService(num_workers=cfg.rewards.num_workers, timeout_s=cfg.rewards.timeout_s,
                              batch_deadline_s=cfg.rewards.batch_deadline_s,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from brorl_jax.train.context import EVAL_SEED, merge_health
-from brorl_jax.train.logger import progress
+from brorl_jax.workdir.logger import progress
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -34,10 +34,9 @@ from typing import Any
 import jax
 
 from brorl_jax import algo, data, models
-from brorl_jax.config import check_mesh, derived_learning_rate, optimizer_config, validate
+from brorl_jax.config import derived_learning_rate, optimizer_config
 from brorl_jax.errors import CheckpointError, DataError
-from brorl_jax.train import evaluation, memory_plan, run_config, workdir as workdir_lib
-from brorl_jax.train.checkpoint import Checkpointer
+from brorl_jax.train import door, evaluation
 from brorl_jax.train.context import (
     RunContext,
     build_context,
@@ -46,12 +45,13 @@ from brorl_jax.train.context import (
     load_records,
     log as _log,
     make_prompt_tokenizer,
-    read_model_config,
 )
-from brorl_jax.train.logger import MetricsLogger, check_config, plot_metrics
 from brorl_jax.train.sft import run_warm_start
-from brorl_jax.train.signals import GracefulStop
 from brorl_jax.train.step import LOSS_KEYS, rl_step  # noqa: F401 - re-exported
+from brorl_jax.workdir import layout, saved_config
+from brorl_jax.workdir.checkpoint import Checkpointer
+from brorl_jax.workdir.logger import MetricsLogger, plot_metrics
+from brorl_jax.workdir.signals import GracefulStop
 
 __all__ = ["Trainer", "RunResult", "train", "restore_params", "check_model_path", "load_model"]
 
@@ -70,43 +70,39 @@ class Trainer:
 
     def __init__(self, cfg, workdir: str, *, allow_config_change=()):
         # Checks first, cheapest first: nothing expensive starts before they pass.
-        validate(cfg)
-        check_mesh(cfg, jax.device_count(), jax.process_count())
-        check_config(cfg)                 # train.loggers: a missing extra is named here
-        check_model_path(cfg.model.path)
-        self._model_cfg = read_model_config(cfg)      # config.json only: no weights yet
-        memory_plan.check_at_door(cfg, self._model_cfg)
+        self._facts = door.check_training(cfg)
         self.cfg = cfg
         self.workdir = workdir
-        workdir_lib.prepare(workdir)     # reads only: a locked directory stays as it was
-        self.lock = workdir_lib.acquire(workdir, process_index=jax.process_index(), log=_log)
+        layout.prepare(workdir)     # reads only: a locked directory stays as it was
+        self.lock = layout.acquire(workdir, process_index=jax.process_index(), log=_log)
         try:                            # released on any failure from here (a notebook goes on)
-            workdir_lib.check_writable(workdir)
+            layout.check_writable(workdir)
             self._build(cfg, workdir, allow_config_change)
         except BaseException:
             self.lock.release()
             raise
 
     def _build(self, cfg, workdir: str, allow_config_change) -> None:
-        self.resuming = workdir_lib.has_checkpoints(workdir)
-        allow = run_config.check_allow_list(allow_config_change)
-        self.config_changes = run_config.check_resume(cfg, workdir, allow) if self.resuming else []
+        self.resuming = layout.has_checkpoints(workdir)
+        allow = saved_config.check_allow_list(allow_config_change)
+        self.config_changes = saved_config.check_resume(cfg, workdir, allow) if self.resuming else []
         train_records, eval_records = load_records(cfg)
         self.data_metrics = data.check_overlap(train_records, eval_records, log=_log)  # step 0
         self.lr, self.lr_note = derived_learning_rate(cfg)
         model = load_model(cfg)
-        if self._model_cfg is None:             # a .gguf model: its config came with it
-            memory_plan.check_at_door(cfg, model.config)
+        if self._facts.model_cfg is None:       # a .gguf model: its config came with it
+            self._facts = door.check_loaded_model(cfg, model.config)
         # the training data's checks before the context's (evaluation prompts, runtime, scorer)
         self.loader = self._make_loader(train_records, make_prompt_tokenizer(cfg, model))
         self.logger_args = dict(loggers=cfg.train.loggers, config=cfg, lr=self.lr,
                                 lr_note=self.lr_note)
-        self.ctx: RunContext = build_context(cfg, eval_records, model=model,
-                                             records=train_records + eval_records)
+        self.ctx: RunContext = build_context(
+            cfg, eval_records, model=model, records=train_records + eval_records,
+            paused_engine_bytes=self._facts.paused_engine_bytes)
         try:                            # the scoring workers run from here: stop them on error
-            workdir_lib.check_lock(self.lock, self.runtime.allgather_json)
+            layout.check_lock(self.lock, self.runtime.allgather_json)
             self.checkpointer = Checkpointer(
-                os.path.join(workdir, workdir_lib.CHECKPOINTS), keep=cfg.train.keep_checkpoints,
+                os.path.join(workdir, layout.CHECKPOINTS), keep=cfg.train.keep_checkpoints,
                 log=_log, agree=lambda ok: all(self.runtime.allgather_json(bool(ok))))
         except BaseException:
             self.ctx.close()
@@ -205,13 +201,13 @@ class Trainer:
         """The supervised warm start (train/sft.py), or the one this work directory already
         finished with the same settings (a restart after an interruption does not redo it); a
         signal during it stops the run at once; the result is kept as warm_start_model/."""
-        kept = workdir_lib.kept_warm_start(self.workdir, self.cfg, log=_log)
+        kept = layout.kept_warm_start(self.workdir, self.cfg, log=_log)
         if kept is not None:
             return kept
         with self.stopping.during("the warm start"):
             params = run_warm_start(self.ctx, params, self.loader.prompts)
         if self.runtime.process_index == 0:
-            workdir_lib.keep_warm_start(self.workdir, self.cfg, self.ctx.model.with_params(params))
+            layout.keep_warm_start(self.workdir, self.cfg, self.ctx.model.with_params(params))
         return params
 
     def _check_meta(self, meta: dict) -> None:
@@ -224,8 +220,8 @@ class Trainer:
 
     def _record_config(self, resumed_from: int | None) -> None:
         if self.runtime.process_index == 0:
-            for line in run_config.record(self.cfg, self.workdir, resumed_from=resumed_from,
-                                          accepted=self.config_changes):
+            for line in saved_config.record(self.cfg, self.workdir, resumed_from=resumed_from,
+                                            accepted=self.config_changes):
                 _log(line)
 
     def run(self) -> RunResult:
@@ -339,9 +335,9 @@ def restore_params(cfg, workdir: str, step: int | None = None, *,
     """(model, params, step) of checkpoint `step` (default: the newest that restores) in
     `workdir`; `model` (e.g. a run context's) is the template, loaded from the config when not
     given. Reads only: never creates the directory, never moves or cleans anything."""
-    workdir_lib.require_existing(workdir)
-    ckpt_dir = os.path.join(workdir, workdir_lib.CHECKPOINTS)
-    if not workdir_lib.has_checkpoints(workdir):
+    layout.require_existing(workdir)
+    ckpt_dir = os.path.join(workdir, layout.CHECKPOINTS)
+    if not layout.has_checkpoints(workdir):
         raise CheckpointError(f"no complete checkpoint in {ckpt_dir}; train first.")
     model = load_model(cfg) if model is None else model
     ckpt = Checkpointer(ckpt_dir, read_only=True, log=_log)
@@ -358,7 +354,7 @@ def restore_params(cfg, workdir: str, step: int | None = None, *,
             try:
                 state, _ = ckpt.restore(step, template)
             except Exception as e:  # noqa: BLE001 - name the step and the cause
-                from brorl_jax.train.checkpoint import first_line
+                from brorl_jax.workdir.checkpoint import first_line
                 raise CheckpointError(f"checkpoint step {step} in {ckpt_dir} cannot be restored: "
                                       f"{first_line(e)}. Available: {ckpt.all_steps()}; give "
                                       "another --step or none (the newest that restores).") from e

@@ -1,6 +1,6 @@
 """The largest training rollout call of a run and the rollout stream paused across the update:
-the facts the memory plan (train/memory_plan.py, at the door) and the runtime (train/runtime.py,
-the remat policy's memory) both read. Config only: nothing here imports the run context.
+the facts the door (train/door.py: the memory plans) reads and hands to the runtime
+(train/runtime.py, the remat policy's memory). Config only: nothing here imports the run context.
 """
 from __future__ import annotations
 

@@ -68,11 +68,12 @@ from brorl_jax.parallel import distributed, sharded
 from brorl_jax.parallel.mesh import batch_axis_size, make_mesh, mesh_from_config
 
 
-def make_runtime(cfg, model_cfg, optimizer, *, diagnostics_n: int | None) -> "Runtime":
+def make_runtime(cfg, model_cfg, optimizer, *, diagnostics_n: int | None,
+                 paused_engine_bytes: int | None = None) -> "Runtime":
     """MeshRuntime whenever JAX sees more than one device (over all processes), else LocalRuntime."""
-    if jax.device_count() > 1:
-        return MeshRuntime(cfg, model_cfg, optimizer, diagnostics_n=diagnostics_n)
-    return LocalRuntime(cfg, model_cfg, optimizer, diagnostics_n=diagnostics_n)
+    runtime = MeshRuntime if jax.device_count() > 1 else LocalRuntime
+    return runtime(cfg, model_cfg, optimizer, diagnostics_n=diagnostics_n,
+                   paused_engine_bytes=paused_engine_bytes)
 
 
 class Runtime:
@@ -82,17 +83,21 @@ class Runtime:
     process_index: int = 0
     row_multiple: int = 1           # this process's update rows must be a multiple of it
 
-    def __init__(self, cfg, model_cfg, optimizer, *, diagnostics_n: int | None):
+    def __init__(self, cfg, model_cfg, optimizer, *, diagnostics_n: int | None,
+                 paused_engine_bytes: int | None = None):
         self.model_cfg = model_cfg
         self.optimizer = optimizer
         self.diagnostics_n = diagnostics_n
         self.rollout_impl = cfg.rollout.impl
         self.memory_budget_bytes = rollout_memory_budget_bytes(cfg)
-        # the stream left paused across the update (samples carried, algo.max_staleness >= 1)
-        from brorl_jax.train.rollout_calls import paused_engine_bytes, rollout_device_count
-        self.paused_engine_bytes = paused_engine_bytes(
-            cfg, model_cfg, num_devices=rollout_device_count(cfg),
-            num_processes=jax.process_count())
+        # the stream left paused across the update (samples carried, algo.max_staleness >= 1):
+        # the door's count (train/door.py), counted here for a runtime built outside a run
+        if paused_engine_bytes is None:
+            from brorl_jax.train import rollout_calls
+            paused_engine_bytes = rollout_calls.paused_engine_bytes(
+                cfg, model_cfg, num_devices=rollout_calls.rollout_device_count(cfg),
+                num_processes=jax.process_count())
+        self.paused_engine_bytes = paused_engine_bytes
         self._steps: dict[Any, Any] = {}
         self._rollout: rollout.Engine | None = None
         self._rollout_copy: tuple | None = None     # (source params, the rollout's copy)
@@ -200,7 +205,7 @@ class Runtime:
     def update_device_bytes(self) -> int | None:
         """The device memory the update's remat policy plans with (make_update_step's
         device_bytes): the device's, less the rollout engine paused beside the update
-        (train/rollout_calls.paused_engine_bytes); None where unknown (CPU)."""
+        (train/door.py DoorFacts.paused_engine_bytes); None where unknown (CPU)."""
         mem = algo.update.device_memory_bytes()
         return None if mem is None else max(0, mem - self.paused_engine_bytes)
 
@@ -279,8 +284,10 @@ class _MeshSteps:
 class MeshRuntime(Runtime):
     """Sharded steps on a mesh (one or several processes); see the module docstring."""
 
-    def __init__(self, cfg, model_cfg, optimizer, *, diagnostics_n: int | None):
-        super().__init__(cfg, model_cfg, optimizer, diagnostics_n=diagnostics_n)
+    def __init__(self, cfg, model_cfg, optimizer, *, diagnostics_n: int | None,
+                 paused_engine_bytes: int | None = None):
+        super().__init__(cfg, model_cfg, optimizer, diagnostics_n=diagnostics_n,
+                         paused_engine_bytes=paused_engine_bytes)
         self.rules = cfg.mesh.rules
         self.rollout_devices = int(cfg.mesh.rollout_devices)
         self.num_processes = jax.process_count()

@@ -20,7 +20,7 @@ import numpy as np
 import optax
 
 from brorl_jax import models
-from brorl_jax.train.logger import progress
+from brorl_jax.workdir.logger import progress
 from pallas_kernels import fused_logprob
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import TOY_POLICY, VOCAB, toy_logits, toy_params
+from testutil import tiny_model_config
 
 from brorl_jax.algo import (
     assemble_update_batch,
@@ -63,12 +64,8 @@ def to_packed(packed, padded_values):
 
 
 def tiny_model():
-    from brorl_jax.models import ModelConfig, init_params
-    mc = ModelConfig(model_type="qwen2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                     rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-6, attention_bias=True,
-                     qk_norm=False, tie_word_embeddings=True, max_position_embeddings=64,
-                     bos_token_id=None, eos_token_ids=(1,))
+    from brorl_jax.models import init_params
+    mc = tiny_model_config(vocab_size=VOCAB, tie_word_embeddings=True)
     # larger weights than the init so attention is far from uniform (a leak would show)
     params = jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x, init_params(mc, jax.random.PRNGKey(0)))
     return mc, params

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from lowering import CUSTOM_CALL
 
 import pallas_kernels as pk
 from pallas_kernels import targets as tg
@@ -207,7 +208,6 @@ def test_grouped_form_with_a_prompt_pool():
 # (pallas_kernels/targets.py: MODEL_SHAPES, SLOT_DECODE_ATTENTION; full compiles of the same
 # cases: bench/compile_check.py --kernels decode_attention_slots)
 # ----------------------------------------------------------------------------------------------
-_CUSTOM_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 # Qwen3-8B and Llama-3.1-8B have the same attention shape (32/8 heads of 128)
 _ATTENTION_SHAPES = {(m.heads, m.kv_heads, m.head_dim): name
                      for name, m in reversed(tg.MODEL_SHAPES.items())}
@@ -234,11 +234,11 @@ def lower_slot_attention(platform, heads, kv_heads, head_dim, dtype) -> str:
 
 @pytest.mark.parametrize("dtype", tg.DTYPES)
 @pytest.mark.parametrize("shape", list(_ATTENTION_SHAPES), ids=list(_ATTENTION_SHAPES.values()))
-@pytest.mark.parametrize("platform", list(_CUSTOM_CALL))
+@pytest.mark.parametrize("platform", list(CUSTOM_CALL))
 def test_kernels_lower_for_gpu_and_tpu_at_model_shapes(platform, shape, dtype):
     text = lower_slot_attention(platform, *shape, jnp.dtype(dtype))
     # both kernels (prompt tiles, own KV) are in the lowered module as compiled custom calls
-    assert text.count(_CUSTOM_CALL[platform]) == 2
+    assert text.count(CUSTOM_CALL[platform]) == 2
     assert "slot_decode_attention_prefix" in text and "slot_decode_attention_own" in text
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from pallas_kernels import fused_logprob, fused_logprob_stats, interpret_mode
 from pallas_kernels.fused_logprob import resolve_impl
-from pallas_kernels.fused_logprob_reference import (
+from pallas_kernels.fused_logprob.reference import (
     fused_logprob_reference,
     fused_logprob_stats_reference,
 )

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
-from pallas_kernels.fused_logprob_reference import fused_logprob_reference
+from pallas_kernels.fused_logprob.reference import fused_logprob_reference
 
 fl = importlib.import_module("pallas_kernels.fused_logprob")   # the module (the package exports
 #                                                                 the function under this name)

@@ -15,12 +15,12 @@ import logging
 import jax
 import jax.numpy as jnp
 import pytest
+from lowering import CUSTOM_CALL
 
 import pallas_kernels as pk
 from pallas_kernels import targets as tg
 from pallas_kernels.swiglu_mlp import KERNEL_NAMES
 
-CUSTOM_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 PLATFORMS = tuple(CUSTOM_CALL)
 VOCABS = sorted({m.vocab for m in tg.MODEL_SHAPES.values()})
 HIDDENS = sorted({m.hidden for m in tg.MODEL_SHAPES.values()})

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from lowering import CUSTOM_CALL
 
 import pallas_kernels as pk
 from pallas_kernels.packed_attention import (
@@ -22,8 +23,6 @@ from pallas_kernels.packed_attention import (
     packed_attention_cost,
     packed_attention_reference,
 )
-
-CUSTOM_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 
 
 def _segments(width, lengths):

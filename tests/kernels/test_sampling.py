@@ -194,7 +194,7 @@ def test_triton_kernel_compiles_to_ptx_for_sm90(tmp_path, monkeypatch):
     import jax_triton.triton_lib as tl_lib
 
     import pallas_kernels as pk
-    from pallas_kernels.sampling_triton import sample_tokens_triton
+    from pallas_kernels.sampling.triton_lang import sample_tokens_triton
 
     monkeypatch.setattr(tl_lib, "_JAX_TRITON_DUMP_DIR", str(tmp_path))
     monkeypatch.setattr(tl_lib, "_COMPILED_KERNEL_CACHE", {})

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from testutil import tiny_model_config
 
 import pallas_kernels as pk
 from pallas_kernels import swiglu_mlp as sm
@@ -53,14 +54,8 @@ def test_kernels_equal_the_xla_mlp_in_values_and_gradients(shape, dtype):
 
 
 def _tiny_model(mlp_impl, **over):
-    from brorl_jax.models import ModelConfig
-    fields = dict(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=48,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                  rope_theta=1e4, rope_scaling=None, rms_norm_eps=1e-6, attention_bias=True,
-                  qk_norm=False, tie_word_embeddings=False, max_position_embeddings=64,
-                  bos_token_id=None, eos_token_ids=(0,), mlp_impl=mlp_impl)
-    fields.update(over)
-    return ModelConfig(**fields)
+    return tiny_model_config(**dict(dict(intermediate_size=48, eos_token_ids=(0,),
+                                         mlp_impl=mlp_impl), **over))
 
 
 @pytest.mark.parametrize("remat", [False, "full", "dots"])

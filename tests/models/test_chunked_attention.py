@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from testutil import tiny_model_config
 
 from brorl_jax.models import ModelConfig, forward, init_params
 from brorl_jax.models.chunked_attention import chunked_causal_attention, forward_hidden
@@ -14,11 +15,7 @@ pytestmark = pytest.mark.slow     # many model compiles: out of `-m "not slow"`
 
 
 def _cfg() -> ModelConfig:
-    return ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=8, rope_theta=1e4, rope_scaling=None, rms_norm_eps=1e-6,
-                       attention_bias=True, qk_norm=False, tie_word_embeddings=True,
-                       max_position_embeddings=64, bos_token_id=None, eos_token_ids=(1,))
+    return tiny_model_config(tie_word_embeddings=True)
 
 
 def test_chunked_attention_matches_reference_with_padding():

@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from testutil import tiny_model_config
 
-from brorl_jax.models import ModelConfig, forward, init_params
+from brorl_jax.models import forward, init_params
 from brorl_jax.models.transformer import (
     attention,
     dot_product_attention_args,
@@ -18,11 +19,7 @@ from brorl_jax.models.transformer import (
     segment_positions,
 )
 
-CFG = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                  rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-6, attention_bias=False,
-                  qk_norm=True, tie_word_embeddings=False, max_position_embeddings=64,
-                  bos_token_id=None, eos_token_ids=(1,))
+CFG = tiny_model_config(model_type="qwen3", attention_bias=False, qk_norm=True)
 # two packed rows of width 12: lengths (5, 4, 2) + 1 padding, and (7) + 5 padding
 ROW_LENGTHS = [(5, 4, 2), (7,)]
 WIDTH = 12

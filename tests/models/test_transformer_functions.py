@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from models_testutil import padded_batch
+from testutil import tiny_model_config
 
 from brorl_jax.models import (
     Model,
@@ -29,27 +30,12 @@ VOCAB = 97
 
 
 def tiny_config(model_type: str = "qwen2", **overrides) -> ModelConfig:
-    fields = dict(
-        model_type=model_type,
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rope_theta=10_000.0,
-        rope_scaling=None,
-        rms_norm_eps=1e-6,
-        attention_bias=(model_type == "qwen2"),
-        qk_norm=(model_type == "qwen3"),
-        tie_word_embeddings=False,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_ids=(2,),
-    )
-    fields.update(overrides)
-    return ModelConfig(**fields)
+    """The HF comparisons' model (tests/models/models_testutil.py hf_config): hidden 64, vocab 97."""
+    fields = dict(model_type=model_type, vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                  head_dim=16, attention_bias=(model_type == "qwen2"),
+                  qk_norm=(model_type == "qwen3"), max_position_embeddings=256, bos_token_id=1,
+                  eos_token_ids=(2,))
+    return tiny_model_config(**dict(fields, **overrides))
 
 
 # One batch shape and two configs for the whole file: every jitted function compiles once per
@@ -237,13 +223,9 @@ def test_xla_attention_impl_matches_reference_with_padding():
     import jax.numpy as jnp
     import numpy as np
 
-    from brorl_jax.models import ModelConfig, forward, init_params
+    from brorl_jax.models import forward, init_params
 
-    cfg = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=8, rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-6,
-                      attention_bias=True, qk_norm=False, tie_word_embeddings=True,
-                      max_position_embeddings=64, bos_token_id=None, eos_token_ids=(1,))
+    cfg = tiny_model_config(tie_word_embeddings=True)
     params = init_params(cfg, jax.random.PRNGKey(0))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (3, 10)), jnp.int32)
     mask = jnp.arange(10)[None, :] < jnp.array([[10], [6], [3]])

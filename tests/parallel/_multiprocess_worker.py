@@ -5,7 +5,7 @@ Each process has 2 CPU devices (XLA_FLAGS set by the test); the global mesh is d
 Both processes build the same initial params (same seed), feed ONLY their own rows of every
 global batch (jax.make_array_from_process_local_data via distributed.global_batch), run STEPS
 real update steps (algo.make_update_step through algo_sharded.make_sharded_update), save the state
-with orbax collectively (train.checkpoint.Checkpointer), restore it, and write the gathered
+with orbax collectively (workdir.checkpoint.Checkpointer), restore it, and write the gathered
 final params and the restored ones to OUT_DIR/params_<pid>.npz.
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ def main(pid: int, nproc: int, port: int, out_dir: str, steps: int) -> None:
             for p, x in jax.tree_util.tree_flatten_with_path(final)[0]}
 
     # Collective orbax checkpoint: every process writes its shards, then reads them back.
-    from brorl_jax.train.checkpoint import Checkpointer
+    from brorl_jax.workdir.checkpoint import Checkpointer
     ckpt = Checkpointer(os.path.join(out_dir, "ckpt"), async_save=False)
     ckpt.save(steps, state, {"note": "two-process test"})
     ckpt.wait()

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from testutil import small_model_config
 
 from brorl_jax.algo import (
     UpdateBatch,
@@ -29,18 +30,13 @@ from brorl_jax.parallel import sharded
 from brorl_jax.parallel.mesh import make_mesh
 from brorl_jax.parallel.vocab_parallel import sharded_fused_logprob, vocab_parallel_logprob
 from brorl_jax.rollout import Engine, generate, rollout_bytes
-from pallas_kernels.fused_logprob_reference import fused_logprob_reference
+from pallas_kernels.fused_logprob.reference import fused_logprob_reference
 
 EOS = 3
 
 
 def tiny_config() -> ModelConfig:
-    return ModelConfig(
-        model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-6, attention_bias=True,
-        qk_norm=False, tie_word_embeddings=False, max_position_embeddings=64,
-        bos_token_id=None, eos_token_ids=(EOS,))
+    return small_model_config(eos_token_ids=(EOS,))
 
 
 def update_batch(rows: int, seq: int, vocab: int, seed: int = 0) -> UpdateBatch:

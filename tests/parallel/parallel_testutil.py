@@ -10,9 +10,9 @@ import socket
 import sys
 
 import procs
+from testutil import ROOT
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
 
 
 def device_env(num_devices: int) -> dict:
@@ -21,7 +21,8 @@ def device_env(num_devices: int) -> dict:
              if not f.startswith("--xla_force_host_platform_device_count")]
     env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={num_devices}"])
     env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([REPO, HERE] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE, os.path.dirname(HERE)]   # + tests/testutil
+                                        + [p for p in [env.get("PYTHONPATH")] if p])
     for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(k, None)
     return env
@@ -31,7 +32,7 @@ def run_script(script: str, args: list[str], num_devices: int, timeout: float = 
     """Runs tests/parallel/<script> with `num_devices` CPU devices; raises with its output on
     failure."""
     proc = procs.run([sys.executable, os.path.join(HERE, script), *args],
-                     env=device_env(num_devices), cwd=REPO, capture_output=True, text=True,
+                     env=device_env(num_devices), cwd=ROOT, capture_output=True, text=True,
                      timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{script} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n"

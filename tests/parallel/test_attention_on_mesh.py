@@ -15,12 +15,12 @@ import re
 
 import jax
 import pytest
+from lowering import CUSTOM_CALL
 from parallel_testutil import run_script
 
 import pallas_kernels as pk
 from brorl_jax.parallel.attention import attention_specs, packed_attention_on_mesh
 
-CUSTOM_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 AXES = ("data", "fsdp", "tensor")
 
 

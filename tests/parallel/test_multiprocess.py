@@ -16,7 +16,8 @@ import jax
 import numpy as np
 import procs
 import pytest
-from parallel_testutil import HERE, REPO, device_env, free_port, wait_all
+from parallel_testutil import HERE, device_env, free_port, wait_all
+from testutil import ROOT
 
 pytestmark = pytest.mark.slow     # end-to-end or many compiles: out of `-m "not slow"`
 
@@ -46,7 +47,7 @@ def test_two_processes_train_and_agree(tmp_path):
     env = device_env(2)
     workers = [procs.Popen(
         [sys.executable, os.path.join(HERE, "_multiprocess_worker.py"), str(i), "2", str(port),
-         str(tmp_path), str(STEPS)], env=env, cwd=REPO, stdout=subprocess.PIPE,
+         str(tmp_path), str(STEPS)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True) for i in range(2)]
     outs = wait_all(workers, timeout=420)
     reports = [json.loads(o.strip().splitlines()[-1]) for o in outs]

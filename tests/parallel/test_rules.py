@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
+from testutil import small_model_config
 
 from brorl_jax.models import ModelConfig, init_params
 from brorl_jax.parallel import rules as R
@@ -14,13 +15,7 @@ from configs import brorl_64gpu
 
 
 def _cfg(**kw) -> ModelConfig:
-    base = dict(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                rope_theta=1e4, rope_scaling=None, rms_norm_eps=1e-6, attention_bias=True,
-                qk_norm=False, tie_word_embeddings=False, max_position_embeddings=64,
-                bos_token_id=None, eos_token_ids=(3,))
-    base.update(kw)
-    return ModelConfig(**base)
+    return small_model_config(**kw)
 
 
 ALL_FAMILIES = {

@@ -2,8 +2,8 @@
 import os
 
 import ml_collections
-import procs
 import pytest
+from testutil import ROOT, run_main
 
 from brorl_jax.config import default_config, validate
 from brorl_jax.errors import ConfigError
@@ -154,8 +154,7 @@ def test_config_refuses_a_missing_file_and_a_bad_spec():
 
 def test_example_file_is_a_plain_verl_scorer():
     import importlib.util
-    path = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples",
-                        "verl_compute_score.py")
+    path = os.path.join(ROOT, "examples", "verl_compute_score.py")
     spec = importlib.util.spec_from_file_location("example_scorer", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -171,14 +170,9 @@ def test_a_verl_scorer_runs_unchanged_through_main(tmp_path, tiny_warm_start):
     """issue 27's goal: a veRL-style file (float and dict returns, a raise every third call)
     drives `main` on configs/tiny.py; the raises are counted per data source, not fatal."""
     import json
-    import sys
-    root = os.path.dirname(os.path.dirname(HERE))
-    out = procs.run(
-        [sys.executable, "-m", "brorl_jax.main", "--config=configs/tiny.py",
-         f"--workdir={tmp_path / 'run'}", "--config.train.steps=1",
-         "--config.train.tensorboard=False",
-         "--config.rewards.custom=tests/rewards/verl_style_scorers.py:flaky_compute_score",
-         *tiny_warm_start], cwd=root, capture_output=True, text=True, timeout=600)
+    out = run_main(tmp_path / "run", "--config.train.steps=1", "--config.train.tensorboard=False",
+                   "--config.rewards.custom=tests/rewards/verl_style_scorers.py:flaky_compute_score",
+                   *tiny_warm_start)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "[rewards] rewards.custom tests/rewards/verl_style_scorers.py:flaky_compute_score " \
            "scores *" in out.stdout

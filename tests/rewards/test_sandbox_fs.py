@@ -9,11 +9,10 @@ import sys
 import tempfile
 
 import pytest
+from testutil import ROOT
 
 from brorl_jax.rewards import ScoringService
 from brorl_jax.rewards.sandbox import probe_isolation, run_python_tests
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 WALKER = r'''
 import json, os, sys

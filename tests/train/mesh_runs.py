@@ -10,9 +10,9 @@ import subprocess
 import sys
 
 import procs
+from testutil import ROOT
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
 WORKER = os.path.join(HERE, "_mesh_worker.py")
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "parallel"))
 from parallel_testutil import device_env, free_port, wait_all  # noqa: E402
@@ -27,7 +27,7 @@ def worker_env(num_devices: int, **extra) -> dict:
 def run_one(num_devices, workdir, out, *overrides, timeout=600):
     """(report, stdout) of one process with `num_devices` devices."""
     proc = procs.run([sys.executable, WORKER, str(workdir), str(out), *overrides],
-                     env=worker_env(num_devices), cwd=REPO, capture_output=True, text=True,
+                     env=worker_env(num_devices), cwd=ROOT, capture_output=True, text=True,
                      timeout=timeout)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout
@@ -41,13 +41,7 @@ def run_two(workdir, outs, overrides, *, devices_per_process=2, timeout=600):
         [sys.executable, WORKER, str(workdir), str(outs[i]), *overrides],
         env=worker_env(devices_per_process, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                        JAX_NUM_PROCESSES=2, JAX_PROCESS_ID=i),
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     texts = wait_all(workers, timeout)
     return [json.loads(t.strip().splitlines()[-1]) for t in texts], texts
 
-
-def metrics(workdir, drop: tuple = ()) -> list[dict]:
-    """metrics.jsonl's rows, without the keys starting with any of `drop`."""
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [{k: v for k, v in json.loads(line).items() if not k.startswith(drop)}
-                for line in f]

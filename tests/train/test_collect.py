@@ -241,8 +241,8 @@ def test_options_run_end_to_end_and_resume_exactly(tmp_path):
     """Trainer.run with every option on logs the options' metrics; a run stopped after step 1
     and resumed gives the same final parameters and policy state (pass rates, advantage EMA) as
     an uninterrupted one: the state travels in the checkpoint meta."""
-    from brorl_jax.train.checkpoint import Checkpointer
-    from brorl_jax.train.logger import read_metrics
+    from brorl_jax.workdir.checkpoint import Checkpointer
+    from brorl_jax.workdir.logger import read_metrics
 
     def run(steps, workdir):
         # two prompts, both in every step: step 2 picks N from step 1's pass rates

@@ -23,10 +23,6 @@ FLAGS = ["--config.algo.stream_rounds=true", "--config.algo.max_staleness=1",
          "--config.mesh.data=4", "--config.train.tensorboard=false"]
 
 
-def _run(num_devices, workdir, out, *overrides):
-    return run_one(num_devices, workdir, out, *overrides)[0]
-
-
 def _same_run(a_npz, b_npz, a_dir, b_dir) -> list[dict]:
     """Asserts both runs end with the same parameters (bit for bit) and metrics (sample-decided
     values exactly, device-reduced floats to a few ulps); the second's metrics."""
@@ -46,9 +42,9 @@ def _same_run(a_npz, b_npz, a_dir, b_dir) -> list[dict]:
 
 def test_disaggregated_equals_colocated_with_the_same_staleness_schedule(
         tmp_path, tiny_warm_start):
-    colo = _run(4, tmp_path / "colo", tmp_path / "colo.npz", *FLAGS, *tiny_warm_start)
-    dis = _run(8, tmp_path / "dis", tmp_path / "dis.npz", *FLAGS, *tiny_warm_start,
-               "--config.mesh.rollout_devices=4")
+    colo, _ = run_one(4, tmp_path / "colo", tmp_path / "colo.npz", *FLAGS, *tiny_warm_start)
+    dis, _ = run_one(8, tmp_path / "dis", tmp_path / "dis.npz", *FLAGS, *tiny_warm_start,
+                     "--config.mesh.rollout_devices=4")
     assert colo["rollout_devices"] == colo["train_devices"] == [0, 1, 2, 3]
     assert dis["rollout_devices"] == [0, 1, 2, 3] and dis["train_devices"] == [4, 5, 6, 7]
     assert dis["mesh"] == colo["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}

@@ -21,12 +21,12 @@ import jax
 import numpy as np
 import procs
 import pytest
+from testutil import ROOT
 
-from brorl_jax.train.logger import read_metrics
+from brorl_jax.workdir.logger import read_metrics
 
 pytestmark = pytest.mark.slow     # end-to-end or many compiles: out of `-m "not slow"`
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--config=configs/tiny.py", "--config.sft.steps=0"]
 STEPS = 2
 
@@ -295,7 +295,7 @@ def test_an_asynchronous_write_that_runs_out_of_space_is_reported_with_its_step(
     import jax.numpy as jnp
 
     from brorl_jax.errors import DiskFullError
-    from brorl_jax.train.checkpoint import Checkpointer
+    from brorl_jax.workdir.checkpoint import Checkpointer
     ckpt = Checkpointer(os.path.join(small_tmpfs, "ck"), log=lambda m: None)
     ckpt.save(1, {"w": jnp.ones((16,))}, {"step": 1})
     ckpt.wait()
@@ -458,7 +458,7 @@ def test_history_is_kept_and_readers_never_create_a_workdir(env, tmp_path, finis
 
 # 9. One run per work directory (issue 26) --------------------------------------------------------
 HOLD = ("import sys, time\n"
-        "from brorl_jax.train import workdir\n"
+        "from brorl_jax.workdir import layout as workdir\n"
         "lock = workdir.acquire(sys.argv[1], command='holder')\n"
         "print('held', flush=True)\n"
         "time.sleep(600)\n")
@@ -479,7 +479,7 @@ def untouched(workdir):
 
 
 def wait_for_holder(workdir, pid, proc, timeout=300):
-    from brorl_jax.train.workdir import read_lock
+    from brorl_jax.workdir.layout import read_lock
     deadline = time.time() + timeout
     while (read_lock(workdir) or {}).get("pid") != pid:
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]

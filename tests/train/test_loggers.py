@@ -17,8 +17,8 @@ import pytest
 
 from brorl_jax.config import default_config
 from brorl_jax.errors import ConfigError
-from brorl_jax.train import logger as logger_lib
-from brorl_jax.train.logger import LoggerError, MetricsLogger, check_loggers, read_metrics
+from brorl_jax.workdir import logger as logger_lib
+from brorl_jax.workdir.logger import LoggerError, MetricsLogger, check_loggers, read_metrics
 
 STEPS = {1: {"eval/pass@1": 0.5, "reward/mean": 0.25, "verifier/x/failed_frac": 0.0,
              "update/skipped": False},

@@ -4,7 +4,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import jax
@@ -12,26 +11,24 @@ import numpy as np
 import procs
 import pytest
 from run_metrics import assert_same_metrics
+from testutil import ROOT, main_command, run_main
 
-from brorl_jax.train.logger import read_metrics
 from brorl_jax.train.loop import restore_params
+from brorl_jax.workdir.logger import read_metrics
 from configs import tiny
 
 pytestmark = pytest.mark.slow     # end-to-end or many compiles: out of `-m "not slow"`
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 4
 
 
 def _cmd(workdir, warm):
-    return [sys.executable, "-m", "brorl_jax.main", "--config=configs/tiny.py",
-            f"--workdir={workdir}", f"--config.train.steps={STEPS}", *warm]
+    return main_command(workdir, f"--config.train.steps={STEPS}", *warm)
 
 
 def _run(workdir, warm, env_extra=None, timeout=600):
-    env = dict(os.environ, **(env_extra or {}))
-    return procs.run(_cmd(workdir, warm), cwd=ROOT, env=env, capture_output=True, text=True,
-                     timeout=timeout)
+    return run_main(workdir, f"--config.train.steps={STEPS}", *warm,
+                    env=dict(os.environ, **(env_extra or {})), timeout=timeout)
 
 
 @pytest.fixture(scope="module")

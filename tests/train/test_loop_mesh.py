@@ -10,12 +10,11 @@
 """
 from __future__ import annotations
 
-import sys
-
 import numpy as np
-import procs
 import pytest
-from mesh_runs import REPO, metrics as _metrics, run_one as _run, run_two, worker_env
+from mesh_runs import run_one, run_two, worker_env
+from run_metrics import read as read_metrics
+from testutil import run_main
 
 pytestmark = pytest.mark.slow     # end-to-end or many compiles: out of `-m "not slow"`
 
@@ -24,26 +23,22 @@ STEPS = ["--config.train.steps=2"]
 
 
 def test_mesh_run_matches_single_device(tmp_path, tiny_warm_start):
-    one, _ = _run(1, tmp_path / "one", tmp_path / "one.npz", *STEPS, *tiny_warm_start)
-    four, _ = _run(4, tmp_path / "four", tmp_path / "four.npz", *STEPS, *tiny_warm_start,
-                   "--config.mesh.fsdp=2")
+    one, _ = run_one(1, tmp_path / "one", tmp_path / "one.npz", *STEPS, *tiny_warm_start)
+    four, _ = run_one(4, tmp_path / "four", tmp_path / "four.npz", *STEPS, *tiny_warm_start,
+                      "--config.mesh.fsdp=2")
     assert one["mesh"] is None
     assert four["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1}
     a, b = np.load(tmp_path / "one.npz"), np.load(tmp_path / "four.npz")
     assert sorted(a.files) == sorted(b.files)
     for key in a.files:
         np.testing.assert_allclose(b[key], a[key], rtol=2e-4, atol=2e-5, err_msg=key)
-    ma, mb = _metrics(tmp_path / "one"), _metrics(tmp_path / "four")
+    ma, mb = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "four")
     # Same seeds -> the sharded rollout drew the same samples, so the same rewards.
     for ra, rb in zip(ma[1:], mb[1:]):
         assert ra["reward/mean"] == rb["reward/mean"]
         assert ra["perf/generated_samples"] == rb["perf/generated_samples"]
         assert rb["loss/loss"] == pytest.approx(ra["loss/loss"], rel=1e-3, abs=1e-5)
     assert ma[-1]["eval/pass@1"] == mb[-1]["eval/pass@1"]
-
-
-def _two_processes(workdir, outs, overrides, timeout=600):
-    return run_two(workdir, outs, overrides, timeout=timeout)
 
 
 # The options not in the paper run multi-process through the one collect path: adaptive N
@@ -58,8 +53,7 @@ def test_two_process_training_run_agrees_and_resumes(tmp_path, tiny_warm_start):
     work = tmp_path / "run"
     # prompts_per_step=2 over 2 processes: each fills its 8 rows of the 16-row update batch.
     common = ["--config.mesh.fsdp=2", "--config.rewards.num_workers=1"] + OPTIONS + tiny_warm_start
-    reports, texts = _two_processes(work, [tmp_path / "p0.npz", tmp_path / "p1.npz"],
-                                    common + STEPS)
+    reports, texts = run_two(work, [tmp_path / "p0.npz", tmp_path / "p1.npz"], common + STEPS)
     assert sorted(r["pid"] for r in reports) == [0, 1]
     assert all(r["devices"] == 4 and r["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1}
                for r in reports)
@@ -67,15 +61,15 @@ def test_two_process_training_run_agrees_and_resumes(tmp_path, tiny_warm_start):
     p0, p1 = np.load(tmp_path / "p0.npz"), np.load(tmp_path / "p1.npz")
     for key in p0.files:
         np.testing.assert_array_equal(p0[key], p1[key], err_msg=key)
-    rows = _metrics(work)
+    rows = read_metrics(work)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(np.isfinite(r["loss/loss"]) for r in rows[1:])
     assert all(r["advantage/ema_std"] > 0 and 4 <= r["monitor/n_mean"] <= 8 for r in rows[1:])
 
     # Restart for one more step: collective restore of the sharded state and each process's
     # own data position from the checkpoint, then the same agreement.
-    reports, texts = _two_processes(work, [tmp_path / "q0.npz", tmp_path / "q1.npz"],
-                                    common + ["--config.train.steps=3"])
+    reports, texts = run_two(work, [tmp_path / "q0.npz", tmp_path / "q1.npz"],
+                             common + ["--config.train.steps=3"])
     assert "[resume] from checkpoint step 2" in texts[0]
     q0, q1 = np.load(tmp_path / "q0.npz"), np.load(tmp_path / "q1.npz")
     moved = 0.0
@@ -83,7 +77,7 @@ def test_two_process_training_run_agrees_and_resumes(tmp_path, tiny_warm_start):
         np.testing.assert_array_equal(q0[key], q1[key], err_msg=key)
         moved = max(moved, float(np.abs(q0[key] - p0[key]).max()))
     assert moved > 0          # the resumed step really trained
-    assert [r["step"] for r in _metrics(work)][-1] == 3
+    assert [r["step"] for r in read_metrics(work)][-1] == 3
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -92,10 +86,7 @@ def test_two_process_training_run_agrees_and_resumes(tmp_path, tiny_warm_start):
      "algo.prompts_per_step x rollout.rollouts_per_prompt = 6"),
 ])
 def test_mesh_that_does_not_fit_stops_main_with_message(tmp_path, overrides, message):
-    out = procs.run(
-        [sys.executable, "-m", "brorl_jax.main", "--config=configs/tiny.py",
-         f"--workdir={tmp_path}", *overrides],
-        env=worker_env(4), cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = run_main(tmp_path, *overrides, env=worker_env(4), timeout=300)
     assert out.returncode == 2, out.stderr[-3000:]
     assert message in out.stderr
     assert "Traceback" not in out.stderr

@@ -14,8 +14,8 @@ import procs
 import pytest
 from run_metrics import read as read_run_metrics
 
-from brorl_jax.train.logger import read_metrics
 from brorl_jax.train.loop import restore_params
+from brorl_jax.workdir.logger import read_metrics
 from configs import tiny
 
 pytestmark = pytest.mark.slow     # three end-to-end runs

@@ -1,5 +1,20 @@
-"""The memory plans checked at the door: settings the run's own plans cannot hold are refused
-before the weights load, the warm start or the first evaluation (issue 26 item 3).
+"""The door: every check a run passes before its weights load, cheapest first, and the facts
+those checks find, handed to the runtime as numbers (issue 26 item 3).
+
+    facts = check_training(cfg)                 # python -m brorl_jax.main (the Trainer)
+    facts = check_evaluation(cfg, workdir)      # python -m brorl_jax.evaluate
+    facts = check_loaded_model(cfg, model.config)   # a .gguf model: its config came with it
+    build_context(..., paused_engine_bytes=facts.paused_engine_bytes)
+
+The checks, in order: the config's keys, ranges and combinations (config.validate); the mesh
+against the devices (config.check_mesh); the loggers' optional extras (workdir/logger.py
+check_config); for an evaluation, the work directory and its checkpoints; the model path
+(context.check_model_path); the model's config.json, read without its weights
+(read_model_config); the memory plans (check_memory_plan, below). The work directory's own
+checks (its lock, the resume policy: workdir/) follow in the Trainer, before the data loads.
+
+The memory plans: settings the run's own plans cannot hold are refused before the weights load,
+the warm start or the first evaluation.
 
     check_memory_plan(cfg, model_cfg, num_devices=..., num_processes=..., device_bytes=...)
 
@@ -15,39 +30,94 @@ Each fact comes from the plan that acts on it; nothing is restated here:
     the paused rollout engine when samples are carried across the update (algo.stream_rounds
     with algo.max_staleness >= 1: train/rollout_calls.paused_engine_bytes, the stream's
     rollout.plan.stream_plan).
-    The same reservation is taken off the device memory the update's remat policy plans with
-    (train/runtime.py, algo.update.plan_remat_policy).
+    The same reservation is taken off the device memory the update's remat policy plans with:
+    the door hands it to the runtime (DoorFacts.paused_engine_bytes; train/runtime.py,
+    algo.update.plan_remat_policy).
 Device memory is known on GPU/TPU (algo.update.device_memory_bytes) and unknown on CPU, where
 only the checks that need none run. Each refusal is a ConfigError naming the key, its value, the
 limit the plan computed and the key to change.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
-from brorl_jax import algo
+import jax
+
+from brorl_jax import algo, models
 from brorl_jax.config import (
     INT32_MAX,
     algo_config,
+    check_mesh,
     rollout_memory_budget_bytes,
     row_width,
+    validate,
 )
-from brorl_jax.errors import ConfigError
+from brorl_jax.errors import CheckpointError, ConfigError
 from brorl_jax.rollout import plan as rollout_plan
-from brorl_jax.train.rollout_calls import (  # noqa: F401 - RolloutCall re-exported
+from brorl_jax.train.context import check_model_path, eval_sampling, with_config_impls
+from brorl_jax.train.evaluation import prompts_per_call
+from brorl_jax.train.rollout_calls import (
     RolloutCall,
     paused_engine_bytes,
     rollout_device_count,
     training_call,
 )
+from brorl_jax.workdir import layout
+from brorl_jax.workdir.logger import check_config as check_loggers
 
 GB = 2**30
 
 
+@dataclasses.dataclass(frozen=True)
+class DoorFacts:
+    """What the door found, for the run to use instead of finding it again."""
+    model_cfg: models.ModelConfig | None    # from config.json, no weights; None for a .gguf
+    paused_engine_bytes: int                # per device, beside the update (0: none paused)
+
+
+def check_training(cfg) -> DoorFacts:
+    """The checks of a training run (module docstring), before its work directory is touched."""
+    validate(cfg)
+    check_mesh(cfg, jax.device_count(), jax.process_count())
+    check_loggers(cfg)                  # train.loggers: a missing extra is named here
+    check_model_path(cfg.model.path)
+    return check_loaded_model(cfg, read_model_config(cfg))   # config.json only: no weights yet
+
+
+def check_evaluation(cfg, workdir: str | None) -> DoorFacts:
+    """The checks of an evaluation (of checkpoints in `workdir`, or of the model alone): the
+    rollouts' memory plans only (an evaluation trains nothing)."""
+    validate(cfg)
+    if workdir:                          # before anything expensive; never created
+        layout.require_existing(workdir)
+        if not layout.has_checkpoints(workdir):
+            raise CheckpointError(f"no complete checkpoint in {workdir}/checkpoints; train "
+                                  "first.")
+    check_model_path(cfg.model.path)
+    return check_loaded_model(cfg, read_model_config(cfg), update=False)
+
+
+def check_loaded_model(cfg, model_cfg: models.ModelConfig | None, *, update: bool = True
+                       ) -> DoorFacts:
+    """The memory plans of `model_cfg` on this process's devices (check_at_door) and the facts
+    the runtime takes from them; called again once a .gguf model has loaded (model_cfg None
+    before: its config comes out of the conversion)."""
+    check_at_door(cfg, model_cfg, update=update)
+    return DoorFacts(model_cfg, paused_engine_bytes(
+        cfg, model_cfg, num_devices=rollout_device_count(cfg), num_processes=jax.process_count()))
+
+
+def read_model_config(cfg) -> models.ModelConfig | None:
+    """The ModelConfig load_model(cfg) will have, read from the model's config.json without its
+    weights; None for a .gguf file or a path load_model will refuse."""
+    mcfg = models.read_config(cfg.model.path or models.ensure_demo_model(),
+                              dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+    return None if mcfg is None else with_config_impls(mcfg, cfg)
+
+
 def rollout_calls(cfg, num_processes: int = 1) -> tuple[RolloutCall, RolloutCall]:
     """The largest training-round call and the largest evaluation call of a run (per process)."""
-    from brorl_jax.train.context import eval_sampling
-    from brorl_jax.train.evaluation import prompts_per_call
     train = training_call(cfg, num_processes)
     k = cfg.eval.samples_per_prompt
     evaluation = RolloutCall(
@@ -68,16 +138,14 @@ def _gb(nbytes: float, up: bool) -> str:
 
 
 def _n_params(model_cfg) -> int:
-    import jax
-
     from brorl_jax.models.hf import param_shapes
     return sum(int(x.size) for x in jax.tree.leaves(param_shapes(model_cfg)))
 
 
 def check_at_door(cfg, model_cfg, *, update: bool = True) -> None:
     """check_memory_plan with this process's devices: the rollout runs on its local devices
-    (train/runtime.py), the device memory is the first local device's (None on CPU)."""
-    import jax
+    (train/runtime.py), the device memory is the first local device's (None on CPU); nothing
+    to check before a .gguf model's config is known (model_cfg None) beyond the update's rows."""
     check_memory_plan(cfg, model_cfg, num_devices=rollout_device_count(cfg),
                       num_processes=jax.process_count(),
                       device_bytes=algo.update.device_memory_bytes(), update=update)

@@ -34,7 +34,7 @@ from brorl_jax.config import (
     derived_learning_rate,
     unknown_key_message,
 )
-from brorl_jax.train.workdir import set_aside
+from brorl_jax.workdir.layout import set_aside
 
 CONFIG_FILE = "brorl_config.json"
 LEGACY_CONFIG_FILE = "config.json"       # the name before Hugging Face exports could collide

@@ -36,7 +36,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from brorl_jax.train.workdir import keep_copy, set_aside
+from brorl_jax.workdir.layout import keep_copy, set_aside
 
 # name -> (module it needs, pip extra that installs it or None when a core dependency)
 LOGGERS: dict[str, tuple[str | None, str | None]] = {

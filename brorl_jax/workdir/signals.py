@@ -9,7 +9,7 @@ checkpointer's close and the restart resumes from the last complete one.
 Phases with no safe point of their own -- the supervised warm start and an evaluation -- are
 run inside `GracefulStop.during(what)`: a signal that arrives there stops at once (within the
 Python step it interrupts: one SFT step or one decode step, seconds at most) instead of waiting
-for the phase to end. A finished warm start is kept in WORKDIR/warm_start_model (train/workdir.py),
+for the phase to end. A finished warm start is kept in WORKDIR/warm_start_model (workdir/layout.py),
 so a restart does not run it again; an interrupted one is run again. A signal that arrived before
 such a phase began (during an RL step) keeps the old behaviour: the step, its evaluation included,
 finishes and is checkpointed.

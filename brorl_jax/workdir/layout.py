@@ -3,10 +3,10 @@
     workdir/
       .brorl_lock          who runs in this directory now: host, pid, start time (one run at a
                            time: an exclusive flock held while the run lives)
-      brorl_config.json    the resolved config of the run (train/run_config.py; runs from before
+      brorl_config.json    the resolved config of the run (workdir/saved_config.py; runs from before
                            it was renamed kept it as config.json, still read on resume)
       config_changes.jsonl changes accepted on resume (harmless ones and deliberate overrides)
-      metrics.jsonl        one JSON object per logged step (train/logger.py)
+      metrics.jsonl        one JSON object per logged step (workdir/logger.py)
       metrics.jsonl.1 ...  earlier histories: a fresh start, or steps past the checkpoint resumed
       checkpoints/<step>/  orbax checkpoints; checkpoints/broken/<step>-<time>/ ones that failed
                            to restore, moved aside (never deleted)
