@@ -35,7 +35,7 @@ def evaluate(cfg, workdir: str | None = None, step: int | None = None) -> dict:
     from brorl_jax.train.loop import restore_params
     from brorl_jax.train.memory_plan import check_at_door
     from brorl_jax.train.workdir import has_checkpoints, require_existing
-    validate(cfg)
+    cfg = validate(cfg)
     if workdir:                          # before anything expensive; never created
         require_existing(workdir)
         if not has_checkpoints(workdir):

@@ -103,12 +103,12 @@ class Group:
 class GroupSampler:
     """Accumulates the kept groups of one RL step over generation rounds (module docstring).
 
-        sampler = GroupSampler.from_config(algo_cfg)
+        sampler = GroupSampler.from_config(run_cfg)
         while sampler.need_more():           # raises at the round cap with policy "error"
             sampler.add_round(groups_of_this_round)
         sampler.groups, sampler.stats()
     """
-    # the settings: no defaults here (brorl_jax/config.py holds them; from_config reads them)
+    # the settings: no defaults here (brorl_jax/config/schema.py holds them; from_config reads them)
     row_budget: int
     max_group_rows: int
     max_generation_rounds: int
@@ -130,13 +130,14 @@ class GroupSampler:
     @classmethod
     def from_config(cls, cfg, *, row_budget: int | None = None,
                     max_group_rows: int | None = None) -> "GroupSampler":
-        """From an AlgoConfig; row_budget defaults to prompts_per_step * rollouts_per_prompt (a
-        process's share under several processes), max_group_rows to rollouts_per_prompt."""
-        return cls(row_budget=cfg.batch_rows if row_budget is None else row_budget,
-                   max_group_rows=max_group_rows or cfg.rollouts_per_prompt,
-                   max_generation_rounds=cfg.max_generation_rounds,
-                   cap_policy=cfg.dynamic_sampling_cap_policy, rule=cfg.dynamic_sampling_rule,
-                   correct_threshold=cfg.correct_threshold, enabled=cfg.dynamic_sampling)
+        """From a RunConfig; row_budget defaults to the update's rows (RunConfig.update_rows; a
+        process's share under several processes), max_group_rows to N."""
+        a = cfg.algo
+        return cls(row_budget=cfg.update_rows if row_budget is None else row_budget,
+                   max_group_rows=max_group_rows or cfg.rollout.rollouts_per_prompt,
+                   max_generation_rounds=a.max_generation_rounds,
+                   cap_policy=a.dynamic_sampling_cap_policy, rule=a.dynamic_sampling_rule,
+                   correct_threshold=a.correct_threshold, enabled=a.dynamic_sampling)
 
     @property
     def full(self) -> bool:

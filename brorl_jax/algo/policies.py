@@ -163,8 +163,7 @@ class AdaptiveN:
 
 
 def samples_per_prompt_policy(rollout_cfg) -> FixedN | AdaptiveN:
-    """The run's policy from the config's rollout section (or an algo.CollectConfig, which has
-    the same fields)."""
+    """The run's policy from the config's rollout section."""
     if not rollout_cfg.adaptive_n:
         return FixedN(int(rollout_cfg.rollouts_per_prompt))
     buckets, thresholds = parse_adaptive_n(rollout_cfg.adaptive_n_buckets,

@@ -31,8 +31,8 @@ import optax
 from jax import lax
 
 from brorl_jax.algo.batch import UPDATE_KEYS as BATCH_KEYS, is_packed
-from brorl_jax.algo.config import AlgoConfig
 from brorl_jax.algo.losses import get_loss_agg, policy_loss
+from brorl_jax.config.schema import UpdateConfig
 from pallas_kernels import fused_logprob, fused_logprob_stats
 
 
@@ -64,7 +64,7 @@ def reset_reference(state: TrainState, optimizer: optax.GradientTransformation |
     return new
 
 
-def maybe_reset_reference(state: TrainState, cfg: AlgoConfig,
+def maybe_reset_reference(state: TrainState, cfg: UpdateConfig,
                           optimizer: optax.GradientTransformation | None = None) -> tuple[TrainState, bool]:
     """After an update: reset pi_ref every cfg.ref_reset_every RL steps (host-side check on
     state.step, the RL steps done). Without a KL term there is no reference to reset."""
@@ -117,7 +117,7 @@ def _resolve_policy(model_cfg, policy: PolicyFns | None) -> PolicyFns:
     return model_policy_fns(model_cfg)
 
 
-def _token_logprobs(policy: PolicyFns, params, mb: dict, cfg: AlgoConfig, *, remat: bool, stats: bool = False,
+def _token_logprobs(policy: PolicyFns, params, mb: dict, cfg: UpdateConfig, *, remat: bool, stats: bool = False,
                     logprob_fn=None):
     """Micro-batch rows -> (logp [b, T], entropy [b, T], sum_p2 [b, T] or None).
 
@@ -135,7 +135,7 @@ def _token_logprobs(policy: PolicyFns, params, mb: dict, cfg: AlgoConfig, *, rem
     return logp.reshape(b, t), ent.reshape(b, t), None
 
 
-def first_pi_old_in_gradient_pass(cfg: AlgoConfig, diagnostics_n: int | None = None) -> bool:
+def first_pi_old_in_gradient_pass(cfg: UpdateConfig, diagnostics_n: int | None = None) -> bool:
     """True when the pi_old pass can skip the first mini-batch's rows: with several mini-batches
     and one epoch, the first optimizer step also runs at the step-start params, so its pi_old
     is its own gradient pass's log-prob (stop_gradient), as in pi_old_in_gradient_pass; the
@@ -145,7 +145,7 @@ def first_pi_old_in_gradient_pass(cfg: AlgoConfig, diagnostics_n: int | None = N
                 and diagnostics_n is None)
 
 
-def pi_old_in_gradient_pass(cfg: AlgoConfig, diagnostics_n: int | None = None) -> bool:
+def pi_old_in_gradient_pass(cfg: UpdateConfig, diagnostics_n: int | None = None) -> bool:
     """True when the separate pi_old pass is redundant: with one PPO mini-batch and one epoch the
     only optimizer step runs at the step-start params, so pi_old is, token for token, the
     log-prob the gradient pass computes itself (same params, same tokens, same model): the
@@ -239,7 +239,7 @@ def device_memory_bytes() -> int | None:
     return int(limit) if limit else None
 
 
-def micro_batch_rows(cfg: AlgoConfig, seq_len: int) -> int:
+def micro_batch_rows(cfg: UpdateConfig, seq_len: int) -> int:
     """Rows per micro-batch: algo.micro_batch_tokens // seq_len (a row is never split), or
     algo.micro_batch_size rows when micro_batch_tokens is 0."""
     if cfg.micro_batch_tokens <= 0:
@@ -251,12 +251,12 @@ def micro_batch_rows(cfg: AlgoConfig, seq_len: int) -> int:
     return cfg.micro_batch_tokens // seq_len
 
 
-def _micro_name(cfg: AlgoConfig) -> str:
+def _micro_name(cfg: UpdateConfig) -> str:
     return (f"algo.micro_batch_tokens={cfg.micro_batch_tokens}" if cfg.micro_batch_tokens > 0
             else f"algo.micro_batch_size={cfg.micro_batch_size}")
 
 
-def _check_batch(batch: dict, cfg: AlgoConfig) -> tuple[int, int, int]:
+def _check_batch(batch: dict, cfg: UpdateConfig) -> tuple[int, int, int]:
     """-> (rows, mini-batch rows, micro-batch rows). A packed batch's mini-batches are padded to
     whole micro-batches in the step; a padded batch's must divide."""
     missing = [k for k in BATCH_KEYS if k not in batch]
@@ -307,7 +307,7 @@ def _pad_rows(tree, axis: int, multiple: int):
     return jax.tree.map(one, tree)
 
 
-def make_logprob_fn(model_cfg=None, algo_cfg: AlgoConfig | None = None, *, policy: PolicyFns | None = None,
+def make_logprob_fn(model_cfg=None, algo_cfg: UpdateConfig | None = None, *, policy: PolicyFns | None = None,
                     micro_batch_size: int | None = None, with_stats: bool = False,
                     unsampled_n: int | None = None, logprob_fn=None, shard_rows=None):
     """-> logprobs(params, batch) -> (logp [B, T], entropy [B, T], stats dict).
@@ -319,7 +319,7 @@ def make_logprob_fn(model_cfg=None, algo_cfg: AlgoConfig | None = None, *, polic
     the reference log-probs, pi_old and diagnostics. Jit it yourself.
     logprob_fn / shard_rows: see make_update_step."""
     if algo_cfg is None:
-        raise ValueError("make_logprob_fn needs algo_cfg (brorl_jax.config.algo_config(...))")
+        raise ValueError("make_logprob_fn needs algo_cfg (brorl_jax.config.update_config(...))")
     cfg = algo_cfg
     pol = _resolve_policy(model_cfg, policy)
 
@@ -372,7 +372,7 @@ _METRIC_SUMS = ("n_tokens", "kl_sum", "entropy_sum", "clip_low_sum", "clip_high_
                 "tis_dropped_sum", "tis_weight_sum", "pg_loss", "kl_loss", "entropy_loss")
 
 
-def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientTransformation, *,
+def make_update_step(model_cfg, algo_cfg: UpdateConfig, optimizer: optax.GradientTransformation, *,
                      policy: PolicyFns | None = None, logprob_fn=None, shard_rows=None,
                      diagnostics_n: int | None = None, remat_policy: str | None = None,
                      device_bytes: int | None = None):

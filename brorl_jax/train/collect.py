@@ -114,8 +114,8 @@ def generate_groups(ctx: RunContext, params, state: algo.CollectState, batch_sou
     """Generation rounds until dynamic sampling has filled this process's rows (or the round
     cap); `params` as the runtime's rollout takes them. -> (what was collected, the state with
     the observed pass rates)."""
-    ccfg = ctx.collect_cfg
-    row_budget = ccfg.batch_rows // ctx.runtime.num_processes
+    ccfg = ctx.cfg
+    row_budget = ccfg.update_rows // ctx.runtime.num_processes
     sampler = algo.GroupSampler.from_config(ccfg, row_budget=row_budget,
                                             max_group_rows=host.max_group_rows(ccfg))
     sampling = ctx.train_sampling(step)
@@ -125,7 +125,7 @@ def generate_groups(ctx: RunContext, params, state: algo.CollectState, batch_sou
     stats = {**dict.fromkeys(ROLLOUT_STAT_KEYS, 0), "live_slot_steps": 0.0, "slot_steps": 0}
     samples, cap_error = 0, None
     # the pool's threads end with the rounds, also when a scorer raises
-    with contextlib.closing(GroupScoring(ctx.scorer, ccfg.groups_in_flight, inline=True)) as scoring:
+    with contextlib.closing(GroupScoring(ctx.scorer, ccfg.rewards.groups_in_flight, inline=True)) as scoring:
         while True:
             try:
                 if not sampler.need_more():
@@ -134,7 +134,7 @@ def generate_groups(ctx: RunContext, params, state: algo.CollectState, batch_sou
                 cap_error = str(e)
                 break
             batch = next(batch_source)
-            seed = round_seed(ccfg.seed, step, sampler.rounds)
+            seed = round_seed(ccfg.train.seed, step, sampler.rounds)
             ns = host.samples_per_prompt(ccfg, state, batch["index"])
             n_chosen += ns
             groups: list = [None] * len(ns)
@@ -247,17 +247,17 @@ def stream_ends_after(ctx: RunContext, step: int) -> bool:
     carried work is lost, so that resume is exact only at train.checkpoint_every)."""
     t = ctx.cfg.train
     done = step + 1
-    return (ctx.collect_cfg.max_staleness == 0 or done % t.checkpoint_every == 0
+    return (ctx.cfg.algo.max_staleness == 0 or done % t.checkpoint_every == 0
             or done >= t.steps)
 
 
 def _open_stream(ctx: RunContext, params, step: int, sampling, round_prompts: int) -> LiveStream:
-    ccfg = ctx.collect_cfg
+    ccfg = ctx.cfg
     st = ctx.runtime.open_stream(
         ctx.model, params, prompt_len=ctx.cfg.data.max_prompt_len, plan_prompts=round_prompts,
-        rollouts_per_prompt=host.num_candidates(ccfg, ccfg.rollouts_per_prompt),
+        rollouts_per_prompt=host.num_candidates(ccfg, ccfg.rollout.rollouts_per_prompt),
         max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-        top_p=sampling.top_p, top_k=sampling.top_k, seed=stream_seed(ccfg.seed, step),
+        top_p=sampling.top_p, top_k=sampling.top_k, seed=stream_seed(ccfg.train.seed, step),
         eos_ids=ctx.eos_ids)
     st.scheduler.version = step
     return LiveStream(stream=st, sampling=sampling)
@@ -275,12 +275,12 @@ def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_sourc
     >= 1), else discarded (stream_ends_after). `params` as the runtime's rollout takes them:
     a carried stream swaps them in. -> (what was collected, the state: the stream's pass-rate
     counts and the live stream or None)."""
-    ccfg = ctx.collect_cfg
-    row_budget = ccfg.batch_rows // ctx.runtime.num_processes
+    ccfg = ctx.cfg
+    row_budget = ccfg.update_rows // ctx.runtime.num_processes
     max_rows = host.max_group_rows(ccfg)
     sampler = algo.GroupSampler.from_config(ccfg, row_budget=row_budget, max_group_rows=max_rows)
     sampling = ctx.train_sampling(step)
-    n = ccfg.rollouts_per_prompt
+    n = ccfg.rollout.rollouts_per_prompt
     live: LiveStream | None = state.stream
     discarded = 0
     if live is not None and live.sampling != sampling:     # a scheduled temperature changed
@@ -289,10 +289,8 @@ def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_sourc
         live = None
     # a generation round's prompts on this process (the loader's batch): the step's cap and the
     # slots' plan count in rounds
-    round_prompts = -(-algo.generation_batch_size(ccfg.prompts_per_step,
-                                                  ccfg.generation_batch_multiplier)
-                      // ctx.runtime.num_processes)
-    cap = ccfg.max_generation_rounds * round_prompts
+    round_prompts = -(-ccfg.round_prompts // ctx.runtime.num_processes)
+    cap = ccfg.algo.max_generation_rounds * round_prompts
     if live is None:
         live = _open_stream(ctx, params, step, sampling, round_prompts)
     else:
@@ -308,7 +306,7 @@ def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_sourc
     # that many later groups have come out (or none comes), so the filter and the feed see it
     # at a fixed lag
     verdicts: list = []
-    depth = ccfg.groups_in_flight
+    depth = ccfg.rewards.groups_in_flight
 
     def settle(v, state):
         """The group's verdict (waited for), its group and the filter: in arrival order."""
@@ -405,7 +403,7 @@ def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_sourc
     extra = {"staleness/mean": float(ages_arr.mean()), "staleness/max": int(ages_arr.max()),
              # the histogram: samples the update used at each age 0..max_staleness (steps)
              **{key: sum(1 for x in ages if x == a)
-                for a, key in enumerate(staleness_keys(ccfg.max_staleness))},
+                for a, key in enumerate(staleness_keys(ccfg.algo.max_staleness))},
              "staleness/dropped_samples": dropped, "rollout/carried_samples": carried,
              "rollout/discarded_samples": discarded, "rollout/fed_prompts": fed,
              "rollout/step_occupancy": (stats["live_slot_steps"] / stats["slot_steps"]
@@ -426,7 +424,7 @@ def decode_during_update(ctx: RunContext, state: algo.CollectState, pending) -> 
     The groups that complete are kept for the next step's stream_groups, in order; the calls'
     statistics count in the next step's. -> the step's metrics of it."""
     live: LiveStream | None = state.stream
-    d = ctx.collect_cfg.decode_during_update
+    d = ctx.cfg.algo.decode_during_update
     if live is None or d == 0 or (d < 0 and not ctx.runtime.rollout_devices):
         return {}
     t0 = time.perf_counter()
@@ -468,7 +466,7 @@ def advantages(ctx: RunContext, state: algo.CollectState, kept: Sequence[algo.Gr
         every = runtime.allgather_json(local)
         first = sum(len(x) for x in every[:runtime.process_index])
         local = [item for part in every for item in part]
-    adv, state = host.advantages(ctx.collect_cfg, state, [s for s, _ in local],
+    adv, state = host.advantages(ctx.cfg, state, [s for s, _ in local],
                                  [n for _, n in local])
     return adv[first:first + len(kept)], state
 
@@ -476,13 +474,13 @@ def advantages(ctx: RunContext, state: algo.CollectState, kept: Sequence[algo.Gr
 def update_batch(ctx: RunContext, kept: Sequence[algo.Group], advs: list[np.ndarray]) -> dict:
     """This process's rows of the update batch. Each process packs its own groups into its units
     of PPO mini-batches; the processes then agree on the rows per unit."""
-    ccfg, runtime = ctx.collect_cfg, ctx.runtime
+    ccfg, runtime = ctx.cfg, ctx.runtime
     procs = runtime.num_processes
-    units = host.pack_units(ctx.algo_cfg.ppo_mini_batches, procs)
-    batch = host.update_batch(ccfg, kept, advs, rows=ccfg.batch_rows // procs,
+    units = host.pack_units(ctx.cfg.algo.ppo_mini_batches, procs)
+    batch = host.update_batch(ccfg, kept, advs, rows=ccfg.update_rows // procs,
                               seq_len=ctx.seq_len, pad_id=ctx.pad_id, units=units,
                               row_multiple=runtime.row_multiple)
-    if ccfg.pack_sequences and procs > 1:
+    if ccfg.algo.pack_sequences and procs > 1:
         per_unit = batch["input_tokens"].shape[0] // units
         rows = int(runtime.allgather_rows(np.array([per_unit])).max())
         batch = algo.pad_packed_rows(batch, rows, pad_id=ctx.pad_id)
@@ -516,27 +514,27 @@ def rollout_metrics(total: dict) -> dict:
 def collect_metrics(ctx: RunContext, got: Collected, state: algo.CollectState,
                     advs: Sequence[np.ndarray], step: int) -> dict:
     """The step's rollout metrics (this process's; the loop reduces them over processes)."""
-    ccfg = ctx.collect_cfg
-    thr = ccfg.correct_threshold
+    ccfg = ctx.cfg
+    thr = ccfg.algo.correct_threshold
     out = step_metrics(got.every, got.truncated, got.sampler_stats, got.kept, advs, thr=thr,
-                       n_nominal=ccfg.rollouts_per_prompt)
+                       n_nominal=ccfg.rollout.rollouts_per_prompt)
     out.update(got.timing)
     out["perf/generated_samples"] = got.generated_samples
     out.update(rollout_metrics(got.rollout_stats))
     out.update(got.extra)
     if ctx.temperature_schedule:
         out["rollout/temperature"] = ctx.rollout_temperature(step)
-    if ccfg.adaptive_n:
+    if ccfg.rollout.adaptive_n:
         ns_arr = np.asarray(got.n_chosen)
         out["monitor/n_mean"] = float(ns_arr.mean())
-        buckets, _ = algo.policies.parse_adaptive_n(ccfg.adaptive_n_buckets,
-                                                    ccfg.adaptive_n_thresholds)
+        buckets, _ = algo.policies.parse_adaptive_n(ccfg.rollout.adaptive_n_buckets,
+                                                    ccfg.rollout.adaptive_n_thresholds)
         for n in buckets:
             out[f"adaptive_n/prompts_n{n}"] = int(np.sum(ns_arr == n))
         out["adaptive_n/batch_rows_used"] = int(got.rows_used)
         out["adaptive_n/padded_rows"] = int(got.sampler_stats["padded_rows"])
         out["adaptive_n/tracked_prompts"] = len(state.pass_rates)
-    if float(ccfg.overgenerate_factor) > 1.0:
+    if float(ccfg.rollout.overgenerate_factor) > 1.0:
         cands = sum(i.candidates for i in got.infos)
         kept = sum(i.kept for i in got.infos)
         out["monitor/selection_kept_frac"] = kept / cands

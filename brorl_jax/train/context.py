@@ -19,13 +19,7 @@ import jax
 import numpy as np
 
 from brorl_jax import algo, data, models
-from brorl_jax.config import (
-    algo_config,
-    collect_config,
-    json_option,
-    optimizer_config,
-    row_width,
-)
+from brorl_jax.config import RunConfig, UpdateConfig, as_run_config, json_option, optimizer_config
 from brorl_jax.errors import ConfigError, DataError, ModelError, VerifierError
 from brorl_jax.rewards import ScoringService, custom as custom_reward
 from brorl_jax.rewards.health import VerifierFailure, VerifierHealth, check_records
@@ -174,7 +168,7 @@ class Sampling:
     max_new_tokens: int
 
 
-def update_config_at(algo_cfg: algo.AlgoConfig, temperature: float) -> algo.AlgoConfig:
+def update_config_at(algo_cfg: UpdateConfig, temperature: float) -> UpdateConfig:
     """The update's config for rollouts sampled at `temperature`: log-probs are of logits / T
     with T the sampling temperature (1 for greedy rollouts), so a scheduled temperature changes
     the update's config (one compiled update per distinct temperature)."""
@@ -194,15 +188,13 @@ def eval_sampling(cfg) -> Sampling:
 @dataclasses.dataclass
 class RunContext:
     """Everything a step, an evaluation or the warm start reads (module docstring)."""
-    cfg: Any
+    cfg: RunConfig
     model: models.Model
     tokenizer: Any
     prompt_tokenizer: data.PromptTokenizer
     eos_ids: tuple[int, ...]
     pad_id: int
-    seq_len: int                      # data.max_prompt_len + rollout.max_new_tokens
-    algo_cfg: algo.AlgoConfig         # the update's (its jit key)
-    collect_cfg: algo.CollectConfig   # the host-side collect's
+    seq_len: int                      # RunConfig.seq_len (bench/steps.py sets its own)
     optimizer_cfg: algo.OptimizerConfig
     optimizer: Any
     runtime: Runtime
@@ -227,9 +219,9 @@ class RunContext:
     def eval_sampling(self) -> Sampling:
         return eval_sampling(self.cfg)
 
-    def update_config(self, step: int) -> algo.AlgoConfig:
-        """The AlgoConfig of step `step` (update_config_at)."""
-        return update_config_at(self.algo_cfg, self.rollout_temperature(step))
+    def update_config(self, step: int) -> UpdateConfig:
+        """The UpdateConfig of step `step` (update_config_at): the update's jit key."""
+        return update_config_at(self.cfg.update, self.rollout_temperature(step))
 
     # -- the one place rollout arguments are put together ---------------------------------------
     def rollouts(self, params, prompt_ids, *, n: int, seed: int, sampling: Sampling,
@@ -257,7 +249,7 @@ class RunContext:
 
     def new_train_state(self, params) -> algo.TrainState:
         return algo.create_train_state(params, self.optimizer,
-                                       with_reference=self.algo_cfg.kl_coef > 0)
+                                       with_reference=self.cfg.algo.kl_coef > 0)
 
     def close(self) -> None:
         self.scorer.close()
@@ -303,6 +295,7 @@ def build_context(cfg, eval_records: Sequence[dict], *, model: models.Model | No
     here unless given), the runtime, the scoring pool and the evaluation prompts. `records`:
     every record the run will score (default: the held-out ones); the workers load the
     verifiers those need."""
+    cfg = as_run_config(cfg)
     model = load_model(cfg) if model is None else model
     prompt_tokenizer = make_prompt_tokenizer(cfg, model)
     tok = model.tokenizer
@@ -324,8 +317,7 @@ def build_context(cfg, eval_records: Sequence[dict], *, model: models.Model | No
         cfg=cfg, model=model, tokenizer=tok, prompt_tokenizer=prompt_tokenizer,
         eos_ids=tuple(model.generation_eos_ids),
         pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
-        seq_len=row_width(cfg),
-        algo_cfg=algo_config(cfg), collect_cfg=collect_config(cfg), optimizer_cfg=optimizer_cfg,
+        seq_len=cfg.seq_len, optimizer_cfg=optimizer_cfg,
         optimizer=optimizer, runtime=runtime, scorer=Scorer(service, tok),
         eval_prompts=eval_prompts,
         temperature_schedule=algo.policies.parse_temperature_schedule(

@@ -70,7 +70,7 @@ class Trainer:
 
     def __init__(self, cfg, workdir: str, *, allow_config_change=()):
         # Checks first, cheapest first: nothing expensive starts before they pass.
-        validate(cfg)
+        cfg = validate(cfg)             # the typed RunConfig from here on
         check_mesh(cfg, jax.device_count(), jax.process_count())
         check_config(cfg)                 # train.loggers: a missing extra is named here
         check_model_path(cfg.model.path)
@@ -111,7 +111,7 @@ class Trainer:
         except BaseException:
             self.ctx.close()
             raise
-        self.updates_per_step = cfg.algo.ppo_mini_batches * cfg.algo.ppo_epochs
+        self.updates_per_step = cfg.updates_per_step
         self.stopping = GracefulStop(_log)
 
     def _make_loader(self, train_records, prompt_tokenizer):
@@ -119,8 +119,7 @@ class Trainer:
         # Several processes: each takes an equal share of every generation round (the runtime
         # spans jax.process_count() processes).
         procs = jax.process_count()
-        gen_batch = algo.generation_batch_size(cfg.algo.prompts_per_step,
-                                               cfg.algo.generation_batch_multiplier)
+        gen_batch = cfg.round_prompts
         try:
             loader = data.make_prompt_loader(
                 train_records, prompt_tokenizer,

@@ -9,7 +9,7 @@ Each fact comes from the plan that acts on it; nothing is restated here:
     the largest N) samples of each prompt of a generation batch) and of an evaluation
     (eval.samples_per_prompt, eval.max_new_tokens, train.evaluation.prompts_per_call), prompts
     up to data.max_prompt_len (bucketed as the engine buckets them);
-  * the update's rows per micro-batch (algo.update.micro_batch_rows over config.row_width) and,
+  * the update's rows per micro-batch (algo.update.micro_batch_rows over RunConfig.seq_len) and,
     on one device whose memory is known, the training state and the activations a micro-batch
     keeps under full rematerialisation (algo.update.train_state_bytes, remat_saved_bytes), plus
     the paused rollout engine when samples are carried across the update (algo.stream_rounds
@@ -26,12 +26,7 @@ from __future__ import annotations
 import math
 
 from brorl_jax import algo
-from brorl_jax.config import (
-    INT32_MAX,
-    algo_config,
-    rollout_memory_budget_bytes,
-    row_width,
-)
+from brorl_jax.config import INT32_MAX, as_run_config
 from brorl_jax.errors import ConfigError
 from brorl_jax.rollout import plan as rollout_plan
 from brorl_jax.train.rollout_calls import (  # noqa: F401 - RolloutCall re-exported
@@ -92,6 +87,7 @@ def check_memory_plan(cfg, model_cfg, *, num_devices: int, num_processes: int = 
     (None = unknown: the checks that need it are skipped); n_params: the model's parameter
     count (default: counted from model_cfg's shapes, only when device_bytes is known);
     update=False: the rollouts only (an evaluation trains nothing)."""
+    cfg = as_run_config(cfg)
     errors = _update_rows(cfg) if update else []
     if model_cfg is not None:
         if device_bytes is not None and n_params is None:
@@ -109,7 +105,7 @@ def check_memory_plan(cfg, model_cfg, *, num_devices: int, num_processes: int = 
 def _update_rows(cfg) -> list[str]:
     """algo.micro_batch_tokens holds at least one row (update.micro_batch_rows)."""
     try:
-        algo.update.micro_batch_rows(algo_config(cfg), row_width(cfg))
+        algo.update.micro_batch_rows(cfg.update, cfg.seq_len)
     except ValueError as e:
         return [f"config key {e}, or lower data.max_prompt_len / rollout.max_new_tokens (a row "
                 "holds both), or set it to 0 (algo.micro_batch_size rows per micro-batch)."]
@@ -119,7 +115,7 @@ def _update_rows(cfg) -> list[str]:
 def _rollout_call(cfg, model_cfg, call: RolloutCall, devices: int, device_bytes, n_params
                   ) -> list[str]:
     prompt_len = rollout_plan.bucket_prompt_length(cfg.data.max_prompt_len)
-    budget = rollout_memory_budget_bytes(cfg)
+    budget = cfg.memory_budget_bytes
     shapes = (model_cfg, call.num_prompts, prompt_len, call.rollouts_per_prompt,
               call.max_new_tokens)
     sizes = (f"{call.rollouts_per_prompt} samples per prompt ({call.n_keys}), prompts up to "
@@ -168,9 +164,8 @@ def _update_micro_batch(cfg, model_cfg, device_bytes: int, n_params: int, paused
     least any remat policy keeps) and the paused rollout engine (`paused` bytes) fit the
     device."""
     update = algo.update
-    acfg, width = algo_config(cfg), row_width(cfg)
-    mini = max(1, cfg.algo.prompts_per_step * cfg.rollout.rollouts_per_prompt
-               // cfg.algo.ppo_mini_batches)
+    acfg, width = cfg.update, cfg.seq_len
+    mini = max(1, cfg.update_rows // cfg.algo.ppo_mini_batches)
     rows = min(update.micro_batch_rows(acfg, width), mini)
     state = update.train_state_bytes(model_cfg, n_params) + paused
     saved = update.remat_saved_bytes(model_cfg, rows * width, "full")

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from brorl_jax import algo
 from brorl_jax.algo import collect as host
-from brorl_jax.config import collect_config, rollout_memory_budget_bytes
+from brorl_jax.config import as_run_config
 from brorl_jax.rollout import plan as rollout_plan
 
 
@@ -26,15 +25,13 @@ class RolloutCall:
 def training_call(cfg, num_processes: int = 1) -> RolloutCall:
     """The largest training-round call of a run (per process): a generation batch of prompts,
     ceil(overgenerate_factor x the largest N) samples each."""
-    ccfg = collect_config(cfg)
+    cfg = as_run_config(cfg)
     r = cfg.rollout
     n_keys = "rollout.adaptive_n_buckets" if r.adaptive_n else "rollout.rollouts_per_prompt"
     if r.overgenerate_factor > 1.0:
         n_keys += " x rollout.overgenerate_factor"
-    gen = algo.generation_batch_size(cfg.algo.prompts_per_step,
-                                     cfg.algo.generation_batch_multiplier)
-    return RolloutCall("training", -(-gen // num_processes),
-                       host.num_candidates(ccfg, host.max_group_rows(ccfg)), r.max_new_tokens,
+    return RolloutCall("training", -(-cfg.round_prompts // num_processes),
+                       host.num_candidates(cfg, host.max_group_rows(cfg)), r.max_new_tokens,
                        n_keys, "rollout.max_new_tokens")
 
 
@@ -59,6 +56,7 @@ def paused_engine_bytes(cfg, model_cfg, *, num_devices: int, num_processes: int 
     prompt_len = rollout_plan.bucket_prompt_length(cfg.data.max_prompt_len)
     plan = rollout_plan.plan_slots(model_cfg, train.num_prompts, prompt_len,
                                    train.rollouts_per_prompt, train.max_new_tokens,
-                                   rollout_memory_budget_bytes(cfg), num_devices=num_devices)
+                                   as_run_config(cfg).memory_budget_bytes,
+                                   num_devices=num_devices)
     return rollout_plan.stream_plan(model_cfg, plan, prompt_len,
                                     train.max_new_tokens).bytes_per_device

@@ -63,7 +63,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from brorl_jax import algo, rollout
 from brorl_jax.algo import sharded as algo_sharded
-from brorl_jax.config import ConfigError, rollout_memory_budget_bytes
+from brorl_jax.config import ConfigError, as_run_config
 from brorl_jax.parallel import distributed, sharded
 from brorl_jax.parallel.mesh import batch_axis_size, make_mesh, mesh_from_config
 
@@ -87,7 +87,7 @@ class Runtime:
         self.optimizer = optimizer
         self.diagnostics_n = diagnostics_n
         self.rollout_impl = cfg.rollout.impl
-        self.memory_budget_bytes = rollout_memory_budget_bytes(cfg)
+        self.memory_budget_bytes = as_run_config(cfg).memory_budget_bytes
         # the stream left paused across the update (samples carried, algo.max_staleness >= 1)
         from brorl_jax.train.rollout_calls import paused_engine_bytes, rollout_device_count
         self.paused_engine_bytes = paused_engine_bytes(
@@ -296,7 +296,7 @@ class MeshRuntime(Runtime):
         self.rollout_mesh = (make_mesh(row, own) if self.rollout_devices else
                              self.mesh if self.num_processes == 1 else
                              make_mesh(row, jax.local_devices()))
-        rows = cfg.algo.prompts_per_step * cfg.rollout.rollouts_per_prompt
+        rows = as_run_config(cfg).update_rows
         split = batch_axis_size(self.mesh)
         if rows % split:
             raise ConfigError(

@@ -63,7 +63,7 @@ def rl_step(ctx: RunContext, train_state: algo.TrainState, collect_state: algo.C
     where = f"step {step + 1}"
     # 1-3. rollouts, rewards, selection and shaping, dynamic sampling
     params = ctx.runtime.rollout_params(train_state.params)
-    gather = collect.stream_groups if ctx.collect_cfg.stream_rounds else collect.generate_groups
+    gather = collect.stream_groups if ctx.cfg.algo.stream_rounds else collect.generate_groups
     got, collect_state = gather(ctx, params, collect_state, batch_source, step)
     collect_state = dataclasses.replace(collect_state, health=got.health)
     # 4. verifier health: every process's verdicts together
@@ -78,7 +78,7 @@ def rl_step(ctx: RunContext, train_state: algo.TrainState, collect_state: algo.C
     metrics = collect.collect_metrics(ctx, got, collect_state, advs, step)
     metrics.update(health.metrics())
     metrics = ctx.runtime.reduce_metrics(
-        metrics, sums=SUMMED_METRICS + collect.staleness_keys(ctx.collect_cfg.max_staleness),
+        metrics, sums=SUMMED_METRICS + collect.staleness_keys(ctx.cfg.algo.max_staleness),
         maxes=("response/length_max", "staleness/max"))
     # 7. the update
     t0 = time.perf_counter()
@@ -90,7 +90,7 @@ def rl_step(ctx: RunContext, train_state: algo.TrainState, collect_state: algo.C
     metrics["time/update_s"] = time.perf_counter() - t0
     metrics.update(ahead)
     # 8. the reference reset
-    train_state, reset = algo.maybe_reset_reference(train_state, ctx.algo_cfg, ctx.optimizer)
+    train_state, reset = algo.maybe_reset_reference(train_state, ctx.cfg.update, ctx.optimizer)
     if reset:
         train_state = ctx.runtime.relayout(train_state)
         metrics["ref_reset"] = 1

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from brorl_jax import algo
-from brorl_jax.config import algo_config, collect_config, optimizer_config
+from brorl_jax.config import make_config, optimizer_config, update_config
 from brorl_jax.rewards.health import VerifierHealth
 from brorl_jax.rollout import bucket_num_prompts
 from brorl_jax.train import collect
@@ -88,8 +88,8 @@ def test_options_off_is_the_paper_recipe_by_hand(tmp_path):
     off.rollout.overgenerate_factor = 1.0
     off.algo.reward_clip_low, off.algo.reward_clip_high = -math.inf, math.inf
     off.algo.advantage_normalizer = "batch"
-    assert algo_config(off) == algo_config(cfg) and optimizer_config(off) == optimizer_config(cfg)
-    assert collect_config(off) == collect_config(cfg)
+    assert update_config(off) == update_config(cfg) and optimizer_config(off) == optimizer_config(cfg)
+    assert make_config(off) == make_config(cfg)
     trainer = fake_trainer(cfg, tmp_path / "a")
     ctx = trainer.ctx
     batches = []
@@ -148,12 +148,12 @@ def test_scheduled_temperature_changes_the_update_config_per_phase():
     c = tiny.get_config()
     c.rollout.temperature_schedule = "0:1.3,2:0.9,4:1.0"
     sched = algo.policies.parse_temperature_schedule(c.rollout.temperature_schedule)
-    base = algo_config(c)
+    base = update_config(c)
     at = lambda s: update_config_at(base, algo.policies.temperature_at(sched, s, 1.0))
     temps = [at(s).temperature for s in range(6)]
     assert temps == [1.3, 1.3, 0.9, 0.9, 1.0, 1.0]
     assert at(4) is base                                     # 1.0 = the default config
-    # one compiled pair per distinct config: the runtime keys its programs by AlgoConfig
+    # one compiled pair per distinct config: the runtime keys its programs by UpdateConfig
     assert len({at(s) for s in range(6)}) == 3
     assert update_config_at(base, 0.0) is base              # greedy rollouts: plain softmax
 
