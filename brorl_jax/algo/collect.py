@@ -106,6 +106,11 @@ def max_group_rows(cfg: RunConfig) -> int:
     return policies.samples_per_prompt_policy(cfg.rollout).max_n
 
 
+def group_size(cfg: RunConfig) -> int:
+    """N, the nominal group size (policies.nominal_n): the stream's and the metrics' unit."""
+    return policies.nominal_n(cfg.rollout)
+
+
 def samples_per_prompt(cfg: RunConfig, state: CollectState, indices: Sequence[int]) -> list[int]:
     """N for each prompt (by its loader index) of a generation round."""
     policy = _policy(cfg, state)
@@ -190,7 +195,7 @@ def groups_needed(cfg: RunConfig, rows_left: int, max_group_rows: int) -> int:
     than the largest group, dynamic_sampling.GroupSampler.full)."""
     if rows_left < max_group_rows:
         return 0
-    return (rows_left - max_group_rows) // cfg.rollout.rollouts_per_prompt + 1
+    return (rows_left - max_group_rows) // group_size(cfg) + 1
 
 
 def prompts_to_feed(cfg: RunConfig, *, needed: int, step_groups: int, in_flight: int,

@@ -12,6 +12,7 @@ from brorl_jax.config.checks import (
     JSON_OBJECT_KEYS,
     _flatten,
     check_mesh,
+    check_update_split,
     choices,
     default_config,
     describe,
@@ -32,7 +33,8 @@ from brorl_jax.errors import ConfigError
 
 __all__ = [
     "DATA_SPEC_SUFFIXES", "INFINITE_OK", "INT32_MAX", "JSON_OBJECT_KEYS", "SECTIONS", "ConfigError",
-    "RunConfig", "UpdateConfig", "_flatten", "as_run_config", "check_mesh", "choices",
+    "RunConfig", "UpdateConfig", "_flatten", "as_run_config", "check_mesh",
+    "check_update_split", "choices",
     "default_config", "derived_learning_rate", "describe", "json_option", "make_config",
     "optimizer_config", "setting", "unknown_key_message", "update_config", "validate",
     "verifier_names",

@@ -304,6 +304,22 @@ def check_mesh(cfg: ml_collections.ConfigDict, num_devices: int,
                           "the default is mesh.data=-1, mesh.fsdp=1, mesh.tensor=1).") from None
 
 
+def check_update_split(cfg: RunConfig, split: int, num_processes: int) -> None:
+    """ConfigError unless the update batch splits over the mesh's batch axes (data x fsdp =
+    `split` devices) and algo.prompts_per_step over the processes (train/runtime.py)."""
+    rows = cfg.update_rows
+    if rows % split:
+        raise ConfigError(
+            f"the update batch (algo.prompts_per_step x rollout.rollouts_per_prompt = {rows} "
+            f"rows) does not split over the mesh's data x fsdp = {split} devices; make it a "
+            f"multiple of {split} or change mesh.data / mesh.fsdp.")
+    if num_processes > 1 and cfg.algo.prompts_per_step % num_processes:
+        raise ConfigError(
+            f"algo.prompts_per_step={cfg.algo.prompts_per_step} must be a multiple of the "
+            f"{num_processes} processes: each process fills an equal share of the "
+            "update batch with its own prompts.")
+
+
 def _validate_io_keys(cfg: ml_collections.ConfigDict) -> list[str]:
     """Keys that used to fail only when first used: JSON objects, data specs, optimizer
     constants, the data source -> verifier map."""

@@ -303,6 +303,12 @@ class RunConfig(Section):
         return max(1, math.ceil(self.algo.generation_batch_multiplier * self.algo.prompts_per_step))
 
     @property
+    def carries_samples(self) -> bool:
+        """Whether groups still in flight at the update are carried into the next step in the
+        paused engine: the stream (algo.stream_rounds) with algo.max_staleness >= 1."""
+        return self.algo.stream_rounds and self.algo.max_staleness >= 1
+
+    @property
     def updates_per_step(self) -> int:
         """Optimizer updates per RL step: algo.ppo_mini_batches x algo.ppo_epochs."""
         return self.algo.ppo_mini_batches * self.algo.ppo_epochs
@@ -329,6 +335,12 @@ class RunConfig(Section):
             ref_reset_every=a.ref_reset_every,
             reset_optimizer_on_ref_reset=a.reset_optimizer_on_ref_reset,
             entropy_coef=a.entropy_coef, logprob_impl=a.logprob_impl)
+
+    def replace(self, section: str, **values: Any) -> "RunConfig":
+        """A copy with `values` in `section` (not validated: tests that vary one setting of a
+        built run; a run's own settings come through brorl_jax.config.validate)."""
+        new = dataclasses.replace(getattr(self, section), **values)
+        return dataclasses.replace(self, **{section: new})
 
     # -- the ConfigDict the file was (saving, logging, copies to change) ---------------------------
     def to_dict(self) -> dict:

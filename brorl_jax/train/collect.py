@@ -247,7 +247,7 @@ def stream_ends_after(ctx: RunContext, step: int) -> bool:
     carried work is lost, so that resume is exact only at train.checkpoint_every)."""
     t = ctx.cfg.train
     done = step + 1
-    return (ctx.cfg.algo.max_staleness == 0 or done % t.checkpoint_every == 0
+    return (not ctx.cfg.carries_samples or done % t.checkpoint_every == 0
             or done >= t.steps)
 
 
@@ -255,7 +255,7 @@ def _open_stream(ctx: RunContext, params, step: int, sampling, round_prompts: in
     ccfg = ctx.cfg
     st = ctx.runtime.open_stream(
         ctx.model, params, prompt_len=ctx.cfg.data.max_prompt_len, plan_prompts=round_prompts,
-        rollouts_per_prompt=host.num_candidates(ccfg, ccfg.rollout.rollouts_per_prompt),
+        rollouts_per_prompt=host.num_candidates(ccfg, host.group_size(ccfg)),
         max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
         top_p=sampling.top_p, top_k=sampling.top_k, seed=stream_seed(ccfg.train.seed, step),
         eos_ids=ctx.eos_ids)
@@ -280,7 +280,7 @@ def stream_groups(ctx: RunContext, params, state: algo.CollectState, batch_sourc
     max_rows = host.max_group_rows(ccfg)
     sampler = algo.GroupSampler.from_config(ccfg, row_budget=row_budget, max_group_rows=max_rows)
     sampling = ctx.train_sampling(step)
-    n = ccfg.rollout.rollouts_per_prompt
+    n = host.group_size(ccfg)
     live: LiveStream | None = state.stream
     discarded = 0
     if live is not None and live.sampling != sampling:     # a scheduled temperature changed
@@ -517,7 +517,7 @@ def collect_metrics(ctx: RunContext, got: Collected, state: algo.CollectState,
     ccfg = ctx.cfg
     thr = ccfg.algo.correct_threshold
     out = step_metrics(got.every, got.truncated, got.sampler_stats, got.kept, advs, thr=thr,
-                       n_nominal=ccfg.rollout.rollouts_per_prompt)
+                       n_nominal=host.group_size(ccfg))
     out.update(got.timing)
     out["perf/generated_samples"] = got.generated_samples
     out.update(rollout_metrics(got.rollout_stats))

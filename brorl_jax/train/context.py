@@ -304,7 +304,7 @@ def build_context(cfg, eval_records: Sequence[dict], *, model: models.Model | No
     optimizer = algo.make_optimizer(optimizer_cfg)
     # Mass-balance diagnostics (BroRL Lemma 2) come from the update's pi_old pass over the
     # vocabulary, at the run's N; no extra pass.
-    diag_n = cfg.rollout.rollouts_per_prompt if cfg.train.mass_balance_diagnostics else None
+    diag_n = algo.collect.group_size(cfg) if cfg.train.mass_balance_diagnostics else None
     runtime = make_runtime(cfg, model.config, optimizer, diagnostics_n=diag_n)
     reward_map, reward_options = reward_routing(cfg)
     service = ScoringService(num_workers=cfg.rewards.num_workers, timeout_s=cfg.rewards.timeout_s,

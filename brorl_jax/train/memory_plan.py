@@ -13,7 +13,7 @@ Each fact comes from the plan that acts on it; nothing is restated here:
     on one device whose memory is known, the training state and the activations a micro-batch
     keeps under full rematerialisation (algo.update.train_state_bytes, remat_saved_bytes), plus
     the paused rollout engine when samples are carried across the update (algo.stream_rounds
-    with algo.max_staleness >= 1: train/rollout_calls.paused_engine_bytes, the stream's
+    with samples carried (RunConfig.carries_samples): train/rollout_calls.paused_engine_bytes, the stream's
     rollout.plan.stream_plan).
     The same reservation is taken off the device memory the update's remat policy plans with
     (train/runtime.py, algo.update.plan_remat_policy).
@@ -116,9 +116,9 @@ def _rollout_call(cfg, model_cfg, call: RolloutCall, devices: int, device_bytes,
                   ) -> list[str]:
     prompt_len = rollout_plan.bucket_prompt_length(cfg.data.max_prompt_len)
     budget = cfg.memory_budget_bytes
-    shapes = (model_cfg, call.num_prompts, prompt_len, call.rollouts_per_prompt,
+    shapes = (model_cfg, call.num_prompts, prompt_len, call.samples_per_prompt,
               call.max_new_tokens)
-    sizes = (f"{call.rollouts_per_prompt} samples per prompt ({call.n_keys}), prompts up to "
+    sizes = (f"{call.samples_per_prompt} samples per prompt ({call.n_keys}), prompts up to "
              f"data.max_prompt_len={cfg.data.max_prompt_len} tokens, {call.max_new_tokens} new "
              f"tokens ({call.length_key})")
     lower = f"lower {call.length_key}, data.max_prompt_len or {call.n_keys.split(' x ')[0]}"

@@ -63,7 +63,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from brorl_jax import algo, rollout
 from brorl_jax.algo import sharded as algo_sharded
-from brorl_jax.config import ConfigError, as_run_config
+from brorl_jax.config import ConfigError, as_run_config, check_update_split
 from brorl_jax.parallel import distributed, sharded
 from brorl_jax.parallel.mesh import batch_axis_size, make_mesh, mesh_from_config
 
@@ -88,7 +88,7 @@ class Runtime:
         self.diagnostics_n = diagnostics_n
         self.rollout_impl = cfg.rollout.impl
         self.memory_budget_bytes = as_run_config(cfg).memory_budget_bytes
-        # the stream left paused across the update (samples carried, algo.max_staleness >= 1)
+        # the stream left paused across the update (RunConfig.carries_samples)
         from brorl_jax.train.rollout_calls import paused_engine_bytes, rollout_device_count
         self.paused_engine_bytes = paused_engine_bytes(
             cfg, model_cfg, num_devices=rollout_device_count(cfg),
@@ -296,18 +296,8 @@ class MeshRuntime(Runtime):
         self.rollout_mesh = (make_mesh(row, own) if self.rollout_devices else
                              self.mesh if self.num_processes == 1 else
                              make_mesh(row, jax.local_devices()))
-        rows = as_run_config(cfg).update_rows
         split = batch_axis_size(self.mesh)
-        if rows % split:
-            raise ConfigError(
-                f"the update batch (algo.prompts_per_step x rollout.rollouts_per_prompt = {rows} "
-                f"rows) does not split over the mesh's data x fsdp = {split} devices; make it a "
-                f"multiple of {split} or change mesh.data / mesh.fsdp.")
-        if self.num_processes > 1 and cfg.algo.prompts_per_step % self.num_processes:
-            raise ConfigError(
-                f"algo.prompts_per_step={cfg.algo.prompts_per_step} must be a multiple of the "
-                f"{self.num_processes} processes: each process fills an equal share of the "
-                "update batch with its own prompts.")
+        check_update_split(as_run_config(cfg), split, self.num_processes)
         self._state_sharding = None
         # each process's rows of a packed batch split evenly over its batch devices
         self.row_multiple = max(1, split // self.num_processes)

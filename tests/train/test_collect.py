@@ -2,7 +2,6 @@
 algo/collect.py): with every option off it is the paper's recipe step by step; with options on
 it changes what they say, compiles no more once its shapes are warm, and its CollectState
 survives a checkpoint (exact resume)."""
-import dataclasses
 import json
 import math
 import os
@@ -327,7 +326,7 @@ def test_groups_are_scored_while_decoding_goes_on(tmp_path):
         wall = time.perf_counter() - t0
         ctx.rollouts = real_rollouts
         # four groups scored at once, their verdicts ending out of order: the same batch
-        ctx.collect_cfg = dataclasses.replace(ctx.collect_cfg, groups_in_flight=4)
+        ctx.cfg = ctx.cfg.replace("rewards", groups_in_flight=4)
         jittery = FakeScorer(delay=0.1)
         jitter = iter(np.random.default_rng(3).uniform(0.0, 0.1, 64))
         spans, real_score = [], jittery.score
