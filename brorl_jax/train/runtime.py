@@ -42,7 +42,7 @@ The RL step (train/step.py), the evaluation and the warm start talk to one inter
                  so the engine can decode while the update runs
                  (algo.decode_during_update, collect.decode_during_update).
 
-Compiled programs live on the runtime object the run context holds (one per AlgoConfig, e.g. per
+Compiled programs live on the runtime object the run context holds (one per UpdateConfig, e.g. per
 scheduled temperature; collect-only settings are not in it), never in module-level caches.
 
 Choice (not in the paper, which does not describe its system): rollouts in the multi-process case
