@@ -74,10 +74,9 @@ def build_update(cfg, mc, *, device_bytes: int | None, remat_policy: str | None 
     import jax
 
     from brorl_jax import algo
-    from brorl_jax.algo.config import AlgoConfig
-    from brorl_jax.config import optimizer_config
+    from brorl_jax.config import optimizer_config, update_config
     from brorl_jax.models import init_params
-    acfg = AlgoConfig.from_run_config(cfg)
+    acfg = update_config(cfg)
     opt = algo.make_optimizer(optimizer_config(cfg))
     abstract = jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0)))
     state = jax.eval_shape(lambda p: algo.create_train_state(p, opt, with_reference=acfg.kl_coef > 0),

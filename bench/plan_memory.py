@@ -48,7 +48,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from brorl_jax.algo import UpdateBatch, sharded_steps as algo_sharded  # noqa: E402
 from brorl_jax.algo.optimizer import make_optimizer  # noqa: E402
-from brorl_jax.config import algo_config, optimizer_config  # noqa: E402
+from brorl_jax.config import optimizer_config, update_config  # noqa: E402
 from brorl_jax.models import init_params  # noqa: E402
 from brorl_jax.parallel.mesh import make_mesh  # noqa: E402
 from brorl_jax.rollout.plan import rollout_params_bytes  # noqa: E402
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
         for lp in [x for x in args.logprob.split(",") if x]:
             tag = f"{attention},{lp}"
             if "update_micro" in steps:
-                algo = algo_config(cfg, prompts_per_step=1, ppo_mini_batches=1,
+                algo = update_config(cfg, prompts_per_step=1, ppo_mini_batches=1,
                                    micro_batch_size=micro, kl_coef=1e-4, remat=True)
                 batch = abstract_batch(micro, seq)
                 fn, _ = algo_sharded.make_sharded_update(mc, algo, optimizer, mesh, state, batch,
@@ -188,14 +188,14 @@ def main(argv=None) -> int:
                                                     logprob=lp)
                 record(f"update_micro[{tag}]", fn, state, batch, rng)
             if "update_full" in steps:
-                algo = algo_config(cfg, micro_batch_size=micro, kl_coef=1e-4, remat=True)
+                algo = update_config(cfg, micro_batch_size=micro, kl_coef=1e-4, remat=True)
                 batch = abstract_batch(rows, seq)
                 fn, _ = algo_sharded.make_sharded_update(mc, algo, optimizer, mesh, state, batch,
                                                     attention=attention, q_chunk=args.q_chunk,
                                                     logprob=lp)
                 record(f"update_full[{tag}]", fn, state, batch, rng)
             if "logprob" in steps:
-                algo = algo_config(cfg, micro_batch_size=micro)
+                algo = update_config(cfg, micro_batch_size=micro)
                 batch = abstract_batch(rows, seq).token_rows()
                 fn, _ = algo_sharded.make_sharded_logprob(mc, algo, mesh, params, batch,
                                                      micro_batch_size=micro, attention=attention,

@@ -39,8 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from brorl_jax import algo  # noqa: E402
 from brorl_jax.config import (  # noqa: E402
-    algo_config,
-    collect_config,
     default_config,
     optimizer_config,
     validate,
@@ -138,13 +136,12 @@ def make_context(args, model: Model, stop, stream: bool, k: int, runtime=None,
     c.optim.lr = 1e-5
     c.train.steps = 10**6               # the stream is never closed by the last step here
     c.train.checkpoint_every = 10**6
-    validate(c)
+    c = validate(c)
     ocfg = optimizer_config(c)
     optimizer = algo.make_optimizer(ocfg)
     return RunContext(
         cfg=c, model=model, tokenizer=None, prompt_tokenizer=None, eos_ids=tuple(stop), pad_id=0,
-        seq_len=args.prompt_len + args.new_tokens, algo_cfg=algo_config(c),
-        collect_cfg=collect_config(c), optimizer_cfg=ocfg, optimizer=optimizer,
+        seq_len=args.prompt_len + args.new_tokens, optimizer_cfg=ocfg, optimizer=optimizer,
         runtime=runtime or make_runtime(c, model.config, optimizer, diagnostics_n=None),
         scorer=SlowVerifier(args.pass_rate, args.latency), eval_prompts=[])
 

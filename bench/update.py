@@ -43,16 +43,17 @@ def child(a) -> None:
     from _measure import current_rss_bytes, device_peak_bytes, peak_rss_bytes
 
     from brorl_jax.algo import UpdateBatch, create_train_state, make_optimizer, make_update_step
-    from brorl_jax.config import algo_config, optimizer_config
+    from brorl_jax.config import make_config, optimizer_config
     from brorl_jax.models import init_params
 
     mc = _model_config(a, a.seq)
     n = a.n
-    cfg = algo_config(rollouts_per_prompt=n, prompts_per_step=a.prompts, micro_batch_size=a.micro,
+    run = make_config(rollouts_per_prompt=n, prompts_per_step=a.prompts, micro_batch_size=a.micro,
                       ppo_mini_batches=a.mini_batches)
+    cfg = run.update
     opt = make_optimizer(optimizer_config(lr=1e-6))
     state = create_train_state(init_params(mc, jax.random.PRNGKey(0)), opt)
-    rows, t = cfg.batch_rows, a.seq
+    rows, t = run.update_rows, a.seq
     rng = np.random.default_rng(0)
     mask = np.zeros((rows, t), bool)
     mask[:, a.seq // 4:] = True
@@ -134,7 +135,7 @@ def long_tail_child(a) -> None:
         make_optimizer,
         make_update_step,
     )
-    from brorl_jax.config import algo_config, optimizer_config
+    from brorl_jax.config import optimizer_config, update_config
     from brorl_jax.models import init_params
 
     g, n = a.prompts, a.n
@@ -166,7 +167,7 @@ def long_tail_child(a) -> None:
         else:
             micro = _divisor_at_most(mini_rows, micro)
             batch = assemble_update_batch(*args, seq_len=t, pack=False)
-        cfg = algo_config(micro_batch_tokens=micro * t, **base)
+        cfg = update_config(micro_batch_tokens=micro * t, **base)
         real = int(sum(len(p) for p in args[0]) * n + lens.sum())
         variants[name] = dict(batch=jax.device_put(batch), cfg=cfg, real_tokens=real,
                               rows=batch.input_tokens.shape[0], width=t, micro_rows=micro,

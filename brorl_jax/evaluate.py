@@ -27,6 +27,7 @@ def evaluate(cfg, workdir: str | None = None, step: int | None = None) -> dict:
     from brorl_jax.train.evaluation import evaluate as evaluate_params
     from brorl_jax.train.loop import restore_params
     facts = door.check_evaluation(cfg, workdir)     # before anything expensive
+    cfg = facts.cfg                                 # the typed RunConfig from here on
     _, eval_records = load_records(cfg)
     model = load_model(cfg)
     if facts.model_cfg is None:              # a .gguf model: its config came with it

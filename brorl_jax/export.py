@@ -97,7 +97,7 @@ def export(cfg, workdir: str, out: str, step: int | None = None, overwrite: bool
     from brorl_jax.config import validate
     from brorl_jax.train.loop import restore_params
     from brorl_jax.workdir.layout import require_existing
-    validate(cfg)
+    cfg = validate(cfg)
     require_existing(workdir)
     check_out(out, workdir, overwrite)
     model, params, step = restore_params(cfg, workdir, step)

@@ -19,14 +19,14 @@ def packed_update_text(platform: str, *, rows: int, hidden: int, kv_heads: int,
     from testutil import tiny_model_config
 
     from brorl_jax.algo import UpdateBatch, create_train_state, make_update_step
-    from brorl_jax.config import algo_config, default_config
+    from brorl_jax.config import default_config, update_config
     from brorl_jax.models import init_params
     mc = tiny_model_config(vocab_size=640, hidden_size=hidden, intermediate_size=192,
                            num_attention_heads=2, num_key_value_heads=kv_heads, head_dim=128,
                            tie_word_embeddings=True, max_position_embeddings=512,
                            dtype="bfloat16", attention_impl=default_config().model.attention_impl)
-    cfg = algo_config(rollouts_per_prompt=rollouts_per_prompt, prompts_per_step=2,
-                      micro_batch_size=micro_batch_size, ppo_mini_batches=2, kl_coef=0.0)
+    cfg = update_config(rollouts_per_prompt=rollouts_per_prompt, prompts_per_step=2,
+                        micro_batch_size=micro_batch_size, ppo_mini_batches=2, kl_coef=0.0)
     opt = optax.adam(1e-3)
     params = jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0)))
     state = jax.eval_shape(lambda p: create_train_state(p, opt, with_reference=False), params)

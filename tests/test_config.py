@@ -63,9 +63,11 @@ DYNAMIC_READERS = {
 # Keys validated and resume-checked but read by nothing: none (train.log_every was one until the
 # loop read it, issue 24). A key put here fails the test once something reads it, as a reminder.
 KNOWN_UNREAD: set[str] = set()
-# In brorl_jax/config.py these functions are the schema and its checks, not readers.
+# In brorl_jax/config/ these functions are the schema and its checks, not readers; of schema.py
+# only RunConfig's derived values count (its `update` builds UpdateConfig, counted by its fields).
 SCHEMA_FUNCTIONS = {"default_config", "validate", "_validate_io_keys", "_validate_options",
-                    "describe"}
+                    "_validate_rules", "_range_errors", "_typed", "_type_errors", "describe",
+                    "update"}
 
 
 def _static_reads(schema: dict) -> set[str]:
@@ -75,8 +77,9 @@ def _static_reads(schema: dict) -> set[str]:
     * the same through an alias: a variable assigned ``X.section`` (``a, r = cfg.algo,
       cfg.rollout``) or a name ``section_cfg`` / ``section_config`` (a function's parameter);
     * a call given the dotted key as a string (``json_option(cfg, "rewards.map")``);
-    * a field of a frozen view built from the config field by field (``AlgoConfig``:
-      ``section_of(field)``) counts when ``.field`` is read anywhere outside its definition.
+    * a field of the update's UpdateConfig (built from the config field by field, key for key:
+      ``algo.<name>``, else ``rollout.<name>`` / ``model.<name>``) counts when ``.field`` is read
+      anywhere outside brorl_jax/config/.
 
     Not counted: the schema itself and its validation (SCHEMA_FUNCTIONS), error-message strings,
     the resume policy table (dict keys), config files (they write keys). A key set but never
@@ -131,19 +134,22 @@ def _static_reads(schema: dict) -> set[str]:
     for path in sorted(Path(ROOT, "brorl_jax").rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
         rel = path.relative_to(ROOT).as_posix()
-        if rel == "brorl_jax/config.py":
-            for node in tree.body:
+        if rel.startswith("brorl_jax/config/"):
+            body = tree.body
+            if rel == "brorl_jax/config/schema.py":
+                body = next(n.body for n in body
+                            if isinstance(n, ast.ClassDef) and n.name == "RunConfig")
+            for node in body:
                 if isinstance(node, ast.FunctionDef) and node.name not in SCHEMA_FUNCTIONS:
                     scan(node)
             continue
         scan(tree)
-        if rel != "brorl_jax/algo/config.py":
-            attributes.update(n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute))
-    from brorl_jax.algo.config import AlgoConfig, CollectConfig
-    for view in (AlgoConfig, CollectConfig):
-        for f in dataclasses.fields(view):
-            if f.name in attributes:
-                reads.add(f"{view.section_of(f.name)}.{f.name}")
+        attributes.update(n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute))
+    from brorl_jax.config import UpdateConfig
+    for f in dataclasses.fields(UpdateConfig):
+        section = next(s for s in ("algo", "rollout", "model") if f"{s}.{f.name}" in schema)
+        if f.name in attributes:
+            reads.add(f"{section}.{f.name}")
     return reads
 
 
@@ -155,7 +161,7 @@ def test_every_schema_key_is_read_by_the_code():
     reads = _static_reads(schema) | set(DYNAMIC_READERS) | {"name"}
     unread = sorted(k for k in schema if k not in reads and k not in KNOWN_UNREAD)
     assert not unread, (f"config keys nothing reads: {unread}; read them, or remove them from "
-                        "brorl_jax/config.py (and the configs, README table, resume policy)")
+                        "brorl_jax/config/schema.py (and the configs, README table, resume policy)")
     now_read = sorted(KNOWN_UNREAD & reads)
     assert not now_read, f"{now_read} are read now: drop them from KNOWN_UNREAD"
     gone = sorted((KNOWN_UNREAD | set(DYNAMIC_READERS)) - set(schema))

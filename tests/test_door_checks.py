@@ -186,7 +186,7 @@ def test_the_door_minimum_is_the_plan_s_own():
     """min_budget_bytes is the budget plan_slots refuses below: the door and the rollout agree."""
     cfg = _plan_config({})
     for call in door.rollout_calls(cfg):
-        shapes = (MODEL, call.num_prompts, 32, call.rollouts_per_prompt, call.max_new_tokens)
+        shapes = (MODEL, call.num_prompts, 32, call.samples_per_prompt, call.max_new_tokens)
         least = rollout_plan.min_budget_bytes(*shapes, num_devices=2)
         assert rollout_plan.plan_slots(*shapes, least, num_devices=2).slots >= 1
         with pytest.raises(ValueError, match=f"pass at least {least} "):
@@ -232,7 +232,7 @@ def test_the_engine_paused_across_the_update_is_counted_beside_it(monkeypatch):
     assert rollout_calls.paused_engine_bytes(apart, MODEL, num_devices=4) == 0   # not beside it
     paused = rollout_calls.paused_engine_bytes(k1, MODEL, num_devices=1)
     call, _ = door.rollout_calls(k1)
-    plan = rollout_plan.plan_slots(MODEL, call.num_prompts, 32, call.rollouts_per_prompt,
+    plan = rollout_plan.plan_slots(MODEL, call.num_prompts, 32, call.samples_per_prompt,
                                    call.max_new_tokens, int(0.004 * 2**30))
     assert paused == rollout_plan.stream_plan(MODEL, plan, 32, call.max_new_tokens).bytes_per_device
     n_params = sum(int(x.size) for x in jax.tree.leaves(param_shapes(MODEL)))

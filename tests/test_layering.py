@@ -13,6 +13,7 @@ from testutil import ROOT
 LAYERS = {
     "pallas_kernels": 0,            # kernels + references; know nothing of brorl_jax
     "brorl_jax.theory": 0,          # mass balance math; depends on nothing else in the package
+    "brorl_jax.config.schema": 0,   # the typed run config; imports nothing of brorl_jax
     "brorl_jax.parallel": 1,        # mesh, sharding rules, collectives, jax.distributed
     "brorl_jax.models": 2,          # the transformer, HF load/save; knows nothing of RL
     "brorl_jax.data": 2,            # prompt sources, tokenisation

@@ -18,7 +18,6 @@ from brorl_jax.algo.batch import (
                                   pad_packed_rows,
                                   unpack_to_padded,
 )
-from brorl_jax.algo.config import AlgoConfig, CollectConfig
 from brorl_jax.algo.dynamic_sampling import (
                                   CAP_POLICIES,
                                   GROUP_FILTERS,
@@ -70,7 +69,7 @@ __all__ = [
     "ADVANTAGES", "compute_advantages", "get_advantage_fn", "assemble_groups",
     "assemble_update_batch", "bucket_rows", "is_packed", "pad_packed_rows", "unpack_to_padded",
     "TokenRows", "UpdateBatch",
-    "AlgoConfig", "CollectConfig", "CAP_POLICIES", "GROUP_FILTERS", "DynamicSamplingError",
+    "CAP_POLICIES", "GROUP_FILTERS", "DynamicSamplingError",
     "Group", "GroupSampler", "generation_batch_size", "get_group_filter", "select_groups",
     "apply_length_penalty", "cosine_length_reward", "length_penalty_active", "KL_ESTIMATORS",
     "LOSS_AGG", "TIS_MODES", "get_kl_estimator", "get_loss_agg", "kl_penalty", "policy_loss",

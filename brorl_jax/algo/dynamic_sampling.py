@@ -4,8 +4,8 @@ A group is one prompt's rollouts. Generation runs in rounds of
 ceil(generation_batch_multiplier * prompts_per_step) prompts; after scoring, a group filter
 (`GROUP_FILTERS`, chosen by `algo.dynamic_sampling_rule`) keeps the groups that carry a learning
 signal, and kept groups are appended, whole and in arrival order, to a budget of
-prompts_per_step * rollouts_per_prompt rows. Groups usually hold N rows; options not in the paper
-(adaptive N) make them vary, and a group that no longer fits the rows left is dropped (veRL drops
+prompts_per_step * N rows (RunConfig.update_rows). Groups usually hold N rows; options not in
+the paper (adaptive N) make them vary, and a group that no longer fits the rows left is dropped (veRL drops
 surplus groups the same way). The batch is full once less room is left than the largest possible
 group. At `max_generation_rounds`:
 
@@ -23,6 +23,8 @@ import math
 from typing import Callable, Sequence
 
 import numpy as np
+
+from brorl_jax.algo import policies
 
 
 class DynamicSamplingError(RuntimeError):
@@ -103,12 +105,12 @@ class Group:
 class GroupSampler:
     """Accumulates the kept groups of one RL step over generation rounds (module docstring).
 
-        sampler = GroupSampler.from_config(algo_cfg)
+        sampler = GroupSampler.from_config(run_cfg)
         while sampler.need_more():           # raises at the round cap with policy "error"
             sampler.add_round(groups_of_this_round)
         sampler.groups, sampler.stats()
     """
-    # the settings: no defaults here (brorl_jax/config.py holds them; from_config reads them)
+    # the settings: no defaults here (brorl_jax/config/schema.py holds them; from_config reads them)
     row_budget: int
     max_group_rows: int
     max_generation_rounds: int
@@ -130,13 +132,14 @@ class GroupSampler:
     @classmethod
     def from_config(cls, cfg, *, row_budget: int | None = None,
                     max_group_rows: int | None = None) -> "GroupSampler":
-        """From an AlgoConfig; row_budget defaults to prompts_per_step * rollouts_per_prompt (a
-        process's share under several processes), max_group_rows to rollouts_per_prompt."""
-        return cls(row_budget=cfg.batch_rows if row_budget is None else row_budget,
-                   max_group_rows=max_group_rows or cfg.rollouts_per_prompt,
-                   max_generation_rounds=cfg.max_generation_rounds,
-                   cap_policy=cfg.dynamic_sampling_cap_policy, rule=cfg.dynamic_sampling_rule,
-                   correct_threshold=cfg.correct_threshold, enabled=cfg.dynamic_sampling)
+        """From a RunConfig; row_budget defaults to the update's rows (RunConfig.update_rows; a
+        process's share under several processes), max_group_rows to N."""
+        a = cfg.algo
+        return cls(row_budget=cfg.update_rows if row_budget is None else row_budget,
+                   max_group_rows=max_group_rows or policies.nominal_n(cfg.rollout),
+                   max_generation_rounds=a.max_generation_rounds,
+                   cap_policy=a.dynamic_sampling_cap_policy, rule=a.dynamic_sampling_rule,
+                   correct_threshold=a.correct_threshold, enabled=a.dynamic_sampling)
 
     @property
     def full(self) -> bool:

@@ -17,11 +17,11 @@ decides about their results is here, in host numpy, with no I/O and no device:
 `CollectState` is everything that carries from one step to the next: the pass rates of adaptive
 N, the advantage EMA and the last step's verifier health. Its JSON form (`to_json`) is what the
 checkpoint meta holds per process, so a resumed run continues with exactly the state an
-uninterrupted one had. The settings are a `CollectConfig` (algo/config.py): none of them is in the
-update's jit key.
+uninterrupted one had. The settings are read from the typed run config (`RunConfig`,
+brorl_jax/config/schema.py): none of them is in the update's jit key (UpdateConfig).
 
-Adding a collect policy (docs/INTERFACES.md): a field in the schema (brorl_jax/config.py) and in
-CollectConfig, a pure function here (state in, state out if it keeps any, a new CollectState field
+Adding a collect policy (docs/INTERFACES.md): a field in the schema (brorl_jax/config/schema.py),
+a pure function here (state in, state out if it keeps any, a new CollectState field
 with its to_json/from_json line), its metrics in train/collect.py, a test in tests/algo.
 """
 from __future__ import annotations
@@ -34,9 +34,9 @@ import numpy as np
 
 from brorl_jax.algo import policies
 from brorl_jax.algo.batch import assemble_groups
-from brorl_jax.algo.config import CollectConfig
 from brorl_jax.algo.dynamic_sampling import Group
 from brorl_jax.algo.length_penalty import apply_length_penalty
+from brorl_jax.config.schema import RunConfig
 from brorl_jax.rewards.health import VerifierHealth
 
 
@@ -92,30 +92,35 @@ class GroupInfo:
 # ------------------------------------------------------------------------------------------------
 # How many samples per prompt
 # ------------------------------------------------------------------------------------------------
-def _policy(cfg: CollectConfig, state: CollectState):
-    policy = policies.samples_per_prompt_policy(cfg)
+def _policy(cfg: RunConfig, state: CollectState):
+    policy = policies.samples_per_prompt_policy(cfg.rollout)
     if isinstance(policy, policies.AdaptiveN):
         policy.rates = dict(state.pass_rates)
     return policy
 
 
-def max_group_rows(cfg: CollectConfig) -> int:
+def max_group_rows(cfg: RunConfig) -> int:
     """The largest group the samples-per-prompt policy can make."""
-    return policies.samples_per_prompt_policy(cfg).max_n
+    return policies.samples_per_prompt_policy(cfg.rollout).max_n
 
 
-def samples_per_prompt(cfg: CollectConfig, state: CollectState, indices: Sequence[int]) -> list[int]:
+def group_size(cfg: RunConfig) -> int:
+    """N, the nominal group size (policies.nominal_n): the stream's and the metrics' unit."""
+    return policies.nominal_n(cfg.rollout)
+
+
+def samples_per_prompt(cfg: RunConfig, state: CollectState, indices: Sequence[int]) -> list[int]:
     """N for each prompt (by its loader index) of a generation round."""
     policy = _policy(cfg, state)
     return [policy.n_for(int(i)) for i in indices]
 
 
-def num_candidates(cfg: CollectConfig, n: int) -> int:
+def num_candidates(cfg: RunConfig, n: int) -> int:
     """Samples generated for a group of N: ceil(rollout.overgenerate_factor * N)."""
-    return policies.num_candidates(n, float(cfg.overgenerate_factor))
+    return policies.num_candidates(n, float(cfg.rollout.overgenerate_factor))
 
 
-def observe(cfg: CollectConfig, state: CollectState,
+def observe(cfg: RunConfig, state: CollectState,
             observations: Sequence[tuple[int, float]]) -> CollectState:
     """The state after the prompts' observed pass rates [(loader index, pass rate)], applied in
     order (AdaptiveN's EMA; a fixed N keeps no rates)."""
@@ -130,7 +135,7 @@ def observe(cfg: CollectConfig, state: CollectState,
 # ------------------------------------------------------------------------------------------------
 # One prompt's group: selection and reward shaping
 # ------------------------------------------------------------------------------------------------
-def make_group(cfg: CollectConfig, candidates, rewards: np.ndarray, *, n: int,
+def make_group(cfg: RunConfig, candidates, rewards: np.ndarray, *, n: int,
                prompt_ids: Sequence[int], index: int, step: int, round_: int,
                position: int) -> tuple[Group, GroupInfo]:
     """One prompt's kept group from its m >= n candidates (a rollout.GroupResult, or anything
@@ -142,16 +147,16 @@ def make_group(cfg: CollectConfig, candidates, rewards: np.ndarray, *, n: int,
     keep = np.arange(n)
     unique = dup = 0
     if m > n:
-        rng = np.random.default_rng([cfg.seed, step, round_, int(position)])
+        rng = np.random.default_rng([cfg.train.seed, step, round_, int(position)])
         keep, info = policies.select_rollouts(candidates.tokens, candidates.lengths, rewards, n,
-                                              cfg.select_rule, rng, cfg.correct_threshold)
+                                              cfg.rollout.select_rule, rng, cfg.algo.correct_threshold)
         unique, dup = info["unique"], info["duplicates_kept"]
     tok, lp, msk, lens, rew = (x[keep] for x in (candidates.tokens, candidates.logprobs,
                                                  candidates.mask, candidates.lengths, rewards))
     shaped = apply_length_penalty(rew[None], lens[None], step=step,
-                                  max_length=cfg.max_new_tokens, cfg=cfg)[0]
-    clipped = policies.clip_rewards(shaped, float(cfg.reward_clip_low),
-                                    float(cfg.reward_clip_high))
+                                  max_length=cfg.rollout.max_new_tokens, algo_cfg=cfg.algo)[0]
+    clipped = policies.clip_rewards(shaped, float(cfg.algo.reward_clip_low),
+                                    float(cfg.algo.reward_clip_high))
     n_clipped = n_checked = 0
     if clipped is not shaped:
         n_clipped = int(np.sum(clipped != np.asarray(shaped, np.float32)))
@@ -159,7 +164,7 @@ def make_group(cfg: CollectConfig, candidates, rewards: np.ndarray, *, n: int,
     group = Group(prompt_ids=list(prompt_ids), tokens=tok, logprobs=lp, mask=msk, lengths=lens,
                   rewards=rew, shaped=np.asarray(clipped, np.float32), index=int(index))
     # every candidate counts for the prompt's difficulty estimate
-    rate = float(np.mean(rewards >= cfg.correct_threshold))
+    rate = float(np.mean(rewards >= cfg.algo.correct_threshold))
     return group, GroupInfo(candidates=m, kept=n, unique=unique, duplicates_kept=dup,
                             clipped=n_clipped, clip_checked=n_checked, pass_rate=rate)
 
@@ -167,14 +172,14 @@ def make_group(cfg: CollectConfig, candidates, rewards: np.ndarray, *, n: int,
 # ------------------------------------------------------------------------------------------------
 # The stream (algo.stream_rounds): how many prompts to feed, how old a sample may be
 # ------------------------------------------------------------------------------------------------
-def stream_pass_rate(cfg: CollectConfig, state: CollectState) -> float:
+def stream_pass_rate(cfg: RunConfig, state: CollectState) -> float:
     """The fraction of groups the filter keeps that the stream's oversupply expects: kept /
     scored over the run's streamed steps (state.stream_counts); before any, 1 /
     generation_batch_multiplier (the rounds' own guess: one round fills the step)."""
     if state.stream_counts and state.stream_counts[1] > 0:
         kept, scored = state.stream_counts
         return kept / scored
-    return 1.0 / float(cfg.generation_batch_multiplier)
+    return 1.0 / float(cfg.algo.generation_batch_multiplier)
 
 
 def stream_counts_after(state: CollectState, kept: int, scored: int) -> CollectState:
@@ -183,15 +188,15 @@ def stream_counts_after(state: CollectState, kept: int, scored: int) -> CollectS
     return dataclasses.replace(state, stream_counts=(k0 + int(kept), s0 + int(scored)))
 
 
-def groups_needed(cfg: CollectConfig, rows_left: int, max_group_rows: int) -> int:
+def groups_needed(cfg: RunConfig, rows_left: int, max_group_rows: int) -> int:
     """Kept groups still needed to fill the step's rows (0 once the batch is full: less room
     than the largest group, dynamic_sampling.GroupSampler.full)."""
     if rows_left < max_group_rows:
         return 0
-    return (rows_left - max_group_rows) // cfg.rollouts_per_prompt + 1
+    return (rows_left - max_group_rows) // group_size(cfg) + 1
 
 
-def prompts_to_feed(cfg: CollectConfig, *, needed: int, step_groups: int, in_flight: int,
+def prompts_to_feed(cfg: RunConfig, *, needed: int, step_groups: int, in_flight: int,
                     fed: int, cap: int, pool: int, pass_rate: float) -> int:
     """How many prompts the stream admits now (issue 28's admission rule).
 
@@ -207,29 +212,29 @@ def prompts_to_feed(cfg: CollectConfig, *, needed: int, step_groups: int, in_fli
     in flight than the pool, never beyond the step's cap."""
     if needed <= 0:
         return 0
-    ahead = step_groups if cfg.max_staleness > 0 else 0
+    ahead = step_groups if cfg.algo.max_staleness > 0 else 0
     target = min(pool, math.ceil((needed + ahead) / max(pass_rate, 1e-6)))
     return int(max(0, min(target - in_flight, cap - fed)))
 
 
-def max_age(cfg: CollectConfig) -> int:
+def max_age(cfg: RunConfig) -> int:
     """The oldest (in steps) a sample the update uses may be: 0 = on-policy, nothing carried
     into the next step; k >= 1 = a stream's groups in flight are carried (BroRL's off-policy
     bound, algo.max_staleness)."""
-    return int(cfg.max_staleness)
+    return int(cfg.algo.max_staleness)
 
 
-def is_stale(cfg: CollectConfig, version: int, step: int) -> bool:
+def is_stale(cfg: RunConfig, version: int, step: int) -> bool:
     """A group whose prompt was admitted under the weights of step `version` (so its tokens
     span versions version..step) is too old for the update of `step` when step - version >
     max_staleness: it is dropped (and counted), never trained on."""
-    return step - version > cfg.max_staleness
+    return step - version > cfg.algo.max_staleness
 
 
 # ------------------------------------------------------------------------------------------------
 # Advantages and the update batch
 # ------------------------------------------------------------------------------------------------
-def advantages(cfg: CollectConfig, state: CollectState, shaped: Sequence, lengths: Sequence
+def advantages(cfg: RunConfig, state: CollectState, shaped: Sequence, lengths: Sequence
                ) -> tuple[list[np.ndarray], CollectState]:
     """Advantages of the kept groups of a step (shaped rewards [n_g] and response lengths [n_g]
     per group, of every process) by the configured estimator and normaliser: (per-group
@@ -239,10 +244,10 @@ def advantages(cfg: CollectConfig, state: CollectState, shaped: Sequence, length
         return [], state
     rewards, mask = policies.pad_groups([np.asarray(s, np.float32) for s in shaped])
     lens, _ = policies.pad_groups([np.asarray(n, np.float32) for n in lengths])
-    normalizer = policies.ADVANTAGE_NORMALIZERS[cfg.advantage_normalizer]
-    adv, norm_state = normalizer(cfg.advantage, rewards, mask, dict(state.advantage_normalizer),
-                                 eps=cfg.advantage_eps, whiten_eps=cfg.whiten_eps,
-                                 decay=cfg.advantage_ema_decay, lengths=lens)
+    normalizer = policies.ADVANTAGE_NORMALIZERS[cfg.algo.advantage_normalizer]
+    adv, norm_state = normalizer(cfg.algo.advantage, rewards, mask, dict(state.advantage_normalizer),
+                                 eps=cfg.algo.advantage_eps, whiten_eps=cfg.algo.whiten_eps,
+                                 decay=cfg.algo.advantage_ema_decay, lengths=lens)
     return ([adv[i, :len(s)] for i, s in enumerate(shaped)],
             dataclasses.replace(state, advantage_normalizer=dict(norm_state)))
 
@@ -252,9 +257,9 @@ def pack_units(ppo_mini_batches: int, num_processes: int) -> int:
     return ppo_mini_batches // math.gcd(ppo_mini_batches, num_processes)
 
 
-def update_batch(cfg: CollectConfig, groups: Sequence[Group], advs: Sequence[np.ndarray], *,
+def update_batch(cfg: RunConfig, groups: Sequence[Group], advs: Sequence[np.ndarray], *,
                  rows: int, seq_len: int, pad_id: int, units: int, row_multiple: int = 1) -> dict:
     """This process's rows of the update batch (host numpy): packed (docs/algo.md "Sequence
     packing") unless algo.pack_sequences is off."""
     return assemble_groups(groups, advs, rows=rows, seq_len=seq_len, pad_id=pad_id,
-                           pack=cfg.pack_sequences, mini_batches=units, row_multiple=row_multiple)
+                           pack=cfg.algo.pack_sequences, mini_batches=units, row_multiple=row_multiple)

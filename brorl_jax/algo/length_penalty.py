@@ -6,7 +6,7 @@
 t = response length, T_max = the context (response) limit: eta_max at t = 0 falling to eta_min at
 t = T_max. The penalty is cycled: on for `on_steps` RL steps, then off for `off_steps` (ProRLv2's
 example: 100 on, 500 off). eta_min, eta_max and lambda_len are not given anywhere; the defaults in
-AlgoConfig are ours.
+the run config (algo.length_penalty_*) are ours.
 """
 from __future__ import annotations
 
@@ -30,14 +30,16 @@ def length_penalty_active(step: int, on_steps: int, off_steps: int) -> bool:
     return (step % (on_steps + off_steps)) < on_steps
 
 
-def apply_length_penalty(rewards, lengths, *, step: int, max_length: int, cfg) -> np.ndarray:
-    """R' = R + lambda eta_len(t) when cfg.length_penalty and the schedule is on, else R.
+def apply_length_penalty(rewards, lengths, *, step: int, max_length: int,
+                         algo_cfg) -> np.ndarray:
+    """R' = R + lambda eta_len(t) when algo.length_penalty and the schedule is on, else R.
 
-    rewards, lengths [G, N]; cfg an AlgoConfig. Apply after dynamic-sampling selection (which uses
-    the raw verifier score) and before the advantages."""
+    rewards, lengths [G, N]; algo_cfg the run config's algo section. Apply after dynamic-sampling
+    selection (which uses the raw verifier score) and before the advantages."""
     r = np.asarray(rewards, np.float32)
-    if not cfg.length_penalty or not length_penalty_active(
-            step, cfg.length_penalty_on_steps, cfg.length_penalty_off_steps):
+    if not algo_cfg.length_penalty or not length_penalty_active(
+            step, algo_cfg.length_penalty_on_steps, algo_cfg.length_penalty_off_steps):
         return r
-    eta = cosine_length_reward(lengths, max_length, cfg.length_penalty_eta_min, cfg.length_penalty_eta_max)
-    return r + np.float32(cfg.length_penalty_coef) * eta
+    eta = cosine_length_reward(lengths, max_length, algo_cfg.length_penalty_eta_min,
+                               algo_cfg.length_penalty_eta_max)
+    return r + np.float32(algo_cfg.length_penalty_coef) * eta

@@ -215,7 +215,7 @@ def policy_loss(
     logp, entropy: current policy [B, T]; old_logp: step-start trainer log-probs; rollout_logp:
     sampling-time log-probs (the TIS denominator); ref_logp: reference log-probs or None when
     kl_coef == 0; advantages [B] (per row) or [B, T] (per token, packed rows); loss_mask bool
-    [B, T]; agg_weights [B, T] from LOSS_AGG applied to the whole mini-batch; cfg: AlgoConfig.
+    [B, T]; agg_weights [B, T] from LOSS_AGG applied to the whole mini-batch; cfg: UpdateConfig.
     Returns (loss, sums) where sums holds token-sums (over loss_mask) of the diagnostics plus the
     weighted pg/kl/entropy terms, so callers can add micro-batches and divide by n_tokens.
     """

@@ -44,15 +44,10 @@ class OptimizerConfig:
     decay_updates: int
     final_lr_ratio: float
 
-    @staticmethod
-    def section_of(name: str) -> str:
-        """The run-config section an override by field name goes to."""
-        return "optim"
-
     @classmethod
     def from_run_config(cls, cfg: Any, learning_rate: float) -> "OptimizerConfig":
         o = cfg.optim
-        per_step = cfg.algo.ppo_mini_batches * cfg.algo.ppo_epochs
+        per_step = cfg.updates_per_step
         return cls(name=o.name, learning_rate=float(learning_rate), b1=o.b1, b2=o.b2, eps=o.eps,
                    weight_decay=o.weight_decay, grad_clip=o.grad_clip, schedule=o.schedule,
                    warmup_updates=o.warmup_steps * per_step,

@@ -162,11 +162,15 @@ class AdaptiveN:
         self.rates = {int(k): float(v) for k, v in state.get("pass_rates", {}).items()}
 
 
+def nominal_n(rollout_cfg) -> int:
+    """N, the samples per prompt the config sets (the paper's; adaptive N buckets around it)."""
+    return int(rollout_cfg.rollouts_per_prompt)
+
+
 def samples_per_prompt_policy(rollout_cfg) -> FixedN | AdaptiveN:
-    """The run's policy from the config's rollout section (or an algo.CollectConfig, which has
-    the same fields)."""
+    """The run's policy from the config's rollout section."""
     if not rollout_cfg.adaptive_n:
-        return FixedN(int(rollout_cfg.rollouts_per_prompt))
+        return FixedN(nominal_n(rollout_cfg))
     buckets, thresholds = parse_adaptive_n(rollout_cfg.adaptive_n_buckets,
                                            rollout_cfg.adaptive_n_thresholds)
     return AdaptiveN(buckets, thresholds, decay=float(rollout_cfg.adaptive_n_ema_decay))

@@ -31,8 +31,8 @@ import optax
 from jax import lax
 
 from brorl_jax.algo.batch import TokenRows, UpdateBatch
-from brorl_jax.algo.config import AlgoConfig
 from brorl_jax.algo.losses import get_loss_agg, policy_loss
+from brorl_jax.config.schema import UpdateConfig
 from pallas_kernels import fused_logprob, fused_logprob_stats
 
 
@@ -64,7 +64,7 @@ def reset_reference(state: TrainState, optimizer: optax.GradientTransformation |
     return new
 
 
-def maybe_reset_reference(state: TrainState, cfg: AlgoConfig,
+def maybe_reset_reference(state: TrainState, cfg: UpdateConfig,
                           optimizer: optax.GradientTransformation | None = None) -> tuple[TrainState, bool]:
     """After an update: reset pi_ref every cfg.ref_reset_every RL steps (host-side check on
     state.step, the RL steps done). Without a KL term there is no reference to reset."""
@@ -112,7 +112,7 @@ def _resolve_policy(model_cfg, policy: PolicyFns | None) -> PolicyFns:
     return model_policy_fns(model_cfg)
 
 
-def _token_logprobs(policy: PolicyFns, params, mb: TokenRows | UpdateBatch, cfg: AlgoConfig, *,
+def _token_logprobs(policy: PolicyFns, params, mb: TokenRows | UpdateBatch, cfg: UpdateConfig, *,
                     remat: bool, stats: bool = False, logprob_fn=None):
     """Micro-batch rows -> (logp [b, T], entropy [b, T], sum_p2 [b, T] or None).
 
@@ -130,7 +130,7 @@ def _token_logprobs(policy: PolicyFns, params, mb: TokenRows | UpdateBatch, cfg:
     return logp.reshape(b, t), ent.reshape(b, t), None
 
 
-def first_pi_old_in_gradient_pass(cfg: AlgoConfig, diagnostics_n: int | None = None) -> bool:
+def first_pi_old_in_gradient_pass(cfg: UpdateConfig, diagnostics_n: int | None = None) -> bool:
     """True when the pi_old pass can skip the first mini-batch's rows: with several mini-batches
     and one epoch, the first optimizer step also runs at the step-start params, so its pi_old
     is its own gradient pass's log-prob (stop_gradient), as in pi_old_in_gradient_pass; the
@@ -140,7 +140,7 @@ def first_pi_old_in_gradient_pass(cfg: AlgoConfig, diagnostics_n: int | None = N
                 and diagnostics_n is None)
 
 
-def pi_old_in_gradient_pass(cfg: AlgoConfig, diagnostics_n: int | None = None) -> bool:
+def pi_old_in_gradient_pass(cfg: UpdateConfig, diagnostics_n: int | None = None) -> bool:
     """True when the separate pi_old pass is redundant: with one PPO mini-batch and one epoch the
     only optimizer step runs at the step-start params, so pi_old is, token for token, the
     log-prob the gradient pass computes itself (same params, same tokens, same model): the
@@ -234,7 +234,7 @@ def device_memory_bytes() -> int | None:
     return int(limit) if limit else None
 
 
-def micro_batch_rows(cfg: AlgoConfig, seq_len: int) -> int:
+def micro_batch_rows(cfg: UpdateConfig, seq_len: int) -> int:
     """Rows per micro-batch: algo.micro_batch_tokens // seq_len (a row is never split), or
     algo.micro_batch_size rows when micro_batch_tokens is 0."""
     if cfg.micro_batch_tokens <= 0:
@@ -246,12 +246,12 @@ def micro_batch_rows(cfg: AlgoConfig, seq_len: int) -> int:
     return cfg.micro_batch_tokens // seq_len
 
 
-def _micro_name(cfg: AlgoConfig) -> str:
+def _micro_name(cfg: UpdateConfig) -> str:
     return (f"algo.micro_batch_tokens={cfg.micro_batch_tokens}" if cfg.micro_batch_tokens > 0
             else f"algo.micro_batch_size={cfg.micro_batch_size}")
 
 
-def _check_batch(batch: UpdateBatch, cfg: AlgoConfig) -> tuple[int, int, int]:
+def _check_batch(batch: UpdateBatch, cfg: UpdateConfig) -> tuple[int, int, int]:
     """-> (rows, mini-batch rows, micro-batch rows). A packed batch's mini-batches are padded to
     whole micro-batches in the step; a padded batch's must divide."""
     if not isinstance(batch, UpdateBatch):
@@ -305,7 +305,7 @@ def _pad_rows(tree, axis: int, multiple: int):
     return jax.tree.map(one, tree)
 
 
-def make_logprob_fn(model_cfg=None, algo_cfg: AlgoConfig | None = None, *, policy: PolicyFns | None = None,
+def make_logprob_fn(model_cfg=None, algo_cfg: UpdateConfig | None = None, *, policy: PolicyFns | None = None,
                     micro_batch_size: int | None = None, with_stats: bool = False,
                     unsampled_n: int | None = None, logprob_fn=None, shard_rows=None):
     """-> logprobs(params, batch) -> (logp [B, T], entropy [B, T], stats dict); batch: an
@@ -318,7 +318,7 @@ def make_logprob_fn(model_cfg=None, algo_cfg: AlgoConfig | None = None, *, polic
     the reference log-probs, pi_old and diagnostics. Jit it yourself.
     logprob_fn / shard_rows: see make_update_step."""
     if algo_cfg is None:
-        raise ValueError("make_logprob_fn needs algo_cfg (brorl_jax.config.algo_config(...))")
+        raise ValueError("make_logprob_fn needs algo_cfg (brorl_jax.config.update_config(...))")
     cfg = algo_cfg
     pol = _resolve_policy(model_cfg, policy)
 
@@ -369,7 +369,7 @@ _METRIC_SUMS = ("n_tokens", "kl_sum", "entropy_sum", "clip_low_sum", "clip_high_
                 "tis_dropped_sum", "tis_weight_sum", "pg_loss", "kl_loss", "entropy_loss")
 
 
-def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientTransformation, *,
+def make_update_step(model_cfg, algo_cfg: UpdateConfig, optimizer: optax.GradientTransformation, *,
                      policy: PolicyFns | None = None, logprob_fn=None, shard_rows=None,
                      diagnostics_n: int | None = None, remat_policy: str | None = None,
                      device_bytes: int | None = None):
@@ -448,7 +448,7 @@ def make_update_step(model_cfg, algo_cfg: AlgoConfig, optimizer: optax.GradientT
     return update
 
 
-def _resolve_remat(cfg: AlgoConfig, model_cfg, params, micro_tokens: int, remat_policy: str | None,
+def _resolve_remat(cfg: UpdateConfig, model_cfg, params, micro_tokens: int, remat_policy: str | None,
                    device_bytes: int | None):
     """The remat argument of the gradient pass: False without algo.remat, else the given policy
     or the memory plan's (plan_remat_policy) for a micro-batch of `micro_tokens`."""
@@ -461,7 +461,7 @@ def _resolve_remat(cfg: AlgoConfig, model_cfg, params, micro_tokens: int, remat_
     return plan_remat_policy(model_cfg, micro_tokens, n_params, mem)
 
 
-def _pi_old(old_fn, params, batch: UpdateBatch, cfg: AlgoConfig, rows: int, *, inline_old: bool,
+def _pi_old(old_fn, params, batch: UpdateBatch, cfg: UpdateConfig, rows: int, *, inline_old: bool,
             first_inline: bool, diagnostics_n: int | None):
     """-> (pi_old float32[R, T], mass-balance diagnostics): the step-start log-probs of the
     batch's targets (zeros for the rows the gradient pass supplies itself; the rollout's
@@ -485,7 +485,7 @@ def _pi_old(old_fn, params, batch: UpdateBatch, cfg: AlgoConfig, rows: int, *, i
     return pi_old, diag
 
 
-def _epoch_minibatches(data: _Rows, cfg: AlgoConfig, rng, rows: int, micro_rows: int,
+def _epoch_minibatches(data: _Rows, cfg: UpdateConfig, rng, rows: int, micro_rows: int,
                        packed: bool, shard_rows):
     """Every epoch's PPO mini-batches stacked: leaves [ppo_epochs * M, R / M (+ padding), ...].
     Rows are reshuffled between epochs (the first keeps prompt groups together); a packed
@@ -554,7 +554,7 @@ def _minibatch_step(grad_fn, optimizer, agg, shard_rows, micro_rows, remat, carr
     return (params, opt_state), metrics
 
 
-def _step_metrics(m: dict, cfg: AlgoConfig) -> dict:
+def _step_metrics(m: dict, cfg: UpdateConfig) -> dict:
     """The step's metrics from the per-mini-batch ones (stacked [ppo_epochs * M])."""
     n_tok = jnp.maximum(m["n_tokens"], 1.0)
     frac = lambda k: jnp.mean(m[k] / n_tok)

@@ -88,8 +88,9 @@ def run(base, out: str, ns: list[int], samples: int, evals: int,
     from brorl_jax.workdir.logger import read_metrics
 
     os.makedirs(out, exist_ok=True)
+    from brorl_jax.config import as_run_config
     model_path = start_model(base, out)
-    rows = base.algo.prompts_per_step * base.rollout.rollouts_per_prompt
+    rows = as_run_config(base).update_rows
     results: dict = {n: {} for n in ns}
     for seed in seeds:              # both arms of a seed before the next seed
         for n in ns:
@@ -228,7 +229,7 @@ def main(values: dict) -> int:
             raise ConfigError(f"{flag} is empty; give at least one value, e.g. "
                               f"{flag}={'16,512' if flag == '--n' else '0,1,2'}.")
     base = validate(values["config"])
-    rows = base.algo.prompts_per_step * base.rollout.rollouts_per_prompt
+    rows = base.update_rows
     for n in ns:
         validate(arm_config(base, n, rows, values["samples"], values["evals"], ""))
     from brorl_jax.workdir.layout import check_writable, prepare

@@ -279,7 +279,7 @@ def stream_plan(cfg: ModelConfig, plan: SlotPlan, prompt_len: int,
     """``plan`` (:func:`plan_slots` for the stream's ``plan_prompts``) with an open stream's
     prompt pool (:func:`stream_pool_size`) and its bytes: the layout the engine allocates for a
     stream and holds while paused between RL steps (the memory plan counts it beside the update
-    when samples are carried, train/memory_plan.py)."""
+    when samples are carried, train/door.py)."""
     pool = stream_pool_size(plan.slots, plan.share)
     extra = (pool - plan.pool) * pool_entry_bytes(cfg, prompt_len, plan.share, max_new_tokens)
     return dataclasses.replace(plan, pool=pool, bytes_per_device=plan.bytes_per_device + extra)

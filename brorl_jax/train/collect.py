@@ -209,12 +209,12 @@ def collect(ctx: RunContext, params, state: algo.CollectState, batch_source, ste
     rewards.groups_in_flight verdicts pending), settled in arrival order (selection, shaping,
     its pass rate), then kept or dropped by the filter. -> (the tally, the state with the
     observed pass rates)."""
-    ccfg = ctx.collect_cfg
+    ccfg = ctx.cfg
     sampler = algo.GroupSampler.from_config(
-        ccfg, row_budget=ccfg.batch_rows // ctx.runtime.num_processes,
+        ccfg, row_budget=ccfg.update_rows // ctx.runtime.num_processes,
         max_group_rows=host.max_group_rows(ccfg))
     tally = Tally(sampler=sampler)
-    if ccfg.stream_rounds:
+    if ccfg.algo.stream_rounds:
         tally.stream = StreamTally(max_age=host.max_age(ccfg))
         live, ctx.live_stream = ctx.live_stream, None
         if live is not None and live.next_step != step:  # left by another sequence of steps
@@ -240,7 +240,7 @@ def collect(ctx: RunContext, params, state: algo.CollectState, batch_source, ste
                     continue
                 verdicts.append((taken, feed.score(taken)))
         state = feed.finish()
-    if ccfg.stream_rounds:
+    if ccfg.algo.stream_rounds:
         ctx.live_stream = feed.live
     tally.health = merge_health(tally.healths)
     return tally, state
@@ -255,7 +255,7 @@ def _settle(ctx: RunContext, feed, tally: Tally, verdict: tuple[Taken, Any], ste
     tally.seconds.scoring += seconds
     tally.healths.append(scored.health)
     tally.truncated.append(taken.group.truncated)
-    group, info = host.make_group(ctx.collect_cfg, taken.group, scored.rewards, n=taken.n,
+    group, info = host.make_group(ctx.cfg, taken.group, scored.rewards, n=taken.n,
                                   prompt_ids=taken.prompt_ids, index=taken.index, step=step,
                                   round_=taken.round_, position=taken.position)
     tally.infos.append(info)
@@ -271,7 +271,7 @@ def decode_during_update(ctx: RunContext, pending) -> dict:
     The groups that complete are kept for the next step's collect, in order; the calls'
     statistics count in the next step's. -> the step's metrics of it."""
     live = ctx.live_stream
-    d = ctx.collect_cfg.decode_during_update
+    d = ctx.cfg.algo.decode_during_update
     if live is None or d == 0 or (d < 0 and not ctx.runtime.rollout_devices):
         return {}
     t0 = time.perf_counter()
@@ -300,7 +300,7 @@ def advantages(ctx: RunContext, state: algo.CollectState, kept: Sequence[algo.Gr
         every = runtime.allgather_json(local)
         first = sum(len(x) for x in every[:runtime.process_index])
         local = [item for part in every for item in part]
-    adv, state = host.advantages(ctx.collect_cfg, state, [s for s, _ in local],
+    adv, state = host.advantages(ctx.cfg, state, [s for s, _ in local],
                                  [n for _, n in local])
     return adv[first:first + len(kept)], state
 
@@ -308,13 +308,13 @@ def advantages(ctx: RunContext, state: algo.CollectState, kept: Sequence[algo.Gr
 def update_batch(ctx: RunContext, kept: Sequence[algo.Group], advs: list[np.ndarray]) -> algo.UpdateBatch:
     """This process's rows of the update batch. Each process packs its own groups into its units
     of PPO mini-batches; the processes then agree on the rows per unit."""
-    ccfg, runtime = ctx.collect_cfg, ctx.runtime
+    ccfg, runtime = ctx.cfg, ctx.runtime
     procs = runtime.num_processes
-    units = host.pack_units(ctx.algo_cfg.ppo_mini_batches, procs)
-    batch = host.update_batch(ccfg, kept, advs, rows=ccfg.batch_rows // procs,
+    units = host.pack_units(ctx.cfg.algo.ppo_mini_batches, procs)
+    batch = host.update_batch(ccfg, kept, advs, rows=ccfg.update_rows // procs,
                               seq_len=ctx.seq_len, pad_id=ctx.pad_id, units=units,
                               row_multiple=runtime.row_multiple)
-    if ccfg.pack_sequences and procs > 1:
+    if ccfg.algo.pack_sequences and procs > 1:
         per_unit = batch.input_tokens.shape[0] // units
         rows = int(runtime.allgather_rows(np.array([per_unit])).max())
         batch = algo.pad_packed_rows(batch, rows, pad_id=ctx.pad_id)
@@ -327,8 +327,8 @@ def update_batch(ctx: RunContext, kept: Sequence[algo.Group], advs: list[np.ndar
 def collect_metrics(ctx: RunContext, got: Tally, state: algo.CollectState,
                     advs: Sequence[np.ndarray], step: int) -> Metrics:
     """The step's rollout metrics (this process's; rl_step reduces them over processes)."""
-    ccfg = ctx.collect_cfg
-    thr = ccfg.correct_threshold
+    ccfg = ctx.cfg
+    thr = ccfg.algo.correct_threshold
     sampler = got.sampler
     out = step_metrics(got.every, got.truncated, sampler.stats(), got.kept, advs, thr=thr,
                        n_nominal=got.nominal_n)
@@ -339,9 +339,9 @@ def collect_metrics(ctx: RunContext, got: Tally, state: algo.CollectState,
         out.update(got.stream.metrics())
     if ctx.temperature_schedule:
         out["rollout/temperature"] = ctx.rollout_temperature(step)
-    if ccfg.adaptive_n:
+    if ccfg.rollout.adaptive_n:
         out.update(_adaptive_n_metrics(ccfg, got, state))
-    if float(ccfg.overgenerate_factor) > 1.0:
+    if float(ccfg.rollout.overgenerate_factor) > 1.0:
         cands = sum(i.candidates for i in got.infos)
         kept = sum(i.kept for i in got.infos)
         out["monitor/selection_kept_frac"] = kept / cands
@@ -363,8 +363,8 @@ def collect_metrics(ctx: RunContext, got: Tally, state: algo.CollectState,
 def _adaptive_n_metrics(ccfg, got: Tally, state: algo.CollectState) -> dict:
     ns_arr = np.asarray(got.n_chosen)
     out = {"monitor/n_mean": float(ns_arr.mean())}
-    buckets, _ = algo.policies.parse_adaptive_n(ccfg.adaptive_n_buckets,
-                                                ccfg.adaptive_n_thresholds)
+    buckets, _ = algo.policies.parse_adaptive_n(ccfg.rollout.adaptive_n_buckets,
+                                                ccfg.rollout.adaptive_n_thresholds)
     for n in buckets:
         out[f"adaptive_n/prompts_n{n}"] = int(np.sum(ns_arr == n))
     out["adaptive_n/batch_rows_used"] = int(got.sampler.rows_used)

@@ -19,13 +19,7 @@ import jax
 import numpy as np
 
 from brorl_jax import algo, data, models
-from brorl_jax.config import (
-    algo_config,
-    collect_config,
-    json_option,
-    optimizer_config,
-    row_width,
-)
+from brorl_jax.config import RunConfig, UpdateConfig, as_run_config, json_option, optimizer_config
 from brorl_jax.errors import ConfigError, DataError, ModelError, VerifierError
 from brorl_jax.rewards import ScoringService, custom as custom_reward
 from brorl_jax.rewards.health import VerifierFailure, VerifierHealth, check_records
@@ -165,7 +159,7 @@ class Sampling:
     max_new_tokens: int
 
 
-def update_config_at(algo_cfg: algo.AlgoConfig, temperature: float) -> algo.AlgoConfig:
+def update_config_at(algo_cfg: UpdateConfig, temperature: float) -> UpdateConfig:
     """The update's config for rollouts sampled at `temperature`: log-probs are of logits / T
     with T the sampling temperature (1 for greedy rollouts), so a scheduled temperature changes
     the update's config (one compiled update per distinct temperature)."""
@@ -185,15 +179,13 @@ def eval_sampling(cfg) -> Sampling:
 @dataclasses.dataclass
 class RunContext:
     """Everything a step, an evaluation or the warm start reads (module docstring)."""
-    cfg: Any
+    cfg: RunConfig
     model: models.Model
     tokenizer: Any
     prompt_tokenizer: data.PromptTokenizer
     eos_ids: tuple[int, ...]
     pad_id: int
-    seq_len: int                      # data.max_prompt_len + rollout.max_new_tokens
-    algo_cfg: algo.AlgoConfig         # the update's (its jit key)
-    collect_cfg: algo.CollectConfig   # the host-side collect's
+    seq_len: int                      # RunConfig.seq_len (bench/steps.py sets its own)
     optimizer_cfg: algo.OptimizerConfig
     optimizer: Any
     runtime: Runtime
@@ -220,9 +212,9 @@ class RunContext:
     def eval_sampling(self) -> Sampling:
         return eval_sampling(self.cfg)
 
-    def update_config(self, step: int) -> algo.AlgoConfig:
-        """The AlgoConfig of step `step` (update_config_at)."""
-        return update_config_at(self.algo_cfg, self.rollout_temperature(step))
+    def update_config(self, step: int) -> UpdateConfig:
+        """The UpdateConfig of step `step` (update_config_at): the update's jit key."""
+        return update_config_at(self.cfg.update, self.rollout_temperature(step))
 
     # -- the one place rollout arguments are put together ---------------------------------------
     def rollouts(self, params, prompt_ids, *, n: int, seed: int, sampling: Sampling,
@@ -250,7 +242,7 @@ class RunContext:
 
     def new_train_state(self, params) -> algo.TrainState:
         return algo.create_train_state(params, self.optimizer,
-                                       with_reference=self.algo_cfg.kl_coef > 0)
+                                       with_reference=self.cfg.algo.kl_coef > 0)
 
     def close(self) -> None:
         if self.live_stream is not None:
@@ -301,6 +293,7 @@ def build_context(cfg, eval_records: Sequence[dict], *, model: models.Model | No
     every record the run will score (default: the held-out ones); the workers load the
     verifiers those need. `paused_engine_bytes`: the door's count (train/door.py DoorFacts),
     handed to the runtime (None: the runtime counts it)."""
+    cfg = as_run_config(cfg)
     model = load_model(cfg) if model is None else model
     prompt_tokenizer = make_prompt_tokenizer(cfg, model)
     tok = model.tokenizer
@@ -309,7 +302,7 @@ def build_context(cfg, eval_records: Sequence[dict], *, model: models.Model | No
     optimizer = algo.make_optimizer(optimizer_cfg)
     # Mass-balance diagnostics (BroRL Lemma 2) come from the update's pi_old pass over the
     # vocabulary, at the run's N; no extra pass.
-    diag_n = cfg.rollout.rollouts_per_prompt if cfg.train.mass_balance_diagnostics else None
+    diag_n = algo.host.group_size(cfg) if cfg.train.mass_balance_diagnostics else None
     runtime = make_runtime(cfg, model.config, optimizer, diagnostics_n=diag_n,
                            paused_engine_bytes=paused_engine_bytes)
     reward_map, reward_options = reward_routing(cfg)
@@ -323,8 +316,7 @@ def build_context(cfg, eval_records: Sequence[dict], *, model: models.Model | No
         cfg=cfg, model=model, tokenizer=tok, prompt_tokenizer=prompt_tokenizer,
         eos_ids=tuple(model.generation_eos_ids),
         pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
-        seq_len=row_width(cfg),
-        algo_cfg=algo_config(cfg), collect_cfg=collect_config(cfg), optimizer_cfg=optimizer_cfg,
+        seq_len=cfg.seq_len, optimizer_cfg=optimizer_cfg,
         optimizer=optimizer, runtime=runtime, scorer=Scorer(service, tok),
         eval_prompts=eval_prompts,
         temperature_schedule=algo.policies.parse_temperature_schedule(

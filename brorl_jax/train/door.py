@@ -1,7 +1,8 @@
 """The door: every check a run passes before its weights load, cheapest first, and the facts
 those checks find, handed to the runtime as numbers (issue 26 item 3).
 
-    facts = check_training(cfg)                 # python -m brorl_jax.main (the Trainer)
+    facts = check_training(cfg)                 # python -m brorl_jax.main (the Trainer);
+                                                # facts.cfg: the typed RunConfig from here on
     facts = check_evaluation(cfg, workdir)      # python -m brorl_jax.evaluate
     facts = check_loaded_model(cfg, model.config)   # a .gguf model: its config came with it
     build_context(..., paused_engine_bytes=facts.paused_engine_bytes)
@@ -24,11 +25,11 @@ Each fact comes from the plan that acts on it; nothing is restated here:
     the largest N) samples of each prompt of a generation batch) and of an evaluation
     (eval.samples_per_prompt, eval.max_new_tokens, train.evaluation.prompts_per_call), prompts
     up to data.max_prompt_len (bucketed as the engine buckets them);
-  * the update's rows per micro-batch (algo.update.micro_batch_rows over config.row_width) and,
+  * the update's rows per micro-batch (algo.update.micro_batch_rows over RunConfig.seq_len) and,
     on one device whose memory is known, the training state and the activations a micro-batch
     keeps under full rematerialisation (algo.update.train_state_bytes, remat_saved_bytes), plus
-    the paused rollout engine when samples are carried across the update (algo.stream_rounds
-    with algo.max_staleness >= 1: train/rollout_calls.paused_engine_bytes, the stream's
+    the paused rollout engine when samples are carried across the update
+    (RunConfig.carries_samples: train/rollout_calls.paused_engine_bytes, the stream's
     rollout.plan.stream_plan).
     The same reservation is taken off the device memory the update's remat policy plans with:
     the door hands it to the runtime (DoorFacts.paused_engine_bytes; train/runtime.py,
@@ -45,14 +46,7 @@ import math
 import jax
 
 from brorl_jax import algo, models
-from brorl_jax.config import (
-    INT32_MAX,
-    algo_config,
-    check_mesh,
-    rollout_memory_budget_bytes,
-    row_width,
-    validate,
-)
+from brorl_jax.config import INT32_MAX, RunConfig, as_run_config, check_mesh, validate
 from brorl_jax.errors import CheckpointError, ConfigError
 from brorl_jax.rollout import plan as rollout_plan
 from brorl_jax.train.context import check_model_path, eval_sampling, with_config_impls
@@ -72,13 +66,14 @@ GB = 2**30
 @dataclasses.dataclass(frozen=True)
 class DoorFacts:
     """What the door found, for the run to use instead of finding it again."""
+    cfg: RunConfig                          # the validated, typed config (config.validate)
     model_cfg: models.ModelConfig | None    # from config.json, no weights; None for a .gguf
     paused_engine_bytes: int                # per device, beside the update (0: none paused)
 
 
 def check_training(cfg) -> DoorFacts:
     """The checks of a training run (module docstring), before its work directory is touched."""
-    validate(cfg)
+    cfg = validate(cfg)
     check_mesh(cfg, jax.device_count(), jax.process_count())
     check_loggers(cfg)                  # train.loggers: a missing extra is named here
     check_model_path(cfg.model.path)
@@ -88,7 +83,7 @@ def check_training(cfg) -> DoorFacts:
 def check_evaluation(cfg, workdir: str | None) -> DoorFacts:
     """The checks of an evaluation (of checkpoints in `workdir`, or of the model alone): the
     rollouts' memory plans only (an evaluation trains nothing)."""
-    validate(cfg)
+    cfg = validate(cfg)
     if workdir:                          # before anything expensive; never created
         layout.require_existing(workdir)
         if not layout.has_checkpoints(workdir):
@@ -103,8 +98,9 @@ def check_loaded_model(cfg, model_cfg: models.ModelConfig | None, *, update: boo
     """The memory plans of `model_cfg` on this process's devices (check_at_door) and the facts
     the runtime takes from them; called again once a .gguf model has loaded (model_cfg None
     before: its config comes out of the conversion)."""
+    cfg = as_run_config(cfg)
     check_at_door(cfg, model_cfg, update=update)
-    return DoorFacts(model_cfg, paused_engine_bytes(
+    return DoorFacts(cfg, model_cfg, paused_engine_bytes(
         cfg, model_cfg, num_devices=rollout_device_count(cfg), num_processes=jax.process_count()))
 
 
@@ -160,6 +156,7 @@ def check_memory_plan(cfg, model_cfg, *, num_devices: int, num_processes: int = 
     (None = unknown: the checks that need it are skipped); n_params: the model's parameter
     count (default: counted from model_cfg's shapes, only when device_bytes is known);
     update=False: the rollouts only (an evaluation trains nothing)."""
+    cfg = as_run_config(cfg)
     errors = _update_rows(cfg) if update else []
     if model_cfg is not None:
         if device_bytes is not None and n_params is None:
@@ -177,7 +174,7 @@ def check_memory_plan(cfg, model_cfg, *, num_devices: int, num_processes: int = 
 def _update_rows(cfg) -> list[str]:
     """algo.micro_batch_tokens holds at least one row (update.micro_batch_rows)."""
     try:
-        algo.update.micro_batch_rows(algo_config(cfg), row_width(cfg))
+        algo.update.micro_batch_rows(cfg.update, cfg.seq_len)
     except ValueError as e:
         return [f"config key {e}, or lower data.max_prompt_len / rollout.max_new_tokens (a row "
                 "holds both), or set it to 0 (algo.micro_batch_size rows per micro-batch)."]
@@ -187,10 +184,10 @@ def _update_rows(cfg) -> list[str]:
 def _rollout_call(cfg, model_cfg, call: RolloutCall, devices: int, device_bytes, n_params
                   ) -> list[str]:
     prompt_len = rollout_plan.bucket_prompt_length(cfg.data.max_prompt_len)
-    budget = rollout_memory_budget_bytes(cfg)
-    shapes = (model_cfg, call.num_prompts, prompt_len, call.rollouts_per_prompt,
+    budget = cfg.memory_budget_bytes
+    shapes = (model_cfg, call.num_prompts, prompt_len, call.samples_per_prompt,
               call.max_new_tokens)
-    sizes = (f"{call.rollouts_per_prompt} samples per prompt ({call.n_keys}), prompts up to "
+    sizes = (f"{call.samples_per_prompt} samples per prompt ({call.n_keys}), prompts up to "
              f"data.max_prompt_len={cfg.data.max_prompt_len} tokens, {call.max_new_tokens} new "
              f"tokens ({call.length_key})")
     lower = f"lower {call.length_key}, data.max_prompt_len or {call.n_keys.split(' x ')[0]}"
@@ -236,9 +233,8 @@ def _update_micro_batch(cfg, model_cfg, device_bytes: int, n_params: int, paused
     least any remat policy keeps) and the paused rollout engine (`paused` bytes) fit the
     device."""
     update = algo.update
-    acfg, width = algo_config(cfg), row_width(cfg)
-    mini = max(1, cfg.algo.prompts_per_step * cfg.rollout.rollouts_per_prompt
-               // cfg.algo.ppo_mini_batches)
+    acfg, width = cfg.update, cfg.seq_len
+    mini = max(1, cfg.update_rows // cfg.algo.ppo_mini_batches)
     rows = min(update.micro_batch_rows(acfg, width), mini)
     state = update.train_state_bytes(model_cfg, n_params) + paused
     saved = update.remat_saved_bytes(model_cfg, rows * width, "full")

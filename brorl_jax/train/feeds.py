@@ -89,9 +89,7 @@ def call_seed(round_seed_: int, call: int) -> int:
 
 def round_prompts(ctx: RunContext) -> int:
     """A generation round's prompts on this process (the loader's batch)."""
-    ccfg = ctx.collect_cfg
-    return -(-algo.generation_batch_size(ccfg.prompts_per_step, ccfg.generation_batch_multiplier)
-             // ctx.runtime.num_processes)
+    return -(-ctx.cfg.round_prompts // ctx.runtime.num_processes)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -104,8 +102,8 @@ class RoundsFeed:
                  step: int, tally):
         self.ctx, self.params, self.state, self.batch_source = ctx, params, state, batch_source
         self.step, self.tally = step, tally
-        self.depth = ctx.collect_cfg.groups_in_flight
-        tally.nominal_n = ctx.collect_cfg.rollouts_per_prompt
+        self.depth = ctx.cfg.rewards.groups_in_flight
+        tally.nominal_n = host.group_size(ctx.cfg)
         self._scoring = GroupScoring(ctx.scorer, self.depth, inline=True)
         self._placed: list = []
         self._observed: list = []
@@ -114,7 +112,7 @@ class RoundsFeed:
                              "device_waited_for_host")
 
     def groups(self, verdicts):
-        ctx, ccfg, tally = self.ctx, self.ctx.collect_cfg, self.tally
+        ctx, ccfg, tally = self.ctx, self.ctx.cfg, self.tally
         sampler = tally.sampler
         while True:
             try:
@@ -124,7 +122,7 @@ class RoundsFeed:
                 tally.cap_error = str(e)
                 break
             batch = next(self.batch_source)
-            seed = round_seed(ccfg.seed, self.step, sampler.rounds)
+            seed = round_seed(ccfg.train.seed, self.step, sampler.rounds)
             ns = host.samples_per_prompt(ccfg, self.state, batch["index"])
             tally.n_chosen += ns
             self._placed, self._observed = [None] * len(ns), []
@@ -229,7 +227,7 @@ def stream_ends_after(ctx: RunContext, step: int) -> bool:
     carried work is lost, so that resume is exact only at train.checkpoint_every)."""
     t = ctx.cfg.train
     done = step + 1
-    return (host.max_age(ctx.collect_cfg) == 0 or done % t.checkpoint_every == 0
+    return (host.max_age(ctx.cfg) == 0 or done % t.checkpoint_every == 0
             or done >= t.steps)
 
 
@@ -249,13 +247,13 @@ class StreamFeed:
 
     def __init__(self, ctx: RunContext, params, state: algo.CollectState, batch_source,
                  step: int, tally, live: LiveStream | None):
-        ccfg = ctx.collect_cfg
+        ccfg = ctx.cfg
         self.ctx, self.state, self.batch_source, self.step, self.tally = \
             ctx, state, batch_source, step, tally
-        self.depth = ccfg.groups_in_flight
-        self.n = tally.nominal_n = ccfg.rollouts_per_prompt
+        self.depth = ccfg.rewards.groups_in_flight
+        self.n = tally.nominal_n = host.group_size(ccfg)
         self.round_prompts = round_prompts(ctx)
-        self.cap = ccfg.max_generation_rounds * self.round_prompts
+        self.cap = ccfg.algo.max_generation_rounds * self.round_prompts
         self.pass_rate = host.stream_pass_rate(ccfg, state)
         self.fed = 0
         self._finished = False
@@ -271,7 +269,7 @@ class StreamFeed:
                 plan_prompts=self.round_prompts,
                 rollouts_per_prompt=host.num_candidates(ccfg, self.n),
                 max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                top_p=sampling.top_p, top_k=sampling.top_k, seed=stream_seed(ccfg.seed, step),
+                top_p=sampling.top_p, top_k=sampling.top_k, seed=stream_seed(ccfg.train.seed, step),
                 eos_ids=ctx.eos_ids, version=step), sampling=sampling)
         else:
             live.stream.swap_params(params, step)
@@ -283,13 +281,13 @@ class StreamFeed:
 
     def _needed(self) -> int:
         sampler = self.tally.sampler
-        return host.groups_needed(self.ctx.collect_cfg, sampler.row_budget - sampler.rows_used,
+        return host.groups_needed(self.ctx.cfg, sampler.row_budget - sampler.rows_used,
                                   sampler.max_group_rows)
 
     def _feed(self, verdicts) -> None:
         """Admits the prompts algo's prompts_to_feed asks for now."""
         live, sampler = self.live, self.tally.sampler
-        want = host.prompts_to_feed(self.ctx.collect_cfg, needed=self._needed(),
+        want = host.prompts_to_feed(self.ctx.cfg, needed=self._needed(),
                                     step_groups=sampler.row_budget // self.n,
                                     in_flight=live.in_flight + len(verdicts), fed=self.fed,
                                     cap=self.cap, pool=live.stream.pool_size,
@@ -331,7 +329,7 @@ class StreamFeed:
         return self.live.score(self.ctx.scorer, taken.record, taken.group, self.depth)
 
     def drops(self, taken: Taken) -> bool:
-        if host.is_stale(self.ctx.collect_cfg, taken.round_, self.step):
+        if host.is_stale(self.ctx.cfg, taken.round_, self.step):
             self.tally.stream.dropped += taken.group.lengths.size
             return True
         return False
@@ -339,7 +337,7 @@ class StreamFeed:
     def keep(self, taken: Taken, group: algo.Group, info) -> None:
         sampler = self.tally.sampler
         self.tally.every.append(group)
-        self.state = host.observe(self.ctx.collect_cfg, self.state, [(taken.index,
+        self.state = host.observe(self.ctx.cfg, self.state, [(taken.index,
                                                                       info.pass_rate)])
         rows_before = sampler.rows_used
         sampler.add_groups([group])
@@ -367,7 +365,7 @@ class StreamFeed:
     def finish(self) -> algo.CollectState:
         """The step's books: the filter's rounds, the stream's statistics, the stream carried
         or closed (self.live None once closed), the stream's pass-rate counts."""
-        ccfg, tally, live, sampler = self.ctx.collect_cfg, self.tally, self.live, \
+        ccfg, tally, live, sampler = self.ctx.cfg, self.tally, self.live, \
             self.tally.sampler
         sampler.rounds = -(-self.fed // self.round_prompts)
         end = live.stream.progress()

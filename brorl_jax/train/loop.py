@@ -71,6 +71,7 @@ class Trainer:
     def __init__(self, cfg, workdir: str, *, allow_config_change=()):
         # Checks first, cheapest first: nothing expensive starts before they pass.
         self._facts = door.check_training(cfg)
+        cfg = self._facts.cfg           # the typed RunConfig from here on
         self.cfg = cfg
         self.workdir = workdir
         layout.prepare(workdir)     # reads only: a locked directory stays as it was
@@ -107,7 +108,7 @@ class Trainer:
         except BaseException:
             self.ctx.close()
             raise
-        self.updates_per_step = cfg.algo.ppo_mini_batches * cfg.algo.ppo_epochs
+        self.updates_per_step = cfg.updates_per_step
         self.stopping = GracefulStop(_log)
 
     def _make_loader(self, train_records, prompt_tokenizer):
@@ -115,8 +116,7 @@ class Trainer:
         # Several processes: each takes an equal share of every generation round (the runtime
         # spans jax.process_count() processes).
         procs = jax.process_count()
-        gen_batch = algo.generation_batch_size(cfg.algo.prompts_per_step,
-                                               cfg.algo.generation_batch_multiplier)
+        gen_batch = cfg.round_prompts
         try:
             loader = data.make_prompt_loader(
                 train_records, prompt_tokenizer,

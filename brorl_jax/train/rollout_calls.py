@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from brorl_jax import algo
 from brorl_jax.algo import host
-from brorl_jax.config import collect_config, rollout_memory_budget_bytes
+from brorl_jax.config import as_run_config
 from brorl_jax.rollout import plan as rollout_plan
 
 
@@ -17,24 +16,22 @@ class RolloutCall:
     """The largest rollout call of one kind in a run, per process, and the keys that size it."""
     what: str                   # "training" | "evaluation"
     num_prompts: int
-    rollouts_per_prompt: int
+    samples_per_prompt: int
     max_new_tokens: int
-    n_keys: str                 # the keys that set rollouts_per_prompt
+    n_keys: str                 # the keys that set samples_per_prompt
     length_key: str             # the key that sets max_new_tokens
 
 
 def training_call(cfg, num_processes: int = 1) -> RolloutCall:
     """The largest training-round call of a run (per process): a generation batch of prompts,
     ceil(overgenerate_factor x the largest N) samples each."""
-    ccfg = collect_config(cfg)
+    cfg = as_run_config(cfg)
     r = cfg.rollout
     n_keys = "rollout.adaptive_n_buckets" if r.adaptive_n else "rollout.rollouts_per_prompt"
     if r.overgenerate_factor > 1.0:
         n_keys += " x rollout.overgenerate_factor"
-    gen = algo.generation_batch_size(cfg.algo.prompts_per_step,
-                                     cfg.algo.generation_batch_multiplier)
-    return RolloutCall("training", -(-gen // num_processes),
-                       host.num_candidates(ccfg, host.max_group_rows(ccfg)), r.max_new_tokens,
+    return RolloutCall("training", -(-cfg.round_prompts // num_processes),
+                       host.num_candidates(cfg, host.max_group_rows(cfg)), r.max_new_tokens,
                        n_keys, "rollout.max_new_tokens")
 
 
@@ -47,18 +44,19 @@ def rollout_device_count(cfg) -> int:
 
 def paused_engine_bytes(cfg, model_cfg, *, num_devices: int, num_processes: int = 1) -> int:
     """Device memory (per device) of the rollout stream an RL step leaves paused across the
-    update: with algo.stream_rounds and algo.max_staleness >= 1 the engine keeps its slots, KV
+    update: when samples are carried (RunConfig.carries_samples) the engine keeps its slots, KV
     pages and prompt pool for the groups still in flight (train/collect.py), so they sit beside
     the update's state and activations. 0 when nothing is carried (rounds, or k = 0: the stream
     is closed before the update), when the rollout has devices of its own (mesh.rollout_devices:
     the paused engine is not beside the update) or without a model config."""
-    if (model_cfg is None or not (cfg.algo.stream_rounds and cfg.algo.max_staleness >= 1)
-            or int(cfg.mesh.rollout_devices)):
+    cfg = as_run_config(cfg)
+    if model_cfg is None or not cfg.carries_samples or int(cfg.mesh.rollout_devices):
         return 0
     train = training_call(cfg, num_processes)
     prompt_len = rollout_plan.bucket_prompt_length(cfg.data.max_prompt_len)
     plan = rollout_plan.plan_slots(model_cfg, train.num_prompts, prompt_len,
-                                   train.rollouts_per_prompt, train.max_new_tokens,
-                                   rollout_memory_budget_bytes(cfg), num_devices=num_devices)
+                                   train.samples_per_prompt, train.max_new_tokens,
+                                   cfg.memory_budget_bytes,
+                                   num_devices=num_devices)
     return rollout_plan.stream_plan(model_cfg, plan, prompt_len,
                                     train.max_new_tokens).bytes_per_device

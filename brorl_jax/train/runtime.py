@@ -42,7 +42,7 @@ The RL step (train/step.py), the evaluation and the warm start talk to one inter
                  so the engine can decode while the update runs
                  (algo.decode_during_update, collect.decode_during_update).
 
-Compiled programs live on the runtime object the run context holds (one per AlgoConfig, e.g. per
+Compiled programs live on the runtime object the run context holds (one per UpdateConfig, e.g. per
 scheduled temperature; collect-only settings are not in it), never in module-level caches.
 
 Choice (not in the paper, which does not describe its system): rollouts in the multi-process case
@@ -63,7 +63,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from brorl_jax import algo, rollout
 from brorl_jax.algo import sharded_steps as algo_sharded
-from brorl_jax.config import ConfigError, rollout_memory_budget_bytes
+from brorl_jax.config import ConfigError, as_run_config, check_update_split
 from brorl_jax.parallel import distributed, sharded
 from brorl_jax.parallel.mesh import batch_axis_size, make_mesh, mesh_from_config
 
@@ -89,9 +89,9 @@ class Runtime:
         self.optimizer = optimizer
         self.diagnostics_n = diagnostics_n
         self.rollout_impl = cfg.rollout.impl
-        self.memory_budget_bytes = rollout_memory_budget_bytes(cfg)
-        # the stream left paused across the update (samples carried, algo.max_staleness >= 1):
-        # the door's count (train/door.py), counted here for a runtime built outside a run
+        self.memory_budget_bytes = as_run_config(cfg).memory_budget_bytes
+        # the stream left paused across the update (RunConfig.carries_samples): the door's
+        # count (train/door.py), counted here for a runtime built outside a run
         if paused_engine_bytes is None:
             from brorl_jax.train import rollout_calls
             paused_engine_bytes = rollout_calls.paused_engine_bytes(
@@ -304,18 +304,8 @@ class MeshRuntime(Runtime):
         self.rollout_mesh = (make_mesh(row, own) if self.rollout_devices else
                              self.mesh if self.num_processes == 1 else
                              make_mesh(row, jax.local_devices()))
-        rows = cfg.algo.prompts_per_step * cfg.rollout.rollouts_per_prompt
         split = batch_axis_size(self.mesh)
-        if rows % split:
-            raise ConfigError(
-                f"the update batch (algo.prompts_per_step x rollout.rollouts_per_prompt = {rows} "
-                f"rows) does not split over the mesh's data x fsdp = {split} devices; make it a "
-                f"multiple of {split} or change mesh.data / mesh.fsdp.")
-        if self.num_processes > 1 and cfg.algo.prompts_per_step % self.num_processes:
-            raise ConfigError(
-                f"algo.prompts_per_step={cfg.algo.prompts_per_step} must be a multiple of the "
-                f"{self.num_processes} processes: each process fills an equal share of the "
-                "update batch with its own prompts.")
+        check_update_split(as_run_config(cfg), split, self.num_processes)
         self._state_sharding = None
         # each process's rows of a packed batch split evenly over its batch devices
         self.row_multiple = max(1, split // self.num_processes)

@@ -1,40 +1,41 @@
 """The host-side algorithm of a step (brorl_jax/algo/host.py): pure functions over an explicit
 CollectState whose JSON form (the checkpoint's) round-trips exactly, and the split of the algo
-settings between the update's jit key (AlgoConfig) and the collect's (CollectConfig)."""
+settings between the update's jit key (UpdateConfig) and what only the collect reads."""
 import dataclasses
 import json
 
 import numpy as np
 import pytest
 
-from brorl_jax import algo
 from brorl_jax.algo import host, policies
-from brorl_jax.config import algo_config, collect_config, default_config
+from brorl_jax.config import UpdateConfig, default_config, make_config, update_config
 
 
-def test_every_algo_key_is_in_exactly_one_view_and_collect_keys_leave_the_jit_key_alone():
+def test_collect_keys_leave_the_updates_jit_key_alone():
+    """The update's static argument (UpdateConfig, RunConfig.update) holds only settings the
+    update reads: a key only the collect reads compiles no update again."""
+    upd = {f.name for f in dataclasses.fields(UpdateConfig)}
     keys = set(default_config().algo)
-    upd = {f.name for f in dataclasses.fields(algo.AlgoConfig)
-           if algo.AlgoConfig.section_of(f.name) == "algo"}
-    col = {f.name for f in dataclasses.fields(algo.CollectConfig)
-           if algo.CollectConfig.section_of(f.name) == "algo"}
-    assert upd | col == keys
-    assert upd & col == {"prompts_per_step"}          # the batch shape: both read it
+    assert upd - {"temperature", "remat"} <= keys          # algo.<same name>, key for key
     base = default_config()
     changed = {"dynamic_sampling": False, "correct_threshold": 0.5, "advantage": "grpo",
-               "max_generation_rounds": 3, "generation_batch_multiplier": 2.0,
+               "max_generation_rounds": 3, "generation_batch_multiplier": 1.75,
                "reward_clip_high": 0.9, "length_penalty": True, "pack_sequences": False,
-               "advantage_ema_decay": 0.5, "dynamic_sampling_cap_policy": "pad"}
-    assert set(changed) <= col - upd
+               "advantage_ema_decay": 0.5, "dynamic_sampling_cap_policy": "pad",
+               "prompts_per_step": 64, "stream_rounds": True}
+    assert not set(changed) & upd
     for key, value in changed.items():
         cfg = base.copy_and_resolve_references()
         cfg.algo[key] = value
-        assert algo_config(cfg) == algo_config(base), key      # same compiled update
-        assert collect_config(cfg) != collect_config(base), key
+        assert update_config(cfg) == update_config(base), key      # same compiled update
+        assert make_config(cfg) != make_config(base), key
     cfg = base.copy_and_resolve_references()
     cfg.rollout.overgenerate_factor, cfg.rollout.adaptive_n = 2.0, True
-    assert algo_config(cfg) == algo_config(base)
-    assert collect_config(cfg).overgenerate_factor == 2.0
+    assert update_config(cfg) == update_config(base)
+    assert make_config(cfg).rollout.overgenerate_factor == 2.0
+    cfg = base.copy_and_resolve_references()
+    cfg.algo.kl_coef = 0.5                                   # an update key does change it
+    assert update_config(cfg) != update_config(base)
 
 
 def test_collect_state_json_round_trip_and_the_checkpoint_format():
@@ -52,7 +53,7 @@ def test_collect_state_json_round_trip_and_the_checkpoint_format():
 
 
 def test_observe_is_adaptive_n_and_pure():
-    cfg = collect_config(rollouts_per_prompt=8, prompts_per_step=2, adaptive_n=True,
+    cfg = make_config(rollouts_per_prompt=8, prompts_per_step=2, adaptive_n=True,
                          adaptive_n_buckets="4,8,12", adaptive_n_thresholds="0.6,0.3",
                          adaptive_n_ema_decay=0.75)
     s0 = host.CollectState()
@@ -65,7 +66,7 @@ def test_observe_is_adaptive_n_and_pure():
     assert s1.pass_rates == ref.rates
     assert host.samples_per_prompt(cfg, s1, [7, 3, 5]) == [4, 8, 8]
     assert host.max_group_rows(cfg) == 12
-    fixed = collect_config(rollouts_per_prompt=8, prompts_per_step=2)
+    fixed = make_config(rollouts_per_prompt=8, prompts_per_step=2)
     assert host.observe(fixed, s0, [(7, 1.0)]) is s0              # a fixed N keeps no rates
     assert host.samples_per_prompt(fixed, s1, [7, 3]) == [8, 8]
 
@@ -82,7 +83,7 @@ def _candidates(m, s=5, seed=0):
 
 
 def test_make_group_selects_shapes_and_counts():
-    cfg = collect_config(rollouts_per_prompt=4, prompts_per_step=2, overgenerate_factor=1.5,
+    cfg = make_config(rollouts_per_prompt=4, prompts_per_step=2, overgenerate_factor=1.5,
                          reward_clip_low=0.0, reward_clip_high=0.5, max_new_tokens=8)
     m = host.num_candidates(cfg, 4)
     assert m == 6
@@ -99,7 +100,7 @@ def test_make_group_selects_shapes_and_counts():
                                round_=0, position=1)
     np.testing.assert_array_equal(group.tokens, again.tokens)
     # options off: every candidate kept as is, nothing clipped
-    off = collect_config(rollouts_per_prompt=4, prompts_per_step=2)
+    off = make_config(rollouts_per_prompt=4, prompts_per_step=2)
     g, i = host.make_group(off, _candidates(4), rewards[:4], n=4, prompt_ids=[1], index=0,
                            step=0, round_=0, position=0)
     assert (i.candidates, i.unique, i.clip_checked) == (4, 0, 0)
@@ -107,7 +108,7 @@ def test_make_group_selects_shapes_and_counts():
 
 
 def test_advantages_ema_state_is_returned_not_kept():
-    cfg = collect_config(advantage_normalizer="ema", advantage_ema_decay=0.5)
+    cfg = make_config(advantage_normalizer="ema", advantage_ema_decay=0.5)
     shaped = [np.array([1.0, 0.0, 0.0, 0.0]), np.array([1.0, 1.0, 0.0])]
     lengths = [np.ones(4), np.ones(3)]
     s0 = host.CollectState()
@@ -116,7 +117,7 @@ def test_advantages_ema_state_is_returned_not_kept():
     want, st = policies.ema_normalizer("reinforce_pp_baseline",
                                        *policies.pad_groups([s.astype(np.float32)
                                                              for s in shaped]),
-                                       {}, eps=cfg.advantage_eps, whiten_eps=cfg.whiten_eps,
+                                       {}, eps=cfg.algo.advantage_eps, whiten_eps=cfg.algo.whiten_eps,
                                        decay=0.5)
     np.testing.assert_array_equal(np.concatenate(adv), want[policies.pad_groups(shaped)[1]])
     assert st == s1.advantage_normalizer
@@ -129,8 +130,9 @@ def test_stream_admission_oversupplies_by_the_pass_rate_and_runs_one_step_ahead_
     """algo.host.prompts_to_feed: k = 0 keeps ceil(needed / pass rate) prompts in flight; k >=
     1 one step's groups more; never more than the pool nor past the step's cap; nothing once
     the step is full. groups_needed counts whole groups; is_stale is the bound k."""
-    k0 = collect_config(rollouts_per_prompt=8, prompts_per_step=4, generation_batch_multiplier=2.0)
-    k1 = dataclasses.replace(k0, stream_rounds=True, max_staleness=1)
+    k0 = make_config(rollouts_per_prompt=8, prompts_per_step=4, generation_batch_multiplier=2.0)
+    k1 = make_config(rollouts_per_prompt=8, prompts_per_step=4, generation_batch_multiplier=2.0,
+                     stream_rounds=True, max_staleness=1)
     feed = lambda cfg, **kw: host.prompts_to_feed(cfg, **{**dict(
         needed=4, step_groups=4, in_flight=0, fed=0, cap=80, pool=100, pass_rate=0.4), **kw})
     assert feed(k0) == 10 and feed(k1) == 20                # ceil(4 / 0.4), ceil(8 / 0.4)

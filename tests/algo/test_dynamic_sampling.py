@@ -12,12 +12,12 @@ from brorl_jax.algo import (
     generation_batch_size,
     select_groups,
 )
-from brorl_jax.config import collect_config
+from brorl_jax.config import make_config
 
 
 def _sampler(**kw) -> GroupSampler:
     """A GroupSampler with the config's defaults for what the test does not set."""
-    cfg = collect_config()
+    cfg = make_config().algo
     base = dict(cap_policy=cfg.dynamic_sampling_cap_policy, rule=cfg.dynamic_sampling_rule,
                 correct_threshold=cfg.correct_threshold, enabled=cfg.dynamic_sampling)
     return GroupSampler(**{**base, **kw})
@@ -106,7 +106,7 @@ def test_cap_pad_policy_stops_and_reports_padding():
 
 
 def test_disabled_keeps_everything_and_config_wiring():
-    cfg = collect_config(prompts_per_step=3, rollouts_per_prompt=2, dynamic_sampling=False,
+    cfg = make_config(prompts_per_step=3, rollouts_per_prompt=2, dynamic_sampling=False,
                          generation_batch_multiplier=1.6, dynamic_sampling_rule="reward_std")
     s = GroupSampler.from_config(cfg)
     assert (s.row_budget, s.max_group_rows, s.rule) == (6, 2, "reward_std")

@@ -19,7 +19,7 @@ from brorl_jax.algo import (
     ppo_clip_objective,
     tis_weights,
 )
-from brorl_jax.config import ConfigError, algo_config
+from brorl_jax.config import ConfigError, update_config
 
 B, T = 4, 6
 
@@ -94,7 +94,7 @@ def test_the_variants_inputs_reach_the_dual_clip_bound():
 @pytest.mark.parametrize("agg,kl,tis,ent", VARIANTS)
 def test_loss_and_gradient_match_straightforward(agg, kl, tis, ent):
     # kl_coef large and a tight clamp so the KL term (and its clamp) matter numerically
-    cfg = algo_config(loss_agg=agg, kl_estimator=kl, tis_mode=tis, entropy_coef=ent, kl_coef=0.3,
+    cfg = update_config(loss_agg=agg, kl_estimator=kl, tis_mode=tis, entropy_coef=ent, kl_coef=0.3,
                       kl_clamp=0.5, dual_clip_c=1.5)
     x = _inputs(seed=VARIANTS.index((agg, kl, tis, ent)))
 
@@ -124,7 +124,7 @@ def test_equal_logprobs_clip_agrees_with_unclipped_and_clip_frac_zero():
     g_clip = jax.grad(lambda l: jnp.sum(ppo_clip_objective(l, logp, x["advantages"], 0.2, 0.28)[0]))(logp)
     g_unclip = jax.grad(lambda l: jnp.sum(-x["advantages"][:, None] * jnp.exp(l - logp)))(logp)
     np.testing.assert_allclose(g_clip, g_unclip, rtol=1e-6)
-    cfg = algo_config(tis_mode="off", kl_coef=0.0)
+    cfg = update_config(tis_mode="off", kl_coef=0.0)
     _, sums = policy_loss(logp, x["entropy"], old_logp=logp, rollout_logp=logp, ref_logp=None,
                           advantages=x["advantages"], loss_mask=x["mask"],
                           agg_weights=get_loss_agg("token_mean")(jnp.asarray(x["mask"])), cfg=cfg)
@@ -192,6 +192,6 @@ def test_aggregation_registry():
 
 def test_config_rejects_bad_names():
     with pytest.raises(ConfigError, match="'algo.kl_estimator' is 'k5'; allowed: 'k1', 'k2', 'k3'"):
-        algo_config(kl_estimator="k5")
+        update_config(kl_estimator="k5")
     with pytest.raises(ConfigError, match="unknown config key 'algo.clip_eps'. Did you mean"):
-        algo_config(clip_eps=0.2)
+        update_config(clip_eps=0.2)

@@ -12,7 +12,7 @@ from brorl_jax.algo.length_penalty import (
     cosine_length_reward,
     length_penalty_active,
 )
-from brorl_jax.config import ConfigError, collect_config, optimizer_config
+from brorl_jax.config import ConfigError, make_config, optimizer_config
 
 
 def test_sqrt_rule_brorl_numbers():
@@ -54,8 +54,8 @@ def test_cosine_length_penalty_and_schedule():
     np.testing.assert_allclose(eta, [0.0, -0.5, -1.0, -1.0], atol=1e-6)
     assert length_penalty_active(0, 100, 500) and length_penalty_active(99, 100, 500)
     assert not length_penalty_active(100, 100, 500) and length_penalty_active(600, 100, 500)
-    cfg = collect_config(length_penalty=True, length_penalty_coef=0.5, length_penalty_eta_min=-1.0)
-    r = apply_length_penalty(np.ones((1, 2)), np.array([[0, 100]]), step=0, max_length=100, cfg=cfg)
+    cfg = make_config(length_penalty=True, length_penalty_coef=0.5, length_penalty_eta_min=-1.0)
+    r = apply_length_penalty(np.ones((1, 2)), np.array([[0, 100]]), step=0, max_length=100, algo_cfg=cfg.algo)
     np.testing.assert_allclose(r, [[1.0, 0.5]])
-    r_off = apply_length_penalty(np.ones((1, 2)), np.array([[0, 100]]), step=200, max_length=100, cfg=cfg)
+    r_off = apply_length_penalty(np.ones((1, 2)), np.array([[0, 100]]), step=200, max_length=100, algo_cfg=cfg.algo)
     np.testing.assert_allclose(r_off, 1.0)

@@ -28,7 +28,7 @@ from brorl_jax.algo.batch import (
     unpack_to_padded,
 )
 from brorl_jax.algo.losses import segment_token_counts
-from brorl_jax.config import algo_config
+from brorl_jax.config import update_config
 
 G, N, S = 4, 4, 8
 PROMPT_LENS = (1, 3, 5, 2)
@@ -201,7 +201,7 @@ VARIANTS = list(itertools.product(["token_mean", "seq_mean_token_mean"], ["k1", 
 def test_every_loss_variant_same_on_packed_rows(agg, kl, tis):
     """policy_loss with the aggregation weights of each layout: same loss, same metric sums, same
     per-token gradient."""
-    cfg = algo_config(loss_agg=agg, kl_estimator=kl, tis_mode=tis, entropy_coef=0.01, kl_coef=0.3,
+    cfg = update_config(loss_agg=agg, kl_estimator=kl, tis_mode=tis, entropy_coef=0.01, kl_coef=0.3,
                      kl_clamp=0.5)
     padded, packed = both_layouts(seed=VARIANTS.index((agg, kl, tis)))
     rng = np.random.default_rng(1)
@@ -242,7 +242,7 @@ def test_logprobs_entropy_and_stats_same_on_packed_rows(model, impl):
     """The fused log-prob (Pallas kernel, interpreted on CPU, and its chunked twin) on packed rows."""
     mc, params = model
     padded, packed = both_layouts()
-    cfg = algo_config(temperature=0.8, micro_batch_size=4, logprob_impl=impl)
+    cfg = update_config(temperature=0.8, micro_batch_size=4, logprob_impl=impl)
     fn = jax.jit(make_logprob_fn(mc, cfg, with_stats=True))
     lm = padded.loss_mask
     (a_lp, a_ent, a_st), (b_lp, b_ent, b_st) = fn(params, padded), fn(params, packed)
@@ -271,8 +271,8 @@ def test_update_step_same_on_packed_rows(model, agg, policy):
     padded, packed = both_layouts(seed=3)
     base = dict(rollouts_per_prompt=N, prompts_per_step=G, ppo_mini_batches=2, kl_coef=0.05,
                 entropy_coef=0.01, temperature=0.9, loss_agg=agg, remat=False)
-    cfg_pad = algo_config(micro_batch_size=G * N // 2, **base)
-    cfg_pk = algo_config(micro_batch_tokens=100 * WIDTH, **base)
+    cfg_pad = update_config(micro_batch_size=G * N // 2, **base)
+    cfg_pk = update_config(micro_batch_tokens=100 * WIDTH, **base)
     ref_params = jax.tree.map(lambda x: 0.9 * x, params)
     padded, packed = (batch.replace(ref_logprobs=np.asarray(
         jax.jit(make_logprob_fn(mc, cfg, policy=pol))(ref_params, batch)[0]))
@@ -304,7 +304,7 @@ def test_packed_micro_batches_by_tokens_do_not_change_the_update():
     sgd = optax.sgd(1.0)
     results = []
     for rows in (1, 3):
-        cfg = algo_config(rollouts_per_prompt=N, prompts_per_step=G, ppo_mini_batches=2,
+        cfg = update_config(rollouts_per_prompt=N, prompts_per_step=G, ppo_mini_batches=2,
                          micro_batch_tokens=rows * WIDTH, kl_coef=0.0, loss_agg="seq_mean_token_mean")
         step = jax.jit(make_update_step(None, cfg, sgd, policy=TOY_POLICY))
         results.append(step(create_train_state(toy_params(), sgd), packed, jax.random.PRNGKey(0)))
@@ -317,9 +317,9 @@ def test_packed_micro_batches_by_tokens_do_not_change_the_update():
     # grad_var with one-row micro-batches on the first mini-batch (unit 0's rows)
     rows = packed.input_tokens.shape[0] // 2
     first = jax.tree.map(lambda v: v[:rows], packed.replace(pack_units=None))
-    cfg = algo_config(rollouts_per_prompt=N, prompts_per_step=G, ppo_mini_batches=1,
-                      micro_batch_tokens=WIDTH, kl_coef=0.0, entropy_coef=0.0,
-                      tis_mode="ice_pop", tis_high=5.0)      # the brute force below: ICE-POP
+    cfg = update_config(rollouts_per_prompt=N, prompts_per_step=G, ppo_mini_batches=1,
+                        micro_batch_tokens=WIDTH, kl_coef=0.0, entropy_coef=0.0,
+                        tis_mode="ice_pop", tis_high=5.0)      # the brute force below: ICE-POP
     _, m = jax.jit(make_update_step(None, cfg, sgd, policy=TOY_POLICY))(
         create_train_state(toy_params(), sgd), first, jax.random.PRNGKey(0))
     tokens, targets = jnp.asarray(first.input_tokens), jnp.asarray(first.targets)
@@ -350,7 +350,7 @@ def test_packed_micro_batches_by_tokens_do_not_change_the_update():
 
 
 def test_no_recompilation_while_packed_rows_stay_in_one_bucket():
-    cfg = algo_config(rollouts_per_prompt=N, prompts_per_step=G, ppo_mini_batches=2,
+    cfg = update_config(rollouts_per_prompt=N, prompts_per_step=G, ppo_mini_batches=2,
                      micro_batch_tokens=2 * WIDTH)
     opt = optax.adam(1e-3)
     step = jax.jit(make_update_step(None, cfg, opt, policy=TOY_POLICY))
@@ -371,13 +371,13 @@ def test_no_recompilation_while_packed_rows_stay_in_one_bucket():
 
 
 def test_packed_batch_errors_name_the_fix():
-    cfg = algo_config(rollouts_per_prompt=N, prompts_per_step=G, ppo_mini_batches=4)
+    cfg = update_config(rollouts_per_prompt=N, prompts_per_step=G, ppo_mini_batches=4)
     step = make_update_step(None, cfg, optax.sgd(1.0), policy=TOY_POLICY)
     state = create_train_state(toy_params(), optax.sgd(1.0))
     _, packed = both_layouts(mini_batches=2)
     with pytest.raises(ValueError, match="mini_batches=algo.ppo_mini_batches"):
         step(state, packed, None)
-    small = algo_config(rollouts_per_prompt=N, prompts_per_step=G, ppo_mini_batches=2,
+    small = update_config(rollouts_per_prompt=N, prompts_per_step=G, ppo_mini_batches=2,
                        micro_batch_tokens=WIDTH - 1)
     with pytest.raises(ValueError, match="micro_batch_tokens' = 12 is less than one row of 13"):
         make_update_step(None, small, optax.sgd(1.0), policy=TOY_POLICY)(state, packed, None)
@@ -385,5 +385,5 @@ def test_packed_batch_errors_name_the_fix():
         assemble_update_batch(*mixed_rollouts(), seq_len=WIDTH, mini_batches=3)
     bad = packed.replace(advantages=packed.advantages[:, 0])
     with pytest.raises(ValueError, match="per-token advantages"):
-        make_update_step(None, algo_config(ppo_mini_batches=2), optax.sgd(1.0),
+        make_update_step(None, update_config(ppo_mini_batches=2), optax.sgd(1.0),
                          policy=TOY_POLICY)(state, bad, None)

@@ -21,14 +21,14 @@ from brorl_jax.algo import (
     maybe_reset_reference,
     reset_reference,
 )
-from brorl_jax.config import algo_config, collect_config, optimizer_config
+from brorl_jax.config import make_config, optimizer_config, update_config
 
 
 def _cfg(**kw):
     base = dict(rollouts_per_prompt=4, prompts_per_step=2, micro_batch_size=2, ppo_mini_batches=1,
                 kl_coef=0.05, temperature=0.8, entropy_coef=0.01, tis_mode="ice_pop", tis_high=5.0)
     base.update(kw)
-    return algo_config(**base)
+    return update_config(**base)
 
 
 def _naive_logp_entropy(params, batch, temperature):
@@ -157,8 +157,8 @@ def test_maybe_reset_reference_follows_interval():
 def test_dynamic_sampling_padding_keeps_shapes_no_recompilation():
     """The compiled update sees [prompts_per_step * N, T] whether or not groups were filtered out."""
     cfg = _cfg(prompts_per_step=3, rollouts_per_prompt=2)
-    ccfg = collect_config(prompts_per_step=3, rollouts_per_prompt=2,
-                          dynamic_sampling_cap_policy="pad", max_generation_rounds=1)
+    ccfg = make_config(prompts_per_step=3, rollouts_per_prompt=2,
+                       dynamic_sampling_cap_policy="pad", max_generation_rounds=1)
     opt = optax.adam(1e-3)
     update = jax.jit(make_update_step(None, cfg, opt, policy=TOY_POLICY))
     state = create_train_state(toy_params(), opt)
@@ -174,8 +174,8 @@ def test_dynamic_sampling_padding_keeps_shapes_no_recompilation():
                            np.full(2, 4), rewards[i].astype(np.float32),
                            rewards[i].astype(np.float32)) for i in range(3)])
         kept = s.groups
-        adv = np.asarray(compute_advantages(ccfg.advantage, np.stack([g.shaped for g in kept])))
-        batch = assemble_groups(kept, list(adv), rows=cfg.batch_rows, seq_len=8)
+        adv = np.asarray(compute_advantages(ccfg.algo.advantage, np.stack([g.shaped for g in kept])))
+        batch = assemble_groups(kept, list(adv), rows=ccfg.update_rows, seq_len=8)
         batch = batch.replace(ref_logprobs=np.zeros_like(batch.old_logprobs))   # KL on
         shapes.append(jax.tree.map(lambda v: v.shape, batch))
         _, m = update(state, batch, jax.random.PRNGKey(0))

@@ -22,7 +22,7 @@ import pytest
 from brorl_jax.algo import LOSS_AGG, compute_advantages, kl_penalty, policy_loss, tis_weights
 from brorl_jax.algo.dynamic_sampling import select_groups
 from brorl_jax.algo.host import CollectState, advantages
-from brorl_jax.config import algo_config, collect_config
+from brorl_jax.config import make_config, update_config
 
 NPZ = os.path.join(os.path.dirname(__file__), "verl_reference", "verl_core_algos.npz")
 RTOL = ATOL = 1e-5
@@ -67,7 +67,7 @@ def run_policy_loss(ref, logp_key, cfg, rollout_logp=None, ref_logp=None):
 
 
 def plain_pg_cfg(agg, dual_clip_c=0.0):
-    return algo_config(clip_eps_low=0.2, clip_eps_high=0.28, tis_mode="off", kl_coef=0.0,
+    return update_config(clip_eps_low=0.2, clip_eps_high=0.28, tis_mode="off", kl_coef=0.0,
                        entropy_coef=0.0, loss_agg=agg, dual_clip_c=dual_clip_c)
 
 
@@ -128,7 +128,7 @@ def test_clip_fraction_matches_verl_pg_clipfrac(ref, logp, dual):
 def test_kl_estimators_match_verl(ref, logp, ours, theirs):
     """Log-ratios up to +-25: k1 unclamped, k3 with veRL's input (+-20) and value (+-10) clamps,
     k2 unclamped when kl_clamp = inf (veRL's "mse")."""
-    clamp = np.inf if ours == "k2" else algo_config().kl_clamp
+    clamp = np.inf if ours == "k2" else update_config().kl_clamp
     k = kl_penalty(jnp.asarray(ref[f"in_kl_logp_{logp}"]), jnp.asarray(ref["in_kl_ref_logp"]), ours,
                    clamp)
     close(k, ref[f"out_kl_{logp}_{theirs}"], f"kl {ours}", ref["in_loss_mask"] > 0)
@@ -139,7 +139,7 @@ def test_k2_default_clamp_is_prorlv2s_log_ratio_clamp(ref):
     |x| <= 10, 50 beyond."""
     x = ref["in_kl_logp_extreme"] - ref["in_kl_ref_logp"]
     k = kl_penalty(jnp.asarray(ref["in_kl_logp_extreme"]), jnp.asarray(ref["in_kl_ref_logp"]), "k2",
-                   algo_config().kl_clamp)
+                   update_config().kl_clamp)
     close(k, 0.5 * np.clip(x, -10, 10) ** 2, "k2 with the ProRLv2 clamp")
     inside = (np.abs(x) <= 10) & (ref["in_loss_mask"] > 0)
     close(k, ref["out_kl_extreme_mse"], "k2 where the clamp does not bind", inside)
@@ -163,7 +163,7 @@ def test_tis_weights_match_verl_token_rollout_correction(ref, mode, low, high, k
 def test_total_loss_icepop_k2_matches_verl_actor_composition(ref, agg):
     """pg x ICE-POP weight + 1e-4 k2 KL, aggregated, as veRL's actor adds them (moderate inputs:
     |log pi - log pi_ref| < 10, so our KL clamp does not bind)."""
-    cfg = algo_config(clip_eps_low=0.2, clip_eps_high=0.28, tis_mode="ice_pop", tis_low=0.5,
+    cfg = update_config(clip_eps_low=0.2, clip_eps_high=0.28, tis_mode="ice_pop", tis_low=0.5,
                       tis_high=5.0, kl_coef=1e-4, kl_estimator="k2", entropy_coef=0.0, loss_agg=agg,
                       dual_clip_c=0.0)
     loss, _ = run_policy_loss(ref, "in_pg_logp_moderate", cfg, rollout_logp=ref["in_tis_rollout_logp"],
@@ -179,14 +179,14 @@ def test_reinforce_pp_baseline_token_whitening_matches_verl(ref, scores):
     sqrt(var + 1e-8); the small scores put the variance near the epsilon."""
     key = "out_adv_reinforce_pp_baseline" if scores == "in_scores" else "out_adv_small_reinforce_pp_baseline"
     ours = compute_advantages("reinforce_pp_baseline", ref[scores], lengths=lengths_gn(ref),
-                              whiten_eps=collect_config().whiten_eps)
+                              whiten_eps=make_config().algo.whiten_eps)
     close(per_token(ref, ours), ref[key], f"reinforce_pp_baseline on {scores}")
 
 
 def test_the_loops_advantages_are_veRLs(ref):
     """algo.host.advantages (what the RL step calls, with the config's defaults) on groups with
     their response lengths gives veRL's token-whitened advantages."""
-    cfg = collect_config()
+    cfg = make_config()
     shaped = [row for row in ref["in_scores"]]
     lengths = [row for row in lengths_gn(ref)]
     adv, state = advantages(cfg, CollectState(), shaped, lengths)
@@ -204,7 +204,7 @@ def test_dr_grpo_matches_verl(ref):
 def test_dual_clip_loss_matches_verl(ref, logp, agg):
     """veRL's vanilla loss with clip_ratio_c = 3 (its default, ours too): for A < 0 the token loss
     is min(max(-A r, -A clip(r)), -3 A); log-ratios clamped to +-20 first."""
-    assert algo_config().dual_clip_c == 3.0
+    assert update_config().dual_clip_c == 3.0
     loss, _ = run_policy_loss(ref, f"in_pg_logp_{logp}", plain_pg_cfg(agg, dual_clip_c=3.0))
     close(loss, ref[f"out_pg_{logp}_dual3_{agg}_loss"], f"dual-clip pg loss {agg}")
 

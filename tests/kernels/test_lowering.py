@@ -186,11 +186,11 @@ def _abstract_batch(rows: int, seq: int):
 def test_update_and_logprob_steps_lower(platform, model):
     from brorl_jax import algo
     from brorl_jax.algo.update import pi_old_in_gradient_pass
-    from brorl_jax.config import algo_config, optimizer_config
+    from brorl_jax.config import optimizer_config, update_config
     from brorl_jax.models import init_params
 
     cfg = _model_cfg(model)
-    acfg = algo_config(micro_batch_size=2, kl_coef=0.0)
+    acfg = update_config(micro_batch_size=2, kl_coef=0.0)
     opt = algo.make_optimizer(optimizer_config())
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
     state = jax.eval_shape(lambda p: algo.create_train_state(p, opt, with_reference=False), params)

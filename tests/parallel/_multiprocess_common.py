@@ -4,14 +4,14 @@ from __future__ import annotations
 import jax
 import optax
 
-from brorl_jax.config import algo_config
+from brorl_jax.config import update_config
 from brorl_jax.models import init_params
 
 # The random batch's rollout log-probs are far from pi_old, so TIS and dual-clip decide many tokens;
 # with Adam at lr 3e-3 one borderline token flips a near-zero gradient's sign (a 5e-4 step on two
 # of 16k embedding entries between layouts). The ICE-POP band without dual-clip keeps every
 # decision far from its edge, which is what an equality test of two layouts needs.
-ALGO = algo_config(ppo_mini_batches=2, micro_batch_size=4, kl_coef=1e-3, tis_mode="ice_pop",
+ALGO = update_config(ppo_mini_batches=2, micro_batch_size=4, kl_coef=1e-3, tis_mode="ice_pop",
                    tis_high=5.0, dual_clip_c=0.0)
 
 

@@ -26,7 +26,7 @@ from brorl_jax.algo import (
     sharded_steps as algo_sharded,
 )
 from brorl_jax.algo.batch import pad_packed_rows, unpack_to_padded
-from brorl_jax.config import algo_config
+from brorl_jax.config import update_config
 from brorl_jax.models import init_params
 from brorl_jax.parallel import sharded
 from brorl_jax.parallel.mesh import make_mesh
@@ -75,8 +75,8 @@ def main(out_path: str, layouts: str) -> None:
     padded = assemble_update_batch(*args, seq_len=WIDTH, pack=False)
     base = dict(rollouts_per_prompt=N, prompts_per_step=G, ppo_mini_batches=2, kl_coef=1e-2,
                 loss_agg="seq_mean_token_mean")
-    cfg_pk = algo_config(micro_batch_tokens=8 * WIDTH, **base)
-    cfg_pad = algo_config(micro_batch_size=8, **base)
+    cfg_pk = update_config(micro_batch_tokens=8 * WIDTH, **base)
+    cfg_pad = update_config(micro_batch_size=8, **base)
     optimizer = optax.sgd(0.5)
     rng = jax.random.PRNGKey(7)
     out = {"packed_rows": np.asarray(packed.input_tokens.shape[0]),

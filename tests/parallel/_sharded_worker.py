@@ -24,7 +24,7 @@ from brorl_jax.algo import (
     make_update_step,
     sharded_steps as algo_sharded,
 )
-from brorl_jax.config import algo_config
+from brorl_jax.config import update_config
 from brorl_jax.models import Model, ModelConfig, init_params
 from brorl_jax.parallel import sharded
 from brorl_jax.parallel.mesh import make_mesh
@@ -63,7 +63,7 @@ def main(out_path: str, layouts: str) -> None:
                           init_params(cfg, jax.random.PRNGKey(0)))
     # ICE-POP without dual-clip: see tests/parallel/_multiprocess_common.py (Adam's first step
     # turns a layout's float noise on a ~1e-8 gradient into a visible difference otherwise)
-    algo_cfg = algo_config(ppo_mini_batches=2, micro_batch_size=8, kl_coef=1e-3, tis_mode="ice_pop",
+    algo_cfg = update_config(ppo_mini_batches=2, micro_batch_size=8, kl_coef=1e-3, tis_mode="ice_pop",
                            tis_high=5.0, dual_clip_c=0.0)
     optimizer = optax.adamw(1e-2)
     batch = update_batch(16, 16, cfg.vocab_size)

@@ -2,7 +2,6 @@
 algo/host.py): with every option off it is the paper's recipe step by step; with options on
 it changes what they say, compiles no more once its shapes are warm, and its CollectState
 survives a checkpoint (exact resume)."""
-import dataclasses
 import json
 import math
 import os
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 
 from brorl_jax import algo
-from brorl_jax.config import algo_config, collect_config, optimizer_config
+from brorl_jax.config import make_config, optimizer_config, update_config
 from brorl_jax.rewards.health import VerifierHealth
 from brorl_jax.rollout import bucket_num_prompts
 from brorl_jax.train import collect
@@ -95,8 +94,8 @@ def test_options_off_is_the_paper_recipe_by_hand(tmp_path):
     off.rollout.overgenerate_factor = 1.0
     off.algo.reward_clip_low, off.algo.reward_clip_high = -math.inf, math.inf
     off.algo.advantage_normalizer = "batch"
-    assert algo_config(off) == algo_config(cfg) and optimizer_config(off) == optimizer_config(cfg)
-    assert collect_config(off) == collect_config(cfg)
+    assert update_config(off) == update_config(cfg) and optimizer_config(off) == optimizer_config(cfg)
+    assert make_config(off) == make_config(cfg)
     trainer = fake_trainer(cfg, tmp_path / "a")
     ctx = trainer.ctx
     batches = []
@@ -153,12 +152,12 @@ def test_scheduled_temperature_changes_the_update_config_per_phase():
     c = tiny.get_config()
     c.rollout.temperature_schedule = "0:1.3,2:0.9,4:1.0"
     sched = algo.policies.parse_temperature_schedule(c.rollout.temperature_schedule)
-    base = algo_config(c)
+    base = update_config(c)
     at = lambda s: update_config_at(base, algo.policies.temperature_at(sched, s, 1.0))
     temps = [at(s).temperature for s in range(6)]
     assert temps == [1.3, 1.3, 0.9, 0.9, 1.0, 1.0]
     assert at(4) is base                                     # 1.0 = the default config
-    # one compiled pair per distinct config: the runtime keys its programs by AlgoConfig
+    # one compiled pair per distinct config: the runtime keys its programs by UpdateConfig
     assert len({at(s) for s in range(6)}) == 3
     assert update_config_at(base, 0.0) is base              # greedy rollouts: plain softmax
 
@@ -333,7 +332,7 @@ def test_groups_are_scored_while_decoding_goes_on(tmp_path):
         wall = time.perf_counter() - t0
         ctx.rollouts = real_rollouts
         # four groups scored at once, their verdicts ending out of order: the same batch
-        ctx.collect_cfg = dataclasses.replace(ctx.collect_cfg, groups_in_flight=4)
+        ctx.cfg = ctx.cfg.replace("rewards", groups_in_flight=4)
         jittery = FakeScorer(delay=0.1)
         jitter = iter(np.random.default_rng(3).uniform(0.0, 0.1, 64))
         spans, real_score = [], jittery.score

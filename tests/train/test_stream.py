@@ -4,7 +4,6 @@ rule): with k = 0 every sample the update uses is on-policy and its behaviour lo
 current weights'; with k = 1 groups are carried into the next step, none is used twice, none is
 lost without being counted, none is older than k; a run restarted from a checkpoint step's
 state repeats the uninterrupted run exactly (the stream is closed at checkpoint steps)."""
-import dataclasses
 import time
 
 import jax
@@ -62,7 +61,7 @@ def trainer(tmp_path_factory):
 
 
 def _with_staleness(trainer, k):
-    trainer.ctx.collect_cfg = dataclasses.replace(trainer.ctx.collect_cfg, max_staleness=k)
+    trainer.ctx.cfg = trainer.ctx.cfg.replace("algo", max_staleness=k)
 
 
 def _spy_groups(monkeypatch, seen):
@@ -141,8 +140,8 @@ def test_stream_at_k1_carries_groups_each_used_once_none_lost_none_too_old(
     3 groups late, and the groups taken but not settled when a step fills go back to the
     stream (the next step's, or discarded at a close), each still used once."""
     _with_staleness(trainer, 1)
-    monkeypatch.setattr(trainer.ctx, "collect_cfg", dataclasses.replace(
-        trainer.ctx.collect_cfg, groups_in_flight=groups_in_flight))
+    monkeypatch.setattr(trainer.ctx, "cfg", trainer.ctx.cfg.replace(
+        "rewards", groups_in_flight=groups_in_flight))
     if groups_in_flight > 1:       # verdicts end out of order: the collect must not care
         monkeypatch.setattr(trainer.ctx, "scorer", JitteryScorer(trainer.ctx.scorer))
     seen = []
