@@ -110,9 +110,13 @@ def choose_rollouts(pass_rate: float | None, buckets: Sequence[int],
     return int(buckets[-1])
 
 
+# The config key of N (the one name the door's messages and experiments use for it).
+N_KEY = "rollout.rollouts_per_prompt"
+
+
 @dataclasses.dataclass
 class FixedN:
-    """The paper: every prompt gets N = rollout.rollouts_per_prompt samples."""
+    """The paper: every prompt gets the config's N (N_KEY) samples."""
     n: int
 
     @property

@@ -41,12 +41,14 @@ FLAGS = [cli.Flag("string", "out", "runs/compare_n", "Output directory."),
 
 def arm_config(base, n: int, rows: int, samples: int, evals: int, model_path: str):
     """The config of one arm: N = n, prompts_per_step = rows / n, steps from the sample budget."""
+    from brorl_jax.algo.policies import N_KEY
     from brorl_jax.errors import ConfigError
     cfg = base.copy_and_resolve_references()
     if rows % n:
         raise ConfigError(f"--n={n}: the update rows of the base config (algo.prompts_per_step x "
-                          f"rollout.rollouts_per_prompt = {rows}) must be divisible by every N.")
-    cfg.rollout.rollouts_per_prompt = n
+                          f"{N_KEY} = {rows}) must be divisible by every N.")
+    section, key = N_KEY.split(".")
+    cfg[section][key] = n
     cfg.algo.prompts_per_step = rows // n
     cfg.algo.micro_batch_size = math.gcd(cfg.algo.micro_batch_size, rows)
     per_step = math.ceil(rows * cfg.algo.generation_batch_multiplier)

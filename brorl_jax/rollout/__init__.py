@@ -12,12 +12,11 @@ from brorl_jax.rollout.plan import (
     plan_slots,
     rollout_bytes,
     slot_bytes,
-    validate_inputs,
 )
 from brorl_jax.rollout.programs import prefill_prompts_fn
 from brorl_jax.rollout.scheduler import Progress, Scheduler
 from brorl_jax.rollout.stream import OpenStream, RolloutStream
-from brorl_jax.rollout.types import GroupResult, RolloutResult, assemble
+from brorl_jax.rollout.types import GroupResult, RolloutResult, assemble, validate_inputs
 
 __all__ = [
     "Engine",

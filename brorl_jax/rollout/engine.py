@@ -62,11 +62,10 @@ from brorl_jax.rollout.plan import (
     slot_buckets,
     stop_table,
     stream_plan,
-    validate_inputs,
 )
 from brorl_jax.rollout.scheduler import Scheduler
 from brorl_jax.rollout.stream import OpenStream, RolloutStream
-from brorl_jax.rollout.types import GroupResult, RolloutResult
+from brorl_jax.rollout.types import GroupResult, RolloutResult, validate_inputs
 from pallas_kernels.decode_attention import resolve_impl as _resolve_attention_impl
 from pallas_kernels.sampling import resolve_impl as _resolve_sampling_impl
 
@@ -144,7 +143,7 @@ class Engine:
             cfg=self.cfg, prompt_len=int(prompt_len), max_new_tokens=int(max_new_tokens),
             page_size=plan.page_size, max_pages=plan.max_pages, num_pages=plan.num_pages,
             pool=plan.pool, share=plan.share,
-            rollouts_per_prompt=int(rollouts_per_prompt), temperature=float(temperature),
+            n=int(rollouts_per_prompt), temperature=float(temperature),
             top_k=int(top_k), top_p=float(top_p),
             attention_impl=_resolve_attention_impl(
                 self._kernel_impls()[0], dtype_of(self.cfg.dtype), plan.page_size,

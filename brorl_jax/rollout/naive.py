@@ -31,10 +31,9 @@ from brorl_jax.rollout.plan import (
     bucket_prompt_length,
     pad_prompts,
     resolve_eos_ids,
-    validate_inputs,
 )
 from brorl_jax.rollout.programs import prefill_prompts_fn, sample_keys_for, sample_step
-from brorl_jax.rollout.types import RolloutResult
+from brorl_jax.rollout.types import RolloutResult, validate_inputs
 from pallas_kernels.sampling import resolve_impl as _resolve_sampling_impl
 
 prefill_prompts = jax.jit(prefill_prompts_fn, static_argnums=(1,))

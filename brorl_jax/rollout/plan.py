@@ -185,14 +185,14 @@ def slot_buckets(slots: int, min_slots: int | None = None) -> tuple[int, ...]:
     return (slots,) + tuple(sorted(ladder, reverse=True))
 
 
-def rollout_bytes(cfg: ModelConfig, num_prompts: int, prompt_len: int, rollouts_per_prompt: int,
+def rollout_bytes(cfg: ModelConfig, num_prompts: int, prompt_len: int, samples_per_prompt: int,
                   max_new_tokens: int, slots: int, *, num_devices: int = 1,
                   page_size: int | None = None, kv_fraction: float = KV_FRACTION,
                   num_pages: int | None = None) -> int:
     """Working memory per device of ``slots`` decode slots, their KV pages (``num_pages``, default
     :func:`pages_for`) and their prompt pool."""
     page_size = page_size or default_page_size()
-    share = -(-rollouts_per_prompt // num_devices)
+    share = -(-samples_per_prompt // num_devices)
     if num_pages is None:
         num_pages = pages_for(slots, max_new_tokens, page_size, kv_fraction)
     return (slots * slot_bytes(cfg, max_new_tokens, page_size)
@@ -204,17 +204,17 @@ def rollout_bytes(cfg: ModelConfig, num_prompts: int, prompt_len: int, rollouts_
 
 
 def min_budget_bytes(cfg: ModelConfig, num_prompts: int, prompt_len: int,
-                     rollouts_per_prompt: int, max_new_tokens: int, *, num_devices: int = 1,
+                     samples_per_prompt: int, max_new_tokens: int, *, num_devices: int = 1,
                      page_size: int | None = None, kv_fraction: float = KV_FRACTION) -> int:
     """The smallest ``memory_budget_bytes`` :func:`plan_slots` accepts for a call of these
     shapes (over all ``num_devices``): one decode slot with the pages of a whole sample and its
     prompt pool on every device."""
     return num_devices * rollout_bytes(
-        cfg, num_prompts, prompt_len, rollouts_per_prompt, max_new_tokens, 1,
+        cfg, num_prompts, prompt_len, samples_per_prompt, max_new_tokens, 1,
         num_devices=num_devices, page_size=page_size, kv_fraction=kv_fraction)
 
 
-def plan_slots(cfg: ModelConfig, num_prompts: int, prompt_len: int, rollouts_per_prompt: int,
+def plan_slots(cfg: ModelConfig, num_prompts: int, prompt_len: int, samples_per_prompt: int,
                max_new_tokens: int, memory_budget_bytes: int | None, *, num_devices: int = 1,
                min_slots: int | None = None, page_size: int | None = None,
                kv_fraction: float = KV_FRACTION) -> SlotPlan:
@@ -230,18 +230,18 @@ def plan_slots(cfg: ModelConfig, num_prompts: int, prompt_len: int, rollouts_per
     page_size = page_size or default_page_size()
     if not 0 < kv_fraction <= 1:
         raise ValueError(f"kv_fraction must be in (0, 1], got {kv_fraction}")
-    share = -(-rollouts_per_prompt // num_devices)
+    share = -(-samples_per_prompt // num_devices)
     samples = num_prompts * share
     max_pages = cache_len(max_new_tokens, page_size) // page_size
     need = lambda b, pages=None: rollout_bytes(
-        cfg, num_prompts, prompt_len, rollouts_per_prompt, max_new_tokens, b,
+        cfg, num_prompts, prompt_len, samples_per_prompt, max_new_tokens, b,
         num_devices=num_devices, page_size=page_size, kv_fraction=kv_fraction, num_pages=pages)
     if memory_budget_bytes is None:
         slots = samples
         pages = slots * max_pages
     else:
         budget = int(memory_budget_bytes) // num_devices
-        least = min_budget_bytes(cfg, num_prompts, prompt_len, rollouts_per_prompt,
+        least = min_budget_bytes(cfg, num_prompts, prompt_len, samples_per_prompt,
                                  max_new_tokens, num_devices=num_devices, page_size=page_size,
                                  kv_fraction=kv_fraction)
         if memory_budget_bytes < least:
@@ -283,45 +283,6 @@ def stream_plan(cfg: ModelConfig, plan: SlotPlan, prompt_len: int,
     pool = stream_pool_size(plan.slots, plan.share)
     extra = (pool - plan.pool) * pool_entry_bytes(cfg, prompt_len, plan.share, max_new_tokens)
     return dataclasses.replace(plan, pool=pool, bytes_per_device=plan.bytes_per_device + extra)
-
-
-def validate_inputs(
-    cfg: ModelConfig, prompts: Any, rollouts_per_prompt: int, max_new_tokens: int,
-    temperature: float, top_p: float, top_k: int,
-) -> list[list[int]]:
-    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
-        raise ValueError("prompts must be a list of token-id lists (tokenize the text first)")
-    if len(prompts) == 0:
-        raise ValueError("prompts is empty: pass at least one prompt (a list of token ids)")
-    if not isinstance(rollouts_per_prompt, (int, np.integer)) or rollouts_per_prompt <= 0:
-        raise ValueError(f"rollouts_per_prompt must be a positive int, got {rollouts_per_prompt!r}")
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if not (temperature >= 0.0) or math.isinf(temperature):
-        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
-    if not isinstance(top_k, (int, np.integer)) or top_k < 0:
-        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
-    out = []
-    for i, p in enumerate(prompts):
-        ids = np.asarray(p)
-        if ids.ndim != 1 or ids.size == 0:
-            raise ValueError(f"prompts[{i}] is empty or not a flat list of token ids")
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"prompts[{i}] must hold integer token ids, got dtype {ids.dtype}")
-        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
-            raise ValueError(
-                f"prompts[{i}] has token ids outside [0, vocab_size={cfg.vocab_size})"
-            )
-        if ids.size + max_new_tokens > cfg.max_position_embeddings:
-            raise ValueError(
-                f"prompts[{i}] has {ids.size} tokens; with max_new_tokens={max_new_tokens} that "
-                f"exceeds the model context max_position_embeddings={cfg.max_position_embeddings}; "
-                "truncate the prompt or lower max_new_tokens"
-            )
-        out.append([int(t) for t in ids])
-    return out
 
 
 def stop_table(cfg: ModelConfig, eos_ids: Sequence[int]) -> np.ndarray:

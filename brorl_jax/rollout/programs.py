@@ -45,7 +45,7 @@ class Spec:
     num_pages: int             # NP
     pool: int                  # K
     share: int                 # Nd
-    rollouts_per_prompt: int   # N
+    n: int                     # N, samples per prompt
     temperature: float
     top_k: int
     top_p: float
@@ -291,7 +291,7 @@ def admit(params, pool: Pool, tokens, lengths, entries, gids, stop, seed_key, *,
     """Prefill ``tokens int32[Ga, P]`` (``lengths [Ga]``) into pool ``entries [Ga]`` as global
     prompts ``gids [Ga]`` (-1: a padding row, dropped); draw token 0 of this device's share of
     each prompt's samples; queue the samples that did not stop at token 0."""
-    c, nd, n, s = spec.cfg, spec.share, spec.rollouts_per_prompt, spec.max_new_tokens
+    c, nd, n, s = spec.cfg, spec.share, spec.n, spec.max_new_tokens
     ga = tokens.shape[0]
     pk, pv, logits = prefill_prompts_fn(params, c, tokens, lengths)
     real = gids >= 0
@@ -353,7 +353,7 @@ def summary(pool: Pool, slots: Slots, spec: Spec, stats_steps=0) -> dict:
     psum = (lambda x: jax.lax.psum(x, spec.axes)) if spec.axes else (lambda x: x)
     pmax = (lambda x: jax.lax.pmax(x, spec.axes)) if spec.axes else (lambda x: x)
     done_all = psum(pool.done)
-    complete = (pool.gid >= 0) & (done_all >= spec.rollouts_per_prompt)
+    complete = (pool.gid >= 0) & (done_all >= spec.n)
     pending = jnp.sum(jnp.where(pool.gid >= 0, pool.qlen - pool.qnext, 0))
     live = jnp.sum(slots.entry >= 0)
     return dict(complete=complete, pending=psum(pending), live=pmax(live),
@@ -503,7 +503,7 @@ def decode_step(params, pool: Pool, slots: Slots, kv: KV, stats: Stats, stop, se
     """Refill free slots, give pages to the slots that need one, run one decode step of every
     slot, record the sampled tokens and free the slots (and pages) of the samples that stopped or
     reached max_new_tokens."""
-    k, nd, n, s = spec.pool, spec.share, spec.rollouts_per_prompt, spec.max_new_tokens
+    k, nd, n, s = spec.pool, spec.share, spec.n, spec.max_new_tokens
     was_used = slots.used
     live0 = jnp.sum(slots.entry >= 0, dtype=jnp.int32)
     allow = jnp.all(slots.entry < 0) if spec.lockstep else jnp.bool_(True)

@@ -16,8 +16,8 @@ import jax
 import numpy as np
 
 from brorl_jax.rollout import programs
-from brorl_jax.rollout.plan import PREFILL_SCORE_BYTES, SlotPlan, slot_buckets, validate_inputs
-from brorl_jax.rollout.types import GroupResult, group_result
+from brorl_jax.rollout.plan import PREFILL_SCORE_BYTES, SlotPlan, slot_buckets
+from brorl_jax.rollout.types import GroupResult, group_result, validate_inputs
 
 
 @dataclasses.dataclass
@@ -185,7 +185,7 @@ class Scheduler:
         if not self.open:
             raise RuntimeError("feed() needs an open stream (Engine.open_stream) not yet closed")
         sp = self.spec
-        prompts = validate_inputs(self.engine.cfg, prompts, sp.rollouts_per_prompt,
+        prompts = validate_inputs(self.engine.cfg, prompts, sp.n,
                                   sp.max_new_tokens, sp.temperature, sp.top_p, sp.top_k)
         for pr in prompts:
             if len(pr) > sp.prompt_len:
@@ -363,11 +363,11 @@ class Scheduler:
         rows = self.engine.num_devices * self.spec.share
         for gid, arrays, step in ready:
             tok, logp, lens, fin = (np.asarray(a).reshape((rows,) + a.shape[2:])
-                                    [: self.spec.rollouts_per_prompt]
+                                    [: self.spec.n]
                                     for a in jax.device_get(arrays))
             group = group_result(gid, tok, logp, lens, fin, len(self.prompts[gid]), step,
                            time.perf_counter() - self.started_at)
-            n = self.spec.rollouts_per_prompt
+            n = self.spec.n
             group = dataclasses.replace(group, versions=(
                 (self.admitted_version.pop(gid, 0), np.zeros((n,), np.int32)),
                 *self.swaps.pop(gid, ())))
@@ -412,7 +412,7 @@ def swap_starts(slots, pool, busy, spec: programs.Spec, num_devices: int):
     budget) redraws its tokens from 1 under the weights of then: its record is a bound."""
     sl = jax.device_get({k: getattr(slots, k) for k in ("entry", "sample", "t")})
     pl = jax.device_get({k: getattr(pool, k) for k in ("queue", "qlen", "qnext")})
-    share, n, s = spec.share, spec.rollouts_per_prompt, spec.max_new_tokens
+    share, n, s = spec.share, spec.n, spec.max_new_tokens
     for e, g in busy:
         first = np.full((num_devices * share,), s, np.int32)
         for d in range(num_devices):

@@ -1,11 +1,17 @@
-"""The rollout's result types: one prompt's group (:class:`GroupResult`, handed out as soon as its
-N samples are done) and a whole call (:class:`RolloutResult`, every group stacked)."""
+"""What goes into a rollout call and what comes out: the checked inputs (:func:`validate_inputs`,
+every entry point's first step) and the result types, one prompt's group (:class:`GroupResult`,
+handed out as soon as its N samples are done) and a whole call (:class:`RolloutResult`, every
+group stacked)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import math
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from brorl_jax.models import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,3 +97,42 @@ def assemble(groups: Sequence[GroupResult], stats: dict | None = None) -> Rollou
                          truncated=stack("truncated"), mask=stack("mask"),
                          prompt_lengths=np.asarray([gr.prompt_length for gr in groups], np.int32),
                          stats=dict(stats or {}))
+
+
+def validate_inputs(
+    cfg: ModelConfig, prompts: Any, rollouts_per_prompt: int, max_new_tokens: int,
+    temperature: float, top_p: float, top_k: int,
+) -> list[list[int]]:
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+        raise ValueError("prompts must be a list of token-id lists (tokenize the text first)")
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty: pass at least one prompt (a list of token ids)")
+    if not isinstance(rollouts_per_prompt, (int, np.integer)) or rollouts_per_prompt <= 0:
+        raise ValueError(f"rollouts_per_prompt must be a positive int, got {rollouts_per_prompt!r}")
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if not (temperature >= 0.0) or math.isinf(temperature):
+        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+    if not isinstance(top_k, (int, np.integer)) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+    out = []
+    for i, p in enumerate(prompts):
+        ids = np.asarray(p)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"prompts[{i}] is empty or not a flat list of token ids")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"prompts[{i}] must hold integer token ids, got dtype {ids.dtype}")
+        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+            raise ValueError(
+                f"prompts[{i}] has token ids outside [0, vocab_size={cfg.vocab_size})"
+            )
+        if ids.size + max_new_tokens > cfg.max_position_embeddings:
+            raise ValueError(
+                f"prompts[{i}] has {ids.size} tokens; with max_new_tokens={max_new_tokens} that "
+                f"exceeds the model context max_position_embeddings={cfg.max_position_embeddings}; "
+                "truncate the prompt or lower max_new_tokens"
+            )
+        out.append([int(t) for t in ids])
+    return out

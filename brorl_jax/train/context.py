@@ -218,14 +218,21 @@ class RunContext:
 
     # -- the one place rollout arguments are put together ---------------------------------------
     def rollouts(self, params, prompt_ids, *, n: int, seed: int, sampling: Sampling,
-                 stream: bool = False):
+                 stream: bool = False, open_stream: dict | None = None):
         """Rollouts of the current policy (params as the runtime's rollout takes them): a
         rollout.RolloutResult, or with ``stream=True`` a rollout.RolloutStream of the groups in
-        the order they finish. The runtime adds its device settings (memory budget, impl)."""
+        the order they finish, or with ``open_stream`` (plan_prompts, version) an open stream
+        fed later (rollout.OpenStream; prompt_ids None). The runtime adds its device settings
+        (memory budget, impl)."""
+        kw = dict(rollouts_per_prompt=n, max_new_tokens=sampling.max_new_tokens,
+                  temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                  seed=seed, eos_ids=self.eos_ids)
+        if open_stream is not None:
+            return self.runtime.open_stream(self.model, params,
+                                            prompt_len=self.cfg.data.max_prompt_len,
+                                            **open_stream, **kw)
         call = self.runtime.stream if stream else self.runtime.generate
-        return call(self.model, params, prompt_ids, rollouts_per_prompt=n,
-                    max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                    top_p=sampling.top_p, top_k=sampling.top_k, seed=seed, eos_ids=self.eos_ids)
+        return call(self.model, params, prompt_ids, **kw)
 
     # -- health across processes ----------------------------------------------------------------
     def check_health(self, health: VerifierHealth, where: str, gather: bool = True

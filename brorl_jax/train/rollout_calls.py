@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from brorl_jax.algo import host
+from brorl_jax.algo import host, policies
 from brorl_jax.config import as_run_config
 from brorl_jax.rollout import plan as rollout_plan
 
@@ -27,7 +27,7 @@ def training_call(cfg, num_processes: int = 1) -> RolloutCall:
     ceil(overgenerate_factor x the largest N) samples each."""
     cfg = as_run_config(cfg)
     r = cfg.rollout
-    n_keys = "rollout.adaptive_n_buckets" if r.adaptive_n else "rollout.rollouts_per_prompt"
+    n_keys = "rollout.adaptive_n_buckets" if r.adaptive_n else policies.N_KEY
     if r.overgenerate_factor > 1.0:
         n_keys += " x rollout.overgenerate_factor"
     return RolloutCall("training", -(-cfg.round_prompts // num_processes),
