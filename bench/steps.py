@@ -43,6 +43,7 @@ from brorl_jax.config import (  # noqa: E402
     optimizer_config,
     validate,
 )
+from brorl_jax.data import PromptBatch  # noqa: E402
 from brorl_jax.models import Model, ModelConfig, init_params  # noqa: E402
 from brorl_jax.rewards.health import VerifierHealth  # noqa: E402
 from brorl_jax.train.context import RunContext, Scored  # noqa: E402
@@ -97,8 +98,8 @@ def prompts(vocab: int, prompt_len: int, batch: int):
         ids = [rng.integers(4, vocab, rng.integers(prompt_len // 2 + 1, prompt_len + 1)).tolist()
                for _ in range(batch)]
         idx = list(range(i, i + batch))
-        yield {"prompt_ids": ids, "records": [{"index": j} for j in idx],
-               "index": np.asarray(idx)}
+        yield PromptBatch(prompt_ids=ids, prompt_lengths=np.asarray([len(x) for x in ids], np.int32),
+                          index=np.asarray(idx), records=[{"index": j} for j in idx])
         i += batch
 
 
@@ -111,9 +112,10 @@ def smollm2_prompts(model: Model, prompt_len: int, batch: int):
     while True:
         records = arith_records(batch, 2, "+", seed=1000 + i)
         idx = list(range(i, i + batch))
-        yield {"prompt_ids": encode(records),
-               "records": [{**r, "index": j} for r, j in zip(records, idx)],
-               "index": np.asarray(idx)}
+        ids = encode(records)
+        yield PromptBatch(prompt_ids=ids, prompt_lengths=np.asarray([len(x) for x in ids], np.int32),
+                          index=np.asarray(idx),
+                          records=[{**r, "index": j} for r, j in zip(records, idx)])
         i += batch
 
 

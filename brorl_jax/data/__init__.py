@@ -9,6 +9,7 @@
 """
 from brorl_jax.data.loader import (
     Prompt,
+    PromptBatch,
     PromptIterator,
     PromptLoader,
     make_prompt_loader,
@@ -26,7 +27,7 @@ from brorl_jax.data.sources import check_overlap, load_dataset, load_train_and_e
 from brorl_jax.data.tokenize import PromptTokenizer
 
 __all__ = [
-    "DataReport", "Prompt", "PromptIterator", "PromptLoader", "PromptTokenizer", "SkippedRow",
+    "DataReport", "Prompt", "PromptBatch", "PromptIterator", "PromptLoader", "PromptTokenizer", "SkippedRow",
     "check_overlap", "load_dataset", "load_train_and_eval", "load_jsonl", "load_parquet",
     "make_prompt_loader", "normalize_row",
     "reasoning_gym_source", "tokenize_and_filter",

@@ -14,12 +14,8 @@ few hundred thousand rows), and filtering before batching keeps every batch full
 number of skipped prompts known before training starts. All hosts run the same pre-pass, so they
 agree on the kept prompts and each takes its own slice.
 
-An element of a batch is one prompt; a batch is
-    {"prompt_ids": list[list[int]],   # ready for rollout.generate(prompts=...)
-     "prompt_lengths": int32[B],
-     "index": int64[B],               # position in loader.prompts (all hosts agree)
-     "records": list[dict]}           # normalized records, for the reward scorer
-with B = loader.local_batch_size.
+An element of a batch is one prompt; a batch is a `PromptBatch` of B = loader.local_batch_size
+prompts (token ids, lengths, loader indices, records).
 """
 from __future__ import annotations
 
@@ -74,12 +70,24 @@ def tokenize_and_filter(records: Sequence[dict], tokenizer_fn: Callable[[dict], 
     return prompts, report
 
 
-def _collate(prompts: Sequence[Prompt]) -> dict:
+@dataclasses.dataclass(frozen=True)
+class PromptBatch:
+    """One batch of the loader: B prompts."""
+    prompt_ids: list            # list[list[int]], ready for rollout.generate(prompts=...)
+    prompt_lengths: np.ndarray  # int32[B]
+    index: np.ndarray           # int64[B], position in loader.prompts (all hosts agree)
+    records: list               # list[dict], the normalized records, for the reward scorer
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+
+def _collate(prompts: Sequence[Prompt]) -> PromptBatch:
     # Records are deep-copied so a caller that edits a batch cannot change the dataset.
-    return {"prompt_ids": [p.ids.tolist() for p in prompts],
-            "prompt_lengths": np.array([len(p.ids) for p in prompts], dtype=np.int32),
-            "index": np.array([p.index for p in prompts], dtype=np.int64),
-            "records": [copy.deepcopy(p.record) for p in prompts]}
+    return PromptBatch(prompt_ids=[p.ids.tolist() for p in prompts],
+                       prompt_lengths=np.array([len(p.ids) for p in prompts], dtype=np.int32),
+                       index=np.array([p.index for p in prompts], dtype=np.int64),
+                       records=[copy.deepcopy(p.record) for p in prompts])
 
 
 def _fingerprint(prompts: Sequence[Prompt]) -> str:

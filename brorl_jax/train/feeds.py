@@ -123,18 +123,18 @@ class RoundsFeed:
                 break
             batch = next(self.batch_source)
             seed = round_seed(ccfg.train.seed, self.step, sampler.rounds)
-            ns = host.samples_per_prompt(ccfg, self.state, batch["index"])
+            ns = host.samples_per_prompt(ccfg, self.state, batch.index)
             tally.n_chosen += ns
             self._placed, self._observed = [None] * len(ns), []
             for b, (n, positions) in enumerate(algo.policies.group_by_n(ns)):
                 # each group is scored as soon as its samples are done, while decoding goes on
-                with ctx.rollouts(self.params, [batch["prompt_ids"][p] for p in positions],
+                with ctx.rollouts(self.params, [batch.prompt_ids[p] for p in positions],
                                   n=host.num_candidates(ccfg, n), seed=call_seed(seed, b),
                                   sampling=ctx.train_sampling(self.step), stream=True) as st:
                     for gr in st:
                         p = positions[gr.prompt_index]
-                        yield Taken(gr, batch["records"][p], batch["prompt_ids"][p],
-                                    int(batch["index"][p]), n, sampler.rounds, p)
+                        yield Taken(gr, batch.records[p], batch.prompt_ids[p],
+                                    int(batch.index[p]), n, sampler.rounds, p)
                     while verdicts:             # the call's last verdicts, in arrival order
                         yield SETTLE
                     done = time.perf_counter()
@@ -232,8 +232,8 @@ def stream_ends_after(ctx: RunContext, step: int) -> bool:
 
 
 def _prompts_of(batch) -> list:
-    return [(list(batch["prompt_ids"][p]), batch["records"][p], int(batch["index"][p]))
-            for p in range(len(batch["index"]))]
+    return [(list(batch.prompt_ids[p]), batch.records[p], int(batch.index[p]))
+            for p in range(len(batch.index))]
 
 
 class StreamFeed:
@@ -264,13 +264,11 @@ class StreamFeed:
             live.close()
             live = None
         if live is None:
-            live = LiveStream(stream=ctx.runtime.open_stream(
-                ctx.model, params, prompt_len=ctx.cfg.data.max_prompt_len,
-                plan_prompts=self.round_prompts,
-                rollouts_per_prompt=host.num_candidates(ccfg, self.n),
-                max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                top_p=sampling.top_p, top_k=sampling.top_k, seed=stream_seed(ccfg.train.seed, step),
-                eos_ids=ctx.eos_ids, version=step), sampling=sampling)
+            live = LiveStream(stream=ctx.rollouts(
+                params, None, n=host.num_candidates(ccfg, self.n),
+                seed=stream_seed(ccfg.train.seed, step), sampling=sampling,
+                open_stream=dict(plan_prompts=self.round_prompts, version=step)),
+                sampling=sampling)
         else:
             live.stream.swap_params(params, step)
         self.live = live

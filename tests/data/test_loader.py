@@ -18,7 +18,7 @@ def make_records(n: int) -> list[dict]:
 
 
 def indices(batches) -> list[list[int]]:
-    return [b["index"].tolist() for b in batches]
+    return [b.index.tolist() for b in batches]
 
 
 def take(it, k):
@@ -42,9 +42,9 @@ def test_over_long_prompt_is_counted_and_never_truncated(tmp_path, char_tokenize
     long_len = len(pt(records[5]))
     assert long_len > 200 and skipped.detail == f"{long_len} tokens > max_prompt_len 64"
     (batch,) = list(loader)                                          # one full batch, then done
-    assert sorted(r["row"] for r in batch["records"]) == [0, 1, 2, 3, 4, 6, 7]
-    for ids, length, record in zip(batch["prompt_ids"], batch["prompt_lengths"],
-                                   batch["records"]):
+    assert sorted(r["row"] for r in batch.records) == [0, 1, 2, 3, 4, 6, 7]
+    for ids, length, record in zip(batch.prompt_ids, batch.prompt_lengths,
+                                   batch.records):
         assert ids == pt(record) and len(ids) == length <= 64    # the full, untruncated prompt
 
 
@@ -60,11 +60,11 @@ def test_verl_parquet_through_loader(tmp_path, char_tokenizer):
                                 shard_count=1)
     batches = list(loader)
     assert len(batches) == 2 == loader.steps_per_epoch
-    seen = [r for b in batches for r in b["records"]]
+    seen = [r for b in batches for r in b.records]
     assert sorted(r["extra_info"]["index"] for r in seen) == list(range(6))
     for b in batches:
-        assert b["prompt_lengths"].dtype == np.int32 and b["index"].dtype == np.int64
-        assert all(isinstance(t, int) for ids in b["prompt_ids"] for t in ids)
+        assert b.prompt_lengths.dtype == np.int32 and b.index.dtype == np.int64
+        assert all(isinstance(t, int) for ids in b.prompt_ids for t in ids)
 
 
 def test_batches_are_full_and_each_epoch_covers_the_data(char_tokenizer):
@@ -106,8 +106,8 @@ def test_iterator_state_restores_exactly(char_tokenizer):
     fresh.set_state(state)
     got = take(fresh, 4)
     assert indices(got) == indices(expected)
-    assert [b["records"] for b in got] == [b["records"] for b in expected]
-    assert [b["prompt_ids"] for b in got] == [b["prompt_ids"] for b in expected]
+    assert [b.records for b in got] == [b.records for b in expected]
+    assert [b.prompt_ids for b in got] == [b.prompt_ids for b in expected]
     # A loader rebuilt from scratch (a restarted job) restores to the same place too.
     rebuilt = make_prompt_loader(make_records(12), PromptTokenizer(char_tokenizer, 256),
                                  batch_size=4, seed=5, shard_index=0, shard_count=1)
@@ -149,10 +149,10 @@ def test_host_shards_are_disjoint_equal_and_cover_the_data(char_tokenizer):
     next(it0), next(it1)
     state = json.loads(json.dumps(it0.get_state()))
     assert state == it1.get_state()
-    expected1 = next(it1)["index"].tolist()
+    expected1 = next(it1).index.tolist()
     restored1 = iter(l1)
     restored1.set_state(state)
-    assert next(restored1)["index"].tolist() == expected1
+    assert next(restored1).index.tolist() == expected1
     # 13 prompts over 2 hosts: equal shards of 6, the 13th is reported, not silently lost.
     (l0, s0), (l1, s1) = shard(0, 13), shard(1, 13)
     assert len(s0) == len(s1) == 6 and not set(s0) & set(s1)
@@ -164,7 +164,7 @@ def test_records_in_batches_are_copies(char_tokenizer):
     loader = make_prompt_loader(make_records(4), PromptTokenizer(char_tokenizer, 256),
                                 batch_size=2, seed=0, shard_index=0, shard_count=1)
     batch = next(iter(loader))
-    batch["records"][0]["extra_info"]["i"] = -1
+    batch.records[0]["extra_info"]["i"] = -1
     assert all(p.record["extra_info"]["i"] >= 0 for p in loader.prompts)
 
 

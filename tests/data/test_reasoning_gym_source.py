@@ -93,7 +93,7 @@ def test_reasoning_gym_prompts_flow_through_the_loader(char_tokenizer):
     batches = list(loader)
     assert len(batches) == 3 and loader.num_too_long == 0
     assert sorted(r["row"] + 100 * TASKS.index(r["data_source"].split("/")[1])
-                  for b in batches for r in b["records"]) == sorted(
+                  for b in batches for r in b.records) == sorted(
         r["row"] + 100 * TASKS.index(r["data_source"].split("/")[1]) for r in records)
 
 

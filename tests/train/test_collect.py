@@ -106,12 +106,12 @@ def test_options_off_is_the_paper_recipe_by_hand(tmp_path):
         (batch,) = batches
         # by hand
         prompts = next(iter(trainer.loader))
-        res = ctx.runtime.generate(ctx.model, ctx.model.params, prompts["prompt_ids"],
+        res = ctx.runtime.generate(ctx.model, ctx.model.params, prompts.prompt_ids,
                                    rollouts_per_prompt=cfg.rollout.rollouts_per_prompt,
                                    max_new_tokens=cfg.rollout.max_new_tokens,
                                    temperature=cfg.rollout.temperature,
                                    seed=round_seed(cfg.train.seed, 0, 0), eos_ids=ctx.eos_ids)
-        rewards = fake_score(prompts["records"], res.tokens, res.lengths)
+        rewards = fake_score(prompts.records, res.tokens, res.lengths)
     finally:
         trainer.close()
     assert cstate.to_json() == {}                     # the paper's recipe keeps no state
@@ -120,7 +120,7 @@ def test_options_off_is_the_paper_recipe_by_hand(tmp_path):
     adv = algo.compute_advantages("reinforce_pp_baseline", rewards[kept],
                                   lengths=res.lengths[kept])     # token-weighted, as veRL
     want = algo.assemble_update_batch(
-        [list(prompts["prompt_ids"][i]) for i in kept], res.tokens[kept], res.logprobs[kept],
+        [list(prompts.prompt_ids[i]) for i in kept], res.tokens[kept], res.logprobs[kept],
         res.mask[kept], adv, seq_len=ctx.seq_len, pad_id=ctx.pad_id,
         mini_batches=cfg.algo.ppo_mini_batches)                       # packed, the default
     assert_batches_equal(batch, want)
