@@ -254,146 +254,75 @@ class ScoringService:
 
     def _score(self, records, completions, names) -> list[RewardResult]:
         self._batch_id += 1
-        batch = self._batch_id
-        n = len(records)
-        results: list[RewardResult | None] = [None] * n
-        units = self._units(names)
-        batched = [self._specs[names[u[0]]].batched for u in units]
-        pending = collections.deque(range(len(units)))
-        remaining = n
-        start = time.monotonic()
-        deadline = None if self.batch_deadline_s is None else start + self.batch_deadline_s
-        timeouts = [self._specs[names[u[0]]].batch_timeout_s if batched[k]
-                    else self.timeout_overrides.get(names[u[0]], self.timeout_s)
-                    for k, u in enumerate(units)]
-        chunks_inflight = collections.Counter()   # batched verifier -> chunks being scored
-
-        def finish(k: int, res) -> None:
-            nonlocal remaining
-            for j, i in enumerate(units[k]):
-                if results[i] is None:
-                    one = res[j] if isinstance(res, list) else res
-                    if isinstance(res, list) or j == 0:
-                        results[i] = one
-                    else:   # a failure blamed on a whole chunk: each item gets its own copy
-                        results[i] = RewardResult(0.0, one.reason, dict(one.details))
-                    remaining -= 1
-            if batched[k]:
-                chunks_inflight[names[units[k][0]]] -= 1
-
-        def failure(k: int, reason: str, seconds: float | None = None) -> RewardResult:
-            details = {"verifier": names[units[k][0]]}
-            if seconds is not None:
-                details["seconds"] = seconds / len(units[k])
-            return RewardResult(0.0, reason + (" (batch)" if batched[k] else ""), details)
-
-        def fail_worker(w: _Worker, reason: str) -> None:
-            # Blame the unit being scored; send the ones queued behind it elsewhere.
-            if w.inflight:
-                head = w.inflight.popleft()
-                finish(head, failure(head, reason, time.monotonic() - w.head_started))
-                for k in w.inflight:
-                    if batched[k]:
-                        chunks_inflight[names[units[k][0]]] -= 1
-                pending.extendleft(reversed(w.inflight))
-                w.inflight.clear()
-            self._retire(w, graceful=False)
-
-        while remaining:
+        call = _Call(self, self._batch_id, records, completions, names)
+        deadline = (None if self.batch_deadline_s is None
+                    else time.monotonic() + self.batch_deadline_s)
+        while call.remaining:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
-                for w in [w for w in self._workers if w.inflight]:
-                    w.inflight.clear()
-                    self._retire(w, graceful=False)
-                for k in range(len(units)):
-                    if any(results[i] is None for i in units[k]):
-                        finish(k, RewardResult(0.0, "batch deadline exceeded",
-                                               {"verifier": names[units[k][0]]}))
-                self.stats["batch_deadline_hits"] += 1
+                self._expire(call)
                 break
             self._ensure_workers()
             for w in list(self._workers):
-                if self._check_startup(w, now):
+                if self._check_startup(w, now) or not w.ready or w.draining:
                     continue
-                if not w.ready or w.draining:
-                    continue
-                held = []   # chunks of a batched verifier already at its concurrency limit
-                while pending and len(w.inflight) < self.max_inflight:
-                    k = pending.popleft()
-                    name = names[units[k][0]]
-                    if batched[k]:
-                        if chunks_inflight[name] >= self._specs[name].concurrency:
-                            held.append(k)
-                            continue
-                        payload = ([records[i] for i in units[k]],
-                                   [completions[i] for i in units[k]])
-                    else:
-                        payload = (records[units[k][0]], completions[units[k][0]])
-                    if not w.inflight:
-                        w.head_started = time.monotonic()
-                    try:
-                        w.conn.send(((batch, k), name, *payload, timeouts[k]))
-                    except (OSError, ValueError):
-                        pending.appendleft(k)
-                        break
-                    w.inflight.append(k)
-                    if batched[k]:
-                        chunks_inflight[name] += 1
-                pending.extendleft(reversed(held))
-            # Sleep until a message, a death, the earliest item timeout or the deadline.
-            wake = [deadline] if deadline is not None else []
-            wake += [w.head_started + timeouts[w.inflight[0]] for w in self._workers
-                     if w.inflight]
-            wake += [w.started + _STARTUP_TIMEOUT_S for w in self._workers if not w.ready]
-            wait_s = max(0.0, min(wake) - time.monotonic()) if wake else 1.0
-            # A worker's death closes its socket, which wakes this wait (EOF).
-            objs = [w.conn for w in self._workers]
-            ready = set(multiprocessing.connection.wait(objs, timeout=min(wait_s, 1.0)))
+                call.dispatch(w)
+            ready = self._wait(call, deadline)
             for w in list(self._workers):
-                if w.conn in ready:
-                    dead = False
-                    try:
-                        while w.conn.poll():
-                            msg = w.conn.recv()
-                            if msg[0] == "ready":
-                                self._on_ready(w, msg)
-                                continue
-                            (b, k), res = msg
-                            if b != batch or not w.inflight or w.inflight[0] != k:
-                                continue  # stale (cannot happen with in-order workers)
-                            w.inflight.popleft()
-                            w.head_started = time.monotonic()
-                            w.done += len(units[k])
-                            finish(k, res)
-                    except (EOFError, OSError):
-                        dead = True
-                    if dead:
-                        w.proc.join(timeout=2.0)  # let the exit status arrive
-                        w.proc.kill()
-                        w.proc.join(timeout=5.0)
-                if not w.proc.is_alive():
-                    if w.ready or w.inflight:
-                        code = w.proc.exitcode
-                        how = (f"signal {-code}" if code is not None and code < 0
-                               else f"exit code {code}")
-                        self.stats["worker_deaths"] += 1
-                        fail_worker(w, f"worker died ({how})")
-                    else:
-                        self._check_startup(w, time.monotonic())
-                    continue
-                if w.inflight:
-                    limit = timeouts[w.inflight[0]]
-                    if time.monotonic() - w.head_started > limit:
-                        self.stats["item_timeouts"] += 1
-                        fail_worker(w, f"timeout after {limit:g}s")
-                        continue
-                if w.done >= self.recycle_after:
-                    w.draining = True
-                    if not w.inflight:
-                        self.stats["workers_recycled"] += 1
-                        self._retire(w, graceful=True)
+                self._tend(call, w, w.conn in ready)
         self._ensure_workers()
-        return results  # type: ignore[return-value]
+        return call.results  # type: ignore[return-value]
+
+    def _expire(self, call: _Call) -> None:
+        """The batch deadline passed: every unfinished item scores 0 and its worker goes."""
+        for w in [w for w in self._workers if w.inflight]:
+            w.inflight.clear()
+            self._retire(w, graceful=False)
+        for k in range(len(call.units)):
+            if any(call.results[i] is None for i in call.units[k]):
+                call.finish(k, RewardResult(0.0, "batch deadline exceeded",
+                                            {"verifier": call.name[k]}))
+        self.stats["batch_deadline_hits"] += 1
+
+    def _wait(self, call: _Call, deadline: float | None) -> set:
+        """Sleeps until a message, a death, the earliest item timeout or the deadline; the
+        connections that have something to read."""
+        wake = [deadline] if deadline is not None else []
+        wake += [w.head_started + call.timeouts[w.inflight[0]] for w in self._workers
+                 if w.inflight]
+        wake += [w.started + _STARTUP_TIMEOUT_S for w in self._workers if not w.ready]
+        wait_s = max(0.0, min(wake) - time.monotonic()) if wake else 1.0
+        # A worker's death closes its socket, which wakes this wait (EOF).
+        objs = [w.conn for w in self._workers]
+        return set(multiprocessing.connection.wait(objs, timeout=min(wait_s, 1.0)))
+
+    def _tend(self, call: _Call, w: _Worker, readable: bool) -> None:
+        """One worker after a wait: its results, its death, its item's timeout, its recycling."""
+        if readable and call.receive(w):                # EOF: let the exit status arrive
+            w.proc.join(timeout=2.0)
+            w.proc.kill()
+            w.proc.join(timeout=5.0)
+        if not w.proc.is_alive():
+            if w.ready or w.inflight:
+                code = w.proc.exitcode
+                how = (f"signal {-code}" if code is not None and code < 0
+                       else f"exit code {code}")
+                self.stats["worker_deaths"] += 1
+                call.fail_worker(w, f"worker died ({how})")
+            else:
+                self._check_startup(w, time.monotonic())
+            return
+        if w.inflight:
+            limit = call.timeouts[w.inflight[0]]
+            if time.monotonic() - w.head_started > limit:
+                self.stats["item_timeouts"] += 1
+                call.fail_worker(w, f"timeout after {limit:g}s")
+                return
+        if w.done >= self.recycle_after:
+            w.draining = True
+            if not w.inflight:
+                self.stats["workers_recycled"] += 1
+                self._retire(w, graceful=True)
 
     def close(self) -> None:
         """Stops every worker (idempotent)."""
@@ -407,6 +336,101 @@ class ScoringService:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Call:
+    """One score_batch call's books: its units of work (an item, or a chunk of a batched
+    verifier's items), their results, the units waiting to be sent and the chunks of each
+    batched verifier being scored."""
+
+    def __init__(self, service: ScoringService, batch_id: int, records, completions, names):
+        self.service, self.batch = service, batch_id
+        self.records, self.completions = records, completions
+        self.results: list[RewardResult | None] = [None] * len(records)
+        self.remaining = len(records)
+        self.units = service._units(names)
+        self.name = [names[u[0]] for u in self.units]            # each unit's verifier
+        specs = service._specs
+        self.batched = [specs[nm].batched for nm in self.name]
+        self.timeouts = [specs[nm].batch_timeout_s if b
+                         else service.timeout_overrides.get(nm, service.timeout_s)
+                         for nm, b in zip(self.name, self.batched)]
+        self.pending = collections.deque(range(len(self.units)))
+        self.chunks_inflight = collections.Counter()   # batched verifier -> chunks being scored
+
+    def finish(self, k: int, res) -> None:
+        for j, i in enumerate(self.units[k]):
+            if self.results[i] is None:
+                one = res[j] if isinstance(res, list) else res
+                if isinstance(res, list) or j == 0:
+                    self.results[i] = one
+                else:   # a failure blamed on a whole chunk: each item gets its own copy
+                    self.results[i] = RewardResult(0.0, one.reason, dict(one.details))
+                self.remaining -= 1
+        if self.batched[k]:
+            self.chunks_inflight[self.name[k]] -= 1
+
+    def failure(self, k: int, reason: str, seconds: float | None = None) -> RewardResult:
+        details = {"verifier": self.name[k]}
+        if seconds is not None:
+            details["seconds"] = seconds / len(self.units[k])
+        return RewardResult(0.0, reason + (" (batch)" if self.batched[k] else ""), details)
+
+    def fail_worker(self, w: _Worker, reason: str) -> None:
+        """Blames the unit being scored; sends the ones queued behind it elsewhere."""
+        if w.inflight:
+            head = w.inflight.popleft()
+            self.finish(head, self.failure(head, reason, time.monotonic() - w.head_started))
+            for k in w.inflight:
+                if self.batched[k]:
+                    self.chunks_inflight[self.name[k]] -= 1
+            self.pending.extendleft(reversed(w.inflight))
+            w.inflight.clear()
+        self.service._retire(w, graceful=False)
+
+    def dispatch(self, w: _Worker) -> None:
+        """Sends pending units to a ready worker, up to its in-flight limit."""
+        held = []   # chunks of a batched verifier already at its concurrency limit
+        while self.pending and len(w.inflight) < self.service.max_inflight:
+            k = self.pending.popleft()
+            name, unit = self.name[k], self.units[k]
+            if self.batched[k]:
+                if self.chunks_inflight[name] >= self.service._specs[name].concurrency:
+                    held.append(k)
+                    continue
+                payload = ([self.records[i] for i in unit], [self.completions[i] for i in unit])
+            else:
+                payload = (self.records[unit[0]], self.completions[unit[0]])
+            if not w.inflight:
+                w.head_started = time.monotonic()
+            try:
+                w.conn.send(((self.batch, k), name, *payload, self.timeouts[k]))
+            except (OSError, ValueError):
+                self.pending.appendleft(k)
+                break
+            w.inflight.append(k)
+            if self.batched[k]:
+                self.chunks_inflight[name] += 1
+        self.pending.extendleft(reversed(held))
+
+    def receive(self, w: _Worker) -> bool:
+        """Reads what a worker sent; True when its socket is closed (the worker died)."""
+        try:
+            while w.conn.poll():
+                msg = w.conn.recv()
+                if msg[0] == "ready":
+                    self.service._on_ready(w, msg)
+                    continue
+                (b, k), res = msg
+                if b != self.batch or not w.inflight or w.inflight[0] != k:
+                    continue  # stale (cannot happen with in-order workers)
+                w.inflight.popleft()
+                w.head_started = time.monotonic()
+                w.done += len(self.units[k])
+                self.finish(k, res)
+        except (EOFError, OSError):
+            return True
+        return False
 
 
 def _shutdown(workers: list[_Worker]) -> None:

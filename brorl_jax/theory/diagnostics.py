@@ -99,6 +99,23 @@ def _masked_mean(x: Array, mask: Array) -> Array:
     return jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
 
 
+def _checked_groups(rewards, seq_logprobs, response_ids, group_mask) -> tuple[Array, Array]:
+    """group_reward_balance's inputs checked: (rewards [G, N], group_mask bool[G])."""
+    rewards = jnp.asarray(rewards)
+    if rewards.ndim != 2:
+        raise ValueError(f"rewards must be [G, N] (groups x samples per group), got shape "
+                         f"{rewards.shape}")
+    g = rewards.shape[0]
+    for name, arr in (("seq_logprobs", seq_logprobs), ("response_ids", response_ids)):
+        if arr is not None and jnp.shape(arr) != rewards.shape:
+            raise ValueError(f"{name} must have the shape of rewards {rewards.shape}, got "
+                             f"{jnp.shape(arr)}")
+    group_mask = jnp.ones((g,), bool) if group_mask is None else jnp.asarray(group_mask, bool)
+    if group_mask.shape != (g,):
+        raise ValueError(f"group_mask must be [G] = ({g},), got {group_mask.shape}")
+    return rewards, group_mask
+
+
 def group_reward_balance(
     rewards: Array,
     seq_logprobs: Array | None = None,
@@ -124,21 +141,7 @@ def group_reward_balance(
     frac_groups_all_correct, frac_groups_all_wrong and, with ``seq_logprobs``,
     mean_s_r_mass_weighted, frac_groups_s_r_pos, mean_s_r_centered, frac_groups_s_r_centered_pos.
     """
-    rewards = jnp.asarray(rewards)
-    if rewards.ndim != 2:
-        raise ValueError(f"rewards must be [G, N] (groups x rollouts_per_prompt), got shape "
-                         f"{rewards.shape}")
-    g = rewards.shape[0]
-    for name, arr in (("seq_logprobs", seq_logprobs), ("response_ids", response_ids)):
-        if arr is not None and jnp.shape(arr) != rewards.shape:
-            raise ValueError(f"{name} must have the shape of rewards {rewards.shape}, got "
-                             f"{jnp.shape(arr)}")
-    if group_mask is None:
-        group_mask = jnp.ones((g,), bool)
-    group_mask = jnp.asarray(group_mask, bool)
-    if group_mask.shape != (g,):
-        raise ValueError(f"group_mask must be [G] = ({g},), got {group_mask.shape}")
-
+    rewards, group_mask = _checked_groups(rewards, seq_logprobs, response_ids, group_mask)
     correct = rewards >= correct_threshold                              # [G, N]
     frac_correct = jnp.mean(correct.astype(jnp.float32), axis=-1)
     s_r_sample = 2.0 * frac_correct - 1.0                              # mean of ±1 rewards
