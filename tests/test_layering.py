@@ -5,6 +5,7 @@ imported."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from testutil import ROOT
@@ -150,3 +151,60 @@ def test_rewards_do_not_import_jax():
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             bad += [f"{mod}: {n}" for n in names if n.split(".")[0] in ("jax", "flax", "optax")]
     assert bad == []
+
+
+# ------------------------------------------------------------------------------------------------
+# The code's shape (issue 40): sizes a reader can hold, one owner for the scheduler, typed batches,
+# and the settings most often repeated read in few places.
+# ------------------------------------------------------------------------------------------------
+MAX_FUNCTION, MAX_CLASS, MAX_MODULE = 80, 300, 600
+SIZE_EXEMPT = ("brorl_jax/rewards/_sandbox_harness.py",)   # runs alone inside the sandbox
+MENTION_LIMITS = {"rollouts_per_prompt": 8, "max_staleness": 4}
+
+
+def _package_files():
+    return {str(p.relative_to(ROOT)): p.read_text() for p in Path(ROOT, "brorl_jax").rglob("*.py")}
+
+
+def _too_long(files: dict[str, str]) -> list[str]:
+    bad = []
+    for rel, src in files.items():
+        if rel in SIZE_EXEMPT:
+            continue
+        if src.count("\n") > MAX_MODULE:
+            bad.append(f"module {rel}: {src.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(src)):
+            limit = (MAX_FUNCTION if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                     else MAX_CLASS if isinstance(node, ast.ClassDef) else None)
+            if limit and node.end_lineno - node.lineno + 1 > limit:
+                bad.append(f"{rel}:{node.lineno} {node.name}: "
+                           f"{node.end_lineno - node.lineno + 1} lines (limit {limit})")
+    return bad
+
+
+def test_no_function_class_or_module_too_long():
+    assert _too_long(_package_files()) == []
+
+
+def test_the_size_check_sees_a_long_function():
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION))
+    assert _too_long({"m.py": f"def f():\n{body}"}) == [f"m.py:1 f: {MAX_FUNCTION + 1} lines "
+                                                      f"(limit {MAX_FUNCTION})"]
+
+
+def test_batches_are_typed_and_the_scheduler_stays_in_rollout():
+    subscripts, scheduler = [], []
+    for rel, src in _package_files().items():
+        if rel.startswith(("brorl_jax/algo/", "brorl_jax/train/")):
+            subscripts += [f"{rel}: {m.group(0)}"
+                           for m in re.finditer(r"\b(batch|mb)\[[\"']\w*", src)]
+        if not rel.startswith("brorl_jax/rollout/") and re.search(r"\bScheduler\b", src):
+            scheduler.append(rel)
+    assert subscripts == [] and scheduler == []
+
+
+def test_the_most_repeated_settings_are_read_in_few_modules():
+    files = _package_files()
+    counts = {word: sorted(rel for rel, src in files.items() if word in src)
+              for word in MENTION_LIMITS}
+    assert {w: m for w, m in counts.items() if len(m) > MENTION_LIMITS[w]} == {}
