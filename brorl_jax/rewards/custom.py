@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from brorl_jax.rewards.registry import REWARDS, register_reward
-from brorl_jax.rewards.types import RewardResult, UnboundedRewardResult
+from brorl_jax.rewards.types import FLOAT32_MAX, RewardResult, UnboundedRewardResult
 
 NAME = "custom"   # the verifier name data sources are mapped to
 SINGLE = "brorl_jax.rewards.custom:custom_reward"
@@ -139,6 +139,9 @@ def to_result(value: Any) -> RewardResult:
     score = float(value)
     if not math.isfinite(score):
         raise ValueError(f"returned a non-finite score {score}")
+    if abs(score) > FLOAT32_MAX:
+        raise ValueError(f"returned {score:g}, beyond float32 (|score| <= {FLOAT32_MAX:.4g}), "
+                         "the dtype the update computes in: rescale the reward")
     return UnboundedRewardResult(score, "custom", {"extra": extra} if extra else {})
 
 

@@ -47,6 +47,11 @@ def require_field(record: Mapping[str, Any], name: str, verifier: str) -> Any:
     return record[name]
 
 
+# The largest float32: rewards enter the update as float32 (algo.batch), so a larger one becomes
+# inf there and every update of its step non-finite.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 @dataclasses.dataclass
 class UnboundedRewardResult(RewardResult):
     """A verdict whose score is any finite number: a user's reward function (rewards.custom)
@@ -57,4 +62,8 @@ class UnboundedRewardResult(RewardResult):
         if not math.isfinite(score):
             raise ValueError(f"reward score must be a finite number, got {self.score!r} "
                              f"(reason {self.reason!r})")
+        if abs(score) > FLOAT32_MAX:
+            raise ValueError(f"reward score {score:g} is beyond float32, the dtype the update "
+                             f"computes in (|score| <= {FLOAT32_MAX:.4g}; reason "
+                             f"{self.reason!r})")
         self.score = score

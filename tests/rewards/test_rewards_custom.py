@@ -63,7 +63,9 @@ def test_float_and_dict_returns_score_and_extra_fields_are_logged(service_for):
 def test_raise_text_nan_and_timeout_are_failures_counted_per_source(service_for):
     for fn, reason in [("flaky_compute_score", "verifier error: ValueError: cannot grade"),
                        ("returns_text", "verifier error: TypeError: returned str"),
-                       ("returns_nan", "verifier error: ValueError: returned a non-finite")]:
+                       ("returns_nan", "verifier error: ValueError: returned a non-finite"),
+                       ("returns_beyond_float32",
+                        "verifier error: ValueError: returned 1e+300, beyond float32")]:
         svc, _, _ = service_for(_rewards_cfg(fn))
         records = [_rec("1")] * 3
         results = svc.score_batch(records, ["<answer>1</answer>"] * 3)
@@ -121,7 +123,8 @@ def test_door_check_names_what_is_wrong():
     try:
         for fn, match in [("missing", "has no function 'missing'.*compute_score"),
                           ("wrong_signature", "does not take veRL's reward arguments"),
-                          ("returns_text", "failed on the first row it scores.*returned str")]:
+                          ("returns_text", "failed on the first row it scores.*returned str"),
+                          ("returns_beyond_float32", "first row.*beyond float32")]:
             cfg = _rewards_cfg(fn)
             reward_map, options = custom.setup(cfg, {})
             with pytest.raises(custom.CustomRewardError, match=match):
