@@ -253,6 +253,10 @@ class Train(Section):
     # | mlflow (the last two: pip install 'brorl_jax[wandb]' / '[mlflow]'; train/logger.py).
     loggers: str = setting("jsonl,tensorboard")
     mass_balance_diagnostics: bool = setting(False)
+    # RL steps in a row whose every update was non-finite (all skipped by the NaN guard) before
+    # the run stops with exit code 2: it is not learning (diverged weights, rewards the update
+    # cannot hold). 0 = never stop (each such step is still a warning).
+    max_skipped_steps: int = setting(3, ">= 0")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,7 @@ import jax
 
 from brorl_jax import algo, data, models
 from brorl_jax.config import derived_learning_rate, optimizer_config
-from brorl_jax.errors import CheckpointError, DataError
+from brorl_jax.errors import CheckpointError, DataError, TrainingStopped
 from brorl_jax.train import door, evaluation
 from brorl_jax.train.context import (
     RunContext,
@@ -109,6 +109,7 @@ class Trainer:
             self.ctx.close()
             raise
         self.updates_per_step = cfg.updates_per_step
+        self.skipped_in_a_row = 0       # RL steps with every update non-finite (_skipped_step)
         self.stopping = GracefulStop(_log)
 
     def _make_loader(self, train_records, prompt_tokenizer):
@@ -210,6 +211,31 @@ class Trainer:
             layout.keep_warm_start(self.workdir, self.cfg, self.ctx.model.with_params(params))
         return params
 
+    def _skipped_step(self, step: int, metrics: dict) -> None:
+        """The NaN guard skipped updates of `step`: a warning; train.max_skipped_steps steps in
+        a row with every update skipped stop the run (TrainingStopped, exit code 2), since it
+        cannot learn. The last checkpoint is kept as it is."""
+        skipped, updates = int(metrics["update/skipped"]), self.updates_per_step
+        if skipped < updates:
+            self.skipped_in_a_row = 0
+            _log(f"[nan-guard] step {step}: {skipped} of {updates} updates non-finite (loss or "
+                 "gradient); skipped")
+            return
+        self.skipped_in_a_row += 1
+        limit = self.cfg.train.max_skipped_steps
+        _log(f"[nan-guard] warning: step {step}: every update non-finite and skipped (loss "
+             f"{metrics.get('loss/loss', float('nan')):.4g}, grad norm "
+             f"{metrics.get('update/grad_norm', float('nan')):.4g}, reward mean "
+             f"{metrics.get('reward/mean', float('nan')):.4g}); {self.skipped_in_a_row} such "
+             f"step(s) in a row (train.max_skipped_steps={limit})")
+        if limit and self.skipped_in_a_row >= limit:
+            raise TrainingStopped(
+                f"{self.skipped_in_a_row} RL steps in a row had every update non-finite (steps "
+                f"{step - self.skipped_in_a_row + 1}-{step}): the run is not learning. Likely "
+                f"causes: a learning rate that diverged the weights ({self.lr:g}: lower optim.lr "
+                "or optim.base_lr), rewards too large for float32 arithmetic (rescale them). "
+                "The last checkpoint is kept; train.max_skipped_steps=0 never stops.")
+
     def _check_meta(self, meta: dict) -> None:
         """A checkpoint's meta must hold this process's data position and the counters."""
         index = self.runtime.process_index
@@ -244,7 +270,9 @@ class Trainer:
             done = step + 1
             if metrics["update/skipped"]:
                 counters["skipped_steps"] += 1
-                _log(f"[nan-guard] step {step}: non-finite loss or gradient; update skipped")
+                self._skipped_step(step, metrics)
+            else:
+                self.skipped_in_a_row = 0
             if metrics.get("ref_reset"):
                 _log(f"[reference] reset at step {done}" + (
                     " (optimizer state cleared)" if cfg.algo.reset_optimizer_on_ref_reset else ""))

@@ -82,6 +82,7 @@ CHANGE_POLICY: dict[str, tuple[bool, str]] = {
     "train.tensorboard": (ALLOWED, "logging"),
     "train.loggers": (ALLOWED, "logging"),
     "train.mass_balance_diagnostics": (ALLOWED, "extra diagnostic metrics only"),
+    "train.max_skipped_steps": (ALLOWED, "when a run that is not learning stops"),
     "train.seed": (REFUSED, "every random draw of step s derives from (seed, s)"),
 }
 
