@@ -7,7 +7,8 @@ those checks find, handed to the runtime as numbers (issue 26 item 3).
     facts = check_loaded_model(cfg, model.config)   # a .gguf model: its config came with it
     build_context(..., paused_engine_bytes=facts.paused_engine_bytes)
 
-The checks, in order: the config's keys, ranges and combinations (config.validate); the mesh
+The checks, in order: the config's keys, ranges and combinations (config.validate); for
+training, settings under which no step can learn (check_learnable); the mesh
 against the devices (config.check_mesh); the loggers' optional extras (workdir/logger.py
 check_config); for an evaluation, the work directory and its checkpoints; the model path
 (context.check_model_path); the model's config.json, read without its weights
@@ -74,10 +75,27 @@ class DoorFacts:
 def check_training(cfg) -> DoorFacts:
     """The checks of a training run (module docstring), before its work directory is touched."""
     cfg = validate(cfg)
+    check_learnable(cfg)
     check_mesh(cfg, jax.device_count(), jax.process_count())
     check_loggers(cfg)                  # train.loggers: a missing extra is named here
     check_model_path(cfg.model.path)
     return check_loaded_model(cfg, read_model_config(cfg))   # config.json only: no weights yet
+
+
+def check_learnable(cfg: RunConfig) -> None:
+    """Settings under which no step can learn, refused before anything loads: greedy rollouts
+    (rollout.temperature 0, no schedule from step 0) give a prompt's N samples the same tokens,
+    so no group has 0 < #correct < N (dynamic sampling keeps none; without it every advantage
+    is 0)."""
+    r = cfg.rollout
+    scheduled = any(step == 0 for step, _ in algo.policies.parse_temperature_schedule(
+        r.temperature_schedule))
+    if r.temperature == 0 and not scheduled:
+        raise ConfigError(
+            f"config key 'rollout.temperature' = 0 (greedy) gives the N = "
+            f"{algo.policies.nominal_n(r)} samples of a prompt the same tokens: no group has "
+            "0 < #correct < N, so no step can learn. Set rollout.temperature > 0 (the paper "
+            "samples at 1.0); greedy evaluation is eval.temperature=0.")
 
 
 def check_evaluation(cfg, workdir: str | None) -> DoorFacts:
