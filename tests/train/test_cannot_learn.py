@@ -1,0 +1,50 @@
+"""A run that cannot learn says so (issue 45 item 1), through the real command on configs/tiny.py:
+greedy rollouts are refused at the door, a reward beyond float32 stops at the door naming the
+function, and RL steps whose every update is non-finite stop the run (exit code 2) after
+train.max_skipped_steps of them in a row, each a warning, with the checkpoints already written
+kept as they were."""
+import json
+import os
+
+import pytest
+from testutil import run_main
+
+pytestmark = pytest.mark.slow     # end-to-end: out of `-m "not slow"`
+
+SCORERS = "tests/rewards/verl_style_scorers.py"
+
+
+def _failure(out) -> str:
+    return f"rc={out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+
+
+def test_greedy_rollouts_are_refused_at_the_door(tmp_path):
+    out = run_main(tmp_path / "run", "--config.rollout.temperature=0")
+    assert out.returncode == 2, _failure(out)
+    assert "config key 'rollout.temperature' = 0 (greedy)" in out.stderr
+    assert "no step can learn" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "run").exists()          # refused before the work directory
+
+
+def test_a_reward_beyond_float32_stops_at_the_door(tmp_path):
+    out = run_main(tmp_path / "run", f"--config.rewards.custom={SCORERS}:returns_beyond_float32")
+    assert out.returncode == 2, _failure(out)
+    assert "returns_beyond_float32" in out.stderr and "beyond float32" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_steps_with_every_update_non_finite_stop_the_run(tmp_path, tiny_warm_start):
+    """A learning rate of 1e30 sends the weights to ~1e30 in the first update; from then on every
+    loss overflows, the NaN guard skips every update, and after train.max_skipped_steps = 2 such
+    steps the run stops with exit code 2 naming the keys; the step-1 checkpoint is kept."""
+    run = tmp_path / "run"
+    out = run_main(run, "--config.optim.lr=1e30", "--config.train.steps=8",
+                   "--config.train.checkpoint_every=1", "--config.train.max_skipped_steps=2",
+                   "--config.train.tensorboard=False", "--config.eval.every=0", *tiny_warm_start)
+    assert out.returncode == 2, _failure(out)
+    assert out.stdout.count("[nan-guard] warning") == 2, out.stdout[-3000:]
+    assert "2 RL steps in a row had every update non-finite" in out.stderr, _failure(out)
+    assert "optim.lr" in out.stderr and "Traceback" not in out.stderr
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert [r["update/skipped"] for r in rows if r["step"] == 1] == [0.0]   # the first update
+    assert os.path.isdir(run / "checkpoints" / "1")                      # kept as written
