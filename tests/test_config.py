@@ -4,6 +4,7 @@ by the code."""
 import ast
 import dataclasses
 import importlib
+import os
 import re
 import subprocess
 import sys
@@ -14,7 +15,14 @@ import procs
 import pytest
 from testutil import ROOT
 
-from brorl_jax.config import ConfigError, _flatten, default_config, derived_learning_rate, validate
+from brorl_jax.config import (
+    SECTIONS,
+    ConfigError,
+    _flatten,
+    default_config,
+    derived_learning_rate,
+    validate,
+)
 from configs import brorl, prorl
 
 CONFIG_FILES = sorted(p.stem for p in Path(ROOT, "configs").glob("*.py")
@@ -256,6 +264,57 @@ def test_command_line_bad_value_stops_main_with_message(tmp_path):
         capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "'algo.advantage' is 'ppo'" in out.stderr
+
+
+@pytest.mark.parametrize("name", ["", "../escape", "a/b", ".."])
+def test_a_run_name_that_is_not_one_directory_is_refused_by_main(tmp_path, name):
+    """Without --workdir the run is written to runs/<name>: an empty name made runs/ itself the
+    work directory, a '../' one wrote outside it. Refused at the door; nothing is created."""
+    out = procs.run([sys.executable, "-m", "brorl_jax.main", f"--config={ROOT}/configs/tiny.py",
+                     f"--config.name={name}"], capture_output=True, text=True, timeout=120,
+                    cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"config key 'name' = {name!r}" in out.stderr and "--workdir" in out.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_leading_tilde_is_expanded_in_every_path_key(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    c = default_config()
+    c.model.path, c.data.train, c.data.eval = "~/model", "~/train.jsonl", "~/eval.parquet"
+    (tmp_path / "scorer.py").write_text("def compute_score(**kw):\n    return 0.0\n")
+    c.rewards.custom = "~/scorer.py:compute_score"     # its file must exist: found under ~
+    run = validate(c)
+    assert (run.model.path, run.data.train, run.data.eval, run.rewards.custom) == (
+        f"{tmp_path}/model", f"{tmp_path}/train.jsonl", f"{tmp_path}/eval.parquet",
+        f"{tmp_path}/scorer.py:compute_score")
+    paths = sorted(f"{n}.{f.name}" for n, sec in SECTIONS.items()
+                   for f in dataclasses.fields(sec) if f.metadata["path"])
+    assert paths == ["data.eval", "data.train", "model.path", "rewards.custom"]
+
+
+def test_a_tilde_path_reaches_main(tmp_path):
+    """Through main: rewards.custom=~/scorer.py:fn is found under $HOME (its file is checked at
+    the door), where it used to be "no file"; the run then stops at a later door check."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "scorer.py").write_text("def compute_score(**kw):\n    return 0.0\n")
+    out = procs.run([sys.executable, "-m", "brorl_jax.main", "--config=configs/tiny.py",
+                     f"--workdir={tmp_path / 'run'}", "--config.rewards.custom=~/scorer.py:compute_score",
+                     "--config.rollout.temperature=0"],     # the door stops after the file check
+                    capture_output=True, text=True, timeout=120, cwd=ROOT,
+                    env={**os.environ, "HOME": str(home)})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "rollout.temperature" in out.stderr and "no file" not in out.stderr
+
+
+@pytest.mark.parametrize("spec", ["data/*.jsonl", "a.jsonl,b.jsonl", "part[12].jsonl"])
+def test_globs_and_lists_of_data_files_are_refused_with_the_way_that_works(spec):
+    c = default_config()
+    c.data.train = spec
+    with pytest.raises(ConfigError, match=r"one file per key; globs and lists are not expanded"
+                                           r".*cat a.jsonl b.jsonl > all.jsonl"):
+        validate(c)
 
 
 CLI_MODULES = ["brorl_jax.main", "brorl_jax.evaluate", "brorl_jax.export",

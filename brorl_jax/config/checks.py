@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 from typing import Any
 
 import ml_collections
@@ -121,6 +122,16 @@ def _typed(cfg) -> RunConfig:
         for name, section in SECTIONS.items()})
 
 
+def _expand_paths(run: RunConfig) -> RunConfig:
+    """A leading ~ of every path key (schema: setting(path=True)) expanded, as a shell would."""
+    for name, section in SECTIONS.items():
+        for f in dataclasses.fields(section):
+            value = getattr(run[name], f.name)
+            if f.metadata["path"] and value.startswith("~"):
+                run = run.replace(name, **{f.name: os.path.expanduser(value)})
+    return run
+
+
 def validate(cfg: ml_collections.ConfigDict | RunConfig) -> RunConfig:
     """Checks `cfg` (a config file's ConfigDict with its --config.KEY=VALUE overrides, or a
     RunConfig) against the schema; returns the typed RunConfig or raises ConfigError.
@@ -133,7 +144,7 @@ def validate(cfg: ml_collections.ConfigDict | RunConfig) -> RunConfig:
     schema = _flatten(default_config())
     given = _flatten(cfg)
     _raise_if(_type_errors(schema, given))
-    run = _typed(cfg)
+    run = _expand_paths(_typed(cfg))
     # nan / inf / huge values would make the range checks below misleading
     _raise_if(_validate_numbers(schema, given, run))
     errors = []
@@ -214,6 +225,10 @@ def _validate_rules(cfg: RunConfig) -> list[str]:
                           f"got {v}.")
     if sum(cfg.mesh[ax] == -1 for ax in ("data", "fsdp", "tensor")) > 1:
         errors.append("at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1.")
+    if not cfg.name.strip() or cfg.name in (".", "..") or "/" in cfg.name or os.sep in cfg.name:
+        errors.append(f"config key 'name' = {cfg.name!r}: a run's name is its directory under "
+                      "runs/ (runs/<name>); give a non-empty name without '/' (not '.' or '..'), "
+                      "or choose the directory with --workdir=PATH.")
     return errors
 
 
@@ -355,8 +370,13 @@ def _validate_io_keys(cfg: ml_collections.ConfigDict) -> list[str]:
                               f"verifiers: {', '.join(names)}.")
     for key in ("data.train", "data.eval"):
         spec = _get(cfg, key)
-        if spec and not spec.startswith("reasoning_gym:") and \
-                not spec.lower().endswith(DATA_SPEC_SUFFIXES):
+        if not spec or spec.startswith("reasoning_gym:"):
+            continue
+        if any(c in spec for c in "*?[,"):
+            errors.append(f"config key '{key}' = {spec!r}: one file per key; globs and lists "
+                          "are not expanded. Join the files into one (e.g. cat a.jsonl b.jsonl "
+                          "> all.jsonl) and give its path.")
+        elif not spec.lower().endswith(DATA_SPEC_SUFFIXES):
             errors.append(f"config key '{key}' = {spec!r}: give a .jsonl or .parquet file or "
                           "'reasoning_gym:task1,task2'.")
     return errors

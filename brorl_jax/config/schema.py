@@ -19,11 +19,12 @@ from typing import Any
 
 
 def setting(default: Any, range: str | None = None, *, note: str = "", source: str = "",
-            finite: bool = True) -> Any:
+            finite: bool = True, path: bool = False) -> Any:
     """A field of the schema: its default, its allowed range (checked by validate, the message
-    says `note` after the range) and the paper or code it comes from."""
+    says `note` after the range) and the paper or code it comes from; path=True: a file or
+    directory (validate expands a leading ~)."""
     return dataclasses.field(default=default, metadata=dict(range=range, note=note, source=source,
-                                                            finite=finite))
+                                                            finite=finite, path=path))
 
 
 class Section:
@@ -48,7 +49,7 @@ class Section:
 
 @dataclasses.dataclass(frozen=True)
 class Model(Section):
-    path: str = setting("")                  # local Hugging Face directory; "" = the embedded demo model
+    path: str = setting("", path=True)       # local Hugging Face directory; "" = the embedded demo model
     dtype: str = setting("float32")          # compute dtype: float32 | bfloat16
     param_dtype: str = setting("float32")    # parameter dtype: float32 | bfloat16
     remat: bool = setting(True)              # rematerialise each layer in the update's backward pass
@@ -61,8 +62,8 @@ class Model(Section):
 @dataclasses.dataclass(frozen=True)
 class Data(Section):
     # A JSONL/Parquet path (veRL layout accepted) or "reasoning_gym:task[,task...]".
-    train: str = setting("")
-    eval: str = setting("")                  # held-out prompts; "" = a disjoint slice of data.train
+    train: str = setting("", path=True)
+    eval: str = setting("", path=True)       # held-out prompts; "" = a disjoint slice of data.train
     train_size: int = setting(10_000, ">= 0")  # prompts generated for reasoning_gym sources
     eval_size: int = setting(256, ">= 0")
     max_prompt_len: int = setting(1024, "> 0")  # longer prompts are skipped and counted, never truncated
@@ -205,7 +206,7 @@ class Rewards(Section):
     # veRL's custom_reward_function.reward_kwargs); the batched form (lists in, list out) sent
     # in chunks of custom_batch_size, at most custom_concurrency chunks at once, each under
     # custom_batch_timeout_s.
-    custom: str = setting("")
+    custom: str = setting("", path=True)
     custom_sources: str = setting("*")
     custom_kwargs: str = setting("{}")
     custom_batched: bool = setting(False)
