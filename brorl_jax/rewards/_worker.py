@@ -8,11 +8,17 @@ Started by service.ScoringService; protocol over a multiprocessing Connection:
   A batched verifier (RewardSpec.batched) gets lists of records and completions in one message
   and answers (key, list of RewardResult). Every verdict's details carry "verifier" and
   "seconds" (the time its call took; a chunk's time is shared equally by its items).
+
+What verifiers print (a user's reward function debugging itself) reaches the trainer's console
+through the worker's sys.stdout / sys.stderr, capped at OUTPUT_LIMIT characters per worker (both
+streams together); the rest is dropped with one line saying so, as the code sandbox caps a test's
+output. Writes below Python (os.write, a C library) are not capped.
 """
 
 from __future__ import annotations
 
 import importlib
+import io
 import logging
 import os
 import signal
@@ -22,6 +28,41 @@ from multiprocessing.connection import Connection
 
 logger = logging.getLogger("brorl_jax.rewards.worker")
 
+OUTPUT_LIMIT = 64 << 10         # characters of printed output a worker passes on
+
+
+class _Budget:
+    left = OUTPUT_LIMIT
+    dropped = 0
+
+
+class _CappedStream(io.TextIOBase):
+    """A worker's sys.stdout or sys.stderr: writes reach `target` while the shared budget
+    lasts; past it they are dropped, and the first drop says so on `target`."""
+
+    def __init__(self, target, budget: _Budget):
+        self.target, self.budget = target, budget
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        b = self.budget
+        kept = s[:max(0, b.left)]
+        if kept:
+            b.left -= len(kept)
+            self.target.write(kept)
+        if len(kept) < len(s):
+            if not b.dropped:
+                self.target.write(f"\n[rewards worker {os.getpid()}] what the verifiers print "
+                                  f"beyond {OUTPUT_LIMIT} characters is dropped\n")
+            b.dropped += len(s) - len(kept)
+        self.target.flush()
+        return len(s)
+
+    def flush(self) -> None:
+        self.target.flush()
+
 
 def main(fd: int) -> None:
     # Ctrl-C and a scheduler's SIGTERM reach the whole process group: they are the trainer's to
@@ -30,6 +71,9 @@ def main(fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(fd)
+    budget = _Budget()
+    sys.stdout = _CappedStream(sys.stdout, budget)
+    sys.stderr = _CappedStream(sys.stderr, budget)
     sys.path[:] = conn.recv()
     from brorl_jax.rewards.registry import load_reward_fn
     from brorl_jax.rewards.types import RewardResult

@@ -118,6 +118,19 @@ def test_batched_form_chunks_concurrency_and_batch_timeout(service_for):
     assert all(r.reason == "timeout after 2s (batch)" for r in results[3:])
 
 
+def test_what_a_reward_function_prints_is_capped(service_for, capfd):
+    """A reward function printing 100 kB a call: 30 calls (3 MB) reach the console as at most
+    OUTPUT_LIMIT characters per worker and one line saying the rest is dropped."""
+    from brorl_jax.rewards._worker import OUTPUT_LIMIT
+    svc, _, _ = service_for(_rewards_cfg("prints_a_lot"), num_workers=1)
+    capfd.readouterr()
+    results = svc.score_batch([_rec("1")] * 30, ["1"] * 30)
+    assert [r.score for r in results] == [0.0] * 30 and all(r.reason == "custom" for r in results)
+    out, err = capfd.readouterr()
+    assert OUTPUT_LIMIT <= len(out) + len(err) < OUTPUT_LIMIT + 200
+    assert "beyond 65536 characters is dropped" in out + err
+
+
 def test_door_check_names_what_is_wrong():
     records = [_rec("1")]
     try:

@@ -70,3 +70,8 @@ def batch_score(data_sources, solution_strs, ground_truths, extra_infos=None):
 
 def returns_beyond_float32(data_source, solution_str, ground_truth, extra_info=None):
     return 1e300                    # finite in Python, inf once the update casts it to float32
+
+
+def prints_a_lot(data_source, solution_str, ground_truth, extra_info=None):
+    print("x" * 100_000)            # a reward function debugging itself, 100 kB a call
+    return 0.0
