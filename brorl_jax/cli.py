@@ -88,6 +88,44 @@ def define(extra: Sequence[Flag], config_default: str = DEFAULT_CONFIG) -> dict:
     return holders
 
 
+# -- the config a command reads a run with -------------------------------------------------------
+def _config_args(argv: Sequence[str]) -> tuple[bool, list[str]]:
+    """Whether --config is on the command line, and the keys of its --config.KEY overrides."""
+    given, keys = False, []
+    for arg in argv[1:]:
+        if arg == "--":
+            break
+        if arg.startswith("--config."):
+            keys.append(arg[len("--config."):].split("=", 1)[0])
+        elif arg == "--config" or arg.startswith("--config="):
+            given = True
+    return given, keys
+
+
+def run_config(values: dict, workdir: str | None, argv: Sequence[str] | None = None):
+    """The config `evaluate` and `export` read a run with: the run's own (its saved
+    brorl_config.json) when --workdir names a run and --config is not given, with the command
+    line's --config.KEY overrides on top (parsed and typed by config_flags against the default
+    config file); else --config's, as given."""
+    cfg = values["config"]
+    given, keys = _config_args(sys.argv if argv is None else argv)
+    if not workdir or given:
+        return cfg
+    from brorl_jax.workdir import saved_config
+    saved = saved_config.as_config(workdir)
+    if saved is None:                   # a run from before saved configs: the default file
+        return cfg
+    for key in keys:
+        *parents, name = key.split(".")
+        src, dst = cfg, saved
+        for part in parents:
+            src, dst = src[part], dst[part]
+        dst[name] = src[name]
+    print(f"[config] {os.path.join(workdir, saved_config.CONFIG_FILE)}: the run's own config"
+          + (f", with {', '.join(keys)} from the command line" if keys else ""), file=sys.stderr)
+    return saved
+
+
 # -- errors at the door ---------------------------------------------------------------------------
 def _root_message(exc: BaseException) -> str:
     """The most specific message in an exception chain (absl and config_flags wrap the cause)."""

@@ -1,7 +1,10 @@
 """Standalone evaluation: pass@k and mean@k on the held-out prompts of a config.
 
-  python -m brorl_jax.evaluate --config=configs/NAME.py --workdir=DIR [--step=S]
+  python -m brorl_jax.evaluate --workdir=DIR [--step=S] [--config.KEY=VALUE ...]
   python -m brorl_jax.evaluate --config=configs/NAME.py --config.model.path=HF_DIR   (no workdir)
+
+With --workdir and no --config the run's own config (DIR/brorl_config.json) is used, with the
+command line's --config.KEY overrides on top (cli.run_config); --config replaces it.
 
 Defaults are the paper's evaluation settings (temperature 0.6, top-p 0.95, 16 samples per
 prompt, pass@1 as their mean) unless the config's eval section says otherwise. The work
@@ -46,7 +49,8 @@ def evaluate(cfg, workdir: str | None = None, step: int | None = None) -> dict:
 
 
 def main(values: dict) -> int:
-    print(json.dumps(evaluate(values["config"], values["workdir"], values["step"]), indent=1))
+    cfg = cli.run_config(values, values["workdir"])
+    print(json.dumps(evaluate(cfg, values["workdir"], values["step"]), indent=1))
     return 0
 
 

@@ -1,7 +1,9 @@
 """Export a training checkpoint to a Hugging Face directory (config, safetensors, tokenizer).
 
-  python -m brorl_jax.export --config=configs/NAME.py --workdir=DIR [--step=S] --out=HF_DIR
-      [--overwrite]
+  python -m brorl_jax.export --workdir=DIR [--step=S] --out=HF_DIR [--overwrite]
+
+The run's own config (DIR/brorl_config.json) builds the model unless --config is given
+(cli.run_config); --config.KEY overrides apply on top.
 
 The result loads with transformers' AutoModelForCausalLM and with brorl_jax.models.from_pretrained.
 
@@ -107,8 +109,8 @@ def export(cfg, workdir: str, out: str, step: int | None = None, overwrite: bool
 
 
 def main(values: dict) -> int:
-    step = export(values["config"], values["workdir"], values["out"], values["step"],
-                  values["overwrite"])
+    step = export(cli.run_config(values, values["workdir"]), values["workdir"], values["out"],
+                  values["step"], values["overwrite"])
     print(f"exported step {step} of {values['workdir']} to {values['out']}")
     return 0
 

@@ -135,6 +135,22 @@ def load(workdir: str) -> ml_collections.ConfigDict | None:
                           "with. Restore it, or move it away to resume without the check.") from e
 
 
+def as_config(workdir: str) -> ml_collections.ConfigDict | None:
+    """The run's saved config as a config to run with (evaluate, export): today's defaults with
+    every key the run recorded (a key the schema dropped since is left out); None when the run
+    saved none."""
+    saved = load(workdir)
+    if saved is None:
+        return None
+    cfg = default_config()
+    known = _flatten(cfg)
+    for key, value in _flatten(saved).items():
+        if key in known:
+            section, _, name = key.rpartition(".")
+            (cfg[section] if section else cfg)[name] = value
+    return cfg
+
+
 def check_allow_list(allow: Iterable[str]) -> list[str]:
     """The --allow_config_change entries, each a config key or a section; ConfigError otherwise."""
     schema = _flatten(default_config())

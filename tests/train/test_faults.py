@@ -660,3 +660,22 @@ def test_a_signal_during_the_warm_start_or_an_evaluation_stops_within_seconds(en
     assert (f"[sft] warm start kept from an earlier start: {eval_dir}/warm_start_model") in out
     assert "supervised steps in" not in out and "[eval] before RL: pass@1" in out
     assert hashes(str(eval_dir), ("warm_start_model",)) == kept
+
+
+def test_evaluate_and_export_read_the_runs_own_config(copy, env, tmp_path):
+    """Without --config, evaluate and export read the run's saved config (configs/tiny.py with
+    the run's overrides), --config.KEY on top; they used to build the default file's
+    (configs/demo.py: 200 held-out prompts, 4 samples each). The run is only read."""
+    before = hashes(copy)
+    (rc_e, out_e, err_e), (rc_x, out_x, err_x) = run_all(env, [
+        ("brorl_jax.evaluate", f"--workdir={copy}", "--config.eval.num_prompts=4"),
+        ("brorl_jax.export", f"--workdir={copy}", f"--out={tmp_path / 'hf'}")])
+    assert rc_e == 0, err_e[-3000:]
+    result = json.loads(out_e[out_e.index("\n{"):])          # after the progress lines
+    assert result["step"] == STEPS and result["eval/num_prompts"] == 4    # the override
+    assert "eval/mean@2" in result                  # the run's eval.samples_per_prompt (tiny: 2)
+    assert "brorl_config.json: the run's own config, with eval.num_prompts from the command " \
+           "line" in err_e
+    assert rc_x == 0, err_x[-3000:]
+    assert os.path.exists(tmp_path / "hf" / "config.json")
+    assert hashes(copy) == before
