@@ -38,13 +38,22 @@ def _is_run_dir(path: str) -> bool:
                                        for m in RUN_MARKERS)
 
 
-def check_out(out: str, workdir: str, overwrite: bool = False) -> None:
+def check_out(out: str, workdir: str, overwrite: bool = False, base_model: str | None = None
+              ) -> None:
     """Raises WorkdirError (before anything is loaded) when writing `out` could overwrite a
-    run's records, a file, or a non-empty directory without --overwrite."""
+    run's records, the base model it starts from (`base_model`: model.path), a file, or a
+    non-empty directory without --overwrite."""
     if not out:
         raise WorkdirError("--out is required.")
     real_out = os.path.realpath(out)
     real_work = os.path.realpath(workdir)
+    if base_model:
+        real_base = os.path.realpath(base_model)
+        if real_out == real_base or real_out.startswith(real_base + os.sep) or \
+                real_base.startswith(real_out + os.sep):
+            raise WorkdirError(f"--out {out!r} is or holds the run's base model (model.path = "
+                               f"{base_model!r}), which the run's restores read; export "
+                               "elsewhere, e.g. a new directory beside the work directory.")
     if real_out == real_work or real_out.startswith(real_work + os.sep):
         raise WorkdirError(f"--out {out!r} is inside the run's work directory {workdir!r}; an "
                            "export there would sit among (and could replace) the run's records. "
@@ -101,7 +110,7 @@ def export(cfg, workdir: str, out: str, step: int | None = None, overwrite: bool
     from brorl_jax.workdir.layout import require_existing
     cfg = validate(cfg)
     require_existing(workdir)
-    check_out(out, workdir, overwrite)
+    check_out(out, workdir, overwrite, base_model=cfg.model.path or models.ensure_demo_model())
     model, params, step = restore_params(cfg, workdir, step)
     write_atomically(out, lambda tmp: models.save_pretrained(model.with_params(params), tmp),
                      overwrite)

@@ -679,3 +679,19 @@ def test_evaluate_and_export_read_the_runs_own_config(copy, env, tmp_path):
     assert rc_x == 0, err_x[-3000:]
     assert os.path.exists(tmp_path / "hf" / "config.json")
     assert hashes(copy) == before
+
+
+def test_export_never_writes_over_the_base_model(copy, env, tmp_path):
+    """--out at the run's model.path (or inside it, or a directory holding it) is refused even
+    with --overwrite: the run's restores read that model. It used to be replaced."""
+    from brorl_jax.models import ensure_demo_model
+    base = tmp_path / "base"
+    shutil.copytree(ensure_demo_model(), base)
+    before = hashes(str(base), what=sorted(os.listdir(base)))
+    model = f"--config.model.path={base}"
+    results = run_all(env, [
+        ("brorl_jax.export", f"--workdir={copy}", model, f"--out={out}", "--overwrite")
+        for out in (base, base / "sub", tmp_path)])
+    for rc, out, err in results:
+        assert "is or holds the run's base model" in short_error(rc, err)
+    assert hashes(str(base), what=sorted(os.listdir(base))) == before
