@@ -290,8 +290,11 @@ def run(main: Callable[[dict], int | None], extra: Sequence[Flag] = (), *,
         _fail_at_parse(sys.argv, e)
 
     def entry(argv):
-        if len(argv) > 1:
-            raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        if len(argv) > 1:               # one line, not absl's usage text and exit code 1
+            first = argv[1]
+            hint = (f"; give the config as --config={first}"
+                    if first.split(":", 1)[0].endswith(".py") else "")
+            _fail_at_parse(argv, ValueError(f"unexpected argument(s) {argv[1:]}{hint}"))
         if holders["debug"].value:
             os.environ[DEBUG_ENV] = "1"
         logging.set_verbosity(logging.WARNING)

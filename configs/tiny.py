@@ -9,7 +9,10 @@ from configs.demo import get_config as demo_config
 
 
 def get_config(arg: str | None = None):
-    c = demo_config(arg)
+    if arg:
+        raise ValueError(f"configs/tiny.py takes no preset argument (got {arg!r}): its sizes are "
+                         "the tests'; set keys with --config.KEY=VALUE.")
+    c = demo_config()
     c.name = "tiny"
     # One-digit sums: after a few dozen supervised steps about one answer in five is right, so
     # groups are mixed and every step really changes the parameters.

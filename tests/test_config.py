@@ -266,6 +266,20 @@ def test_command_line_bad_value_stops_main_with_message(tmp_path):
     assert "'algo.advantage' is 'ppo'" in out.stderr
 
 
+@pytest.mark.parametrize("args,message", [
+    (["configs/tiny.py"], "unexpected argument(s) ['configs/tiny.py']; give the config as "
+                          "--config=configs/tiny.py"),
+    (["--config=configs/tiny.py:n=4"], "configs/tiny.py takes no preset argument (got 'n=4')"),
+])
+def test_a_misplaced_config_is_one_line_at_the_door(tmp_path, args, message):
+    """A positional config path used to print absl's usage text and exit 1; a preset argument
+    on configs/tiny.py was accepted and overwritten by the file's own sizes."""
+    out = procs.run([sys.executable, "-m", "brorl_jax.main", f"--workdir={tmp_path / 'run'}",
+                     *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
+    assert len(out.stderr.splitlines()) <= 3 and not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("name", ["", "../escape", "a/b", ".."])
 def test_a_run_name_that_is_not_one_directory_is_refused_by_main(tmp_path, name):
     """Without --workdir the run is written to runs/<name>: an empty name made runs/ itself the
