@@ -274,9 +274,23 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
+_SIGNALLED: list[Interrupted] = []      # the SIGTERM this command received, if any
+
+
 def _terminated(signum, frame):
-    raise Interrupted("stopped by SIGTERM; a restart with the same --workdir resumes from its "
+    exc = Interrupted("stopped by SIGTERM; a restart with the same --workdir resumes from its "
                       "last complete checkpoint.", signum)
+    _SIGNALLED.append(exc)
+    raise exc
+
+
+def raise_if_signalled() -> None:
+    """Raises the SIGTERM this command received even if its first raise was lost: a signal
+    handler's exception that lands in a garbage-collection callback (jax has one) is printed
+    and dropped by Python, and the command would go on to exit 0. Commands call it before they
+    commit their result; the entry calls it after main."""
+    if _SIGNALLED:
+        raise _SIGNALLED[0]
 
 
 def run(main: Callable[[dict], int | None], extra: Sequence[Flag] = (), *,
@@ -306,6 +320,7 @@ def run(main: Callable[[dict], int | None], extra: Sequence[Flag] = (), *,
             _fail_at_parse(sys.argv, e)
         try:
             code = main(values)
+            raise_if_signalled()
         except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - report() re-raises bugs
             code = report(e, values, log_dirs)
             if getattr(e, "interrupted", None) is not None:

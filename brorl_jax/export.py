@@ -112,8 +112,12 @@ def export(cfg, workdir: str, out: str, step: int | None = None, overwrite: bool
     require_existing(workdir)
     check_out(out, workdir, overwrite, base_model=cfg.model.path or models.ensure_demo_model())
     model, params, step = restore_params(cfg, workdir, step)
-    write_atomically(out, lambda tmp: models.save_pretrained(model.with_params(params), tmp),
-                     overwrite)
+
+    def write(tmp: str) -> None:
+        models.save_pretrained(model.with_params(params), tmp)
+        cli.raise_if_signalled()        # a SIGTERM whose raise was lost: nothing is put in place
+
+    write_atomically(out, write, overwrite)
     return step
 
 
