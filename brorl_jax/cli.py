@@ -274,6 +274,24 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
+def check_platform() -> None:
+    """JAX_PLATFORMS naming a platform this machine cannot start is one line at the door, not
+    jax's traceback at the first array."""
+    wanted = os.environ.get("JAX_PLATFORMS", "")
+    if not wanted:
+        return
+    import jax
+    try:
+        jax.devices()
+    except Exception as e:  # noqa: BLE001 - jax raises RuntimeError or AssertionError here
+        cause = _root_message(e)
+        cause = f" ({cause})" if cause != "unknown error" else ""
+        raise ConfigError(
+            f"environment variable JAX_PLATFORMS={wanted!r}: jax cannot start it on this machine"
+            f"{cause}. Unset it to run on what the machine has, or install that platform's jax "
+            "(e.g. pip install 'jax[cuda12]').") from e
+
+
 _SIGNALLED: list[Interrupted] = []      # the SIGTERM this command received, if any
 
 
@@ -319,6 +337,7 @@ def run(main: Callable[[dict], int | None], extra: Sequence[Flag] = (), *,
         except Exception as e:  # noqa: BLE001
             _fail_at_parse(sys.argv, e)
         try:
+            check_platform()
             code = main(values)
             raise_if_signalled()
         except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - report() re-raises bugs

@@ -387,3 +387,14 @@ def test_a_sigterm_whose_raise_was_lost_still_stops_the_command(monkeypatch):
     with pytest.raises(Interrupted, match="stopped by SIGTERM") as e:
         cli.raise_if_signalled()
     assert e.value.exit_code == 143
+
+
+def test_a_platform_the_machine_lacks_is_one_line(tmp_path):
+    """JAX_PLATFORMS naming a platform jax cannot start (no TPU here, nor on the GPU machine) was
+    jax's traceback at the first array and exit code 1."""
+    out = procs.run([sys.executable, "-m", "brorl_jax.main", "--config=configs/tiny.py",
+                     f"--workdir={tmp_path / 'run'}"], capture_output=True, text=True,
+                    timeout=120, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "tpu"})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "environment variable JAX_PLATFORMS='tpu': jax cannot start it" in out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()
