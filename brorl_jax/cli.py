@@ -274,22 +274,25 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def check_platform() -> None:
-    """JAX_PLATFORMS naming a platform this machine cannot start is one line at the door, not
-    jax's traceback at the first array."""
+def platform_error(exc: BaseException) -> ConfigError | None:
+    """A failure that comes from JAX_PLATFORMS naming a platform this machine cannot start, as
+    one line at the door (jax's own is a traceback at the first array); None for any other.
+    Asked after the command failed: starting the platform before its main would come before
+    jax.distributed.initialize, which must come first."""
     wanted = os.environ.get("JAX_PLATFORMS", "")
-    if not wanted:
-        return
+    if not wanted or isinstance(exc, (UserError, Interrupted, KeyboardInterrupt)):
+        return None
     import jax
     try:
         jax.devices()
+        return None
     except Exception as e:  # noqa: BLE001 - jax raises RuntimeError or AssertionError here
         cause = _root_message(e)
         cause = f" ({cause})" if cause != "unknown error" else ""
-        raise ConfigError(
+        return ConfigError(
             f"environment variable JAX_PLATFORMS={wanted!r}: jax cannot start it on this machine"
             f"{cause}. Unset it to run on what the machine has, or install that platform's jax "
-            "(e.g. pip install 'jax[cuda12]').") from e
+            "(e.g. pip install 'jax[cuda12]').")
 
 
 _SIGNALLED: list[Interrupted] = []      # the SIGTERM this command received, if any
@@ -337,11 +340,13 @@ def run(main: Callable[[dict], int | None], extra: Sequence[Flag] = (), *,
         except Exception as e:  # noqa: BLE001
             _fail_at_parse(sys.argv, e)
         try:
-            check_platform()
             code = main(values)
             raise_if_signalled()
         except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - report() re-raises bugs
-            code = report(e, values, log_dirs)
+            platform = platform_error(e)
+            if platform is not None:
+                platform.__cause__ = e
+            code = report(platform or e, values, log_dirs)
             if getattr(e, "interrupted", None) is not None:
                 _exit_now(code)
         sys.exit(code or 0)
