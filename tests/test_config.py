@@ -4,6 +4,7 @@ by the code."""
 import ast
 import dataclasses
 import importlib
+import json
 import os
 import re
 import subprocess
@@ -398,3 +399,19 @@ def test_a_platform_the_machine_lacks_is_one_line(tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     assert "environment variable JAX_PLATFORMS='tpu': jax cannot start it" in out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()
+
+
+def test_a_flat_file_without_data_source_trains_with_data_default_source(tmp_path):
+    """Through main: prompt/answer rows with no data_source column were all skipped, and the fix
+    named a Python argument; data.default_source routes them (a row UTF-8 cannot encode is
+    skipped naming its line)."""
+    rows = [json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) for i in range(40)]
+    rows.append('{"prompt": "\\ud800 What is 1 + 1?", "answer": "2"}')
+    (tmp_path / "flat.jsonl").write_text("\n".join(rows) + "\n")
+    out = procs.run([sys.executable, "-m", "brorl_jax.main", "--config=configs/tiny.py",
+                     f"--workdir={tmp_path / 'run'}", f"--config.data.train={tmp_path}/flat.jsonl",
+                     "--config.data.default_source=math", "--config.train.steps=0",
+                     "--config.sft.steps=0", "--config.train.tensorboard=False"],
+                    capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "invalid_unicode" in out.stdout and "-> math" in out.stdout, out.stdout[-3000:]

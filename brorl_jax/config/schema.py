@@ -75,6 +75,9 @@ class Data(Section):
     # Column names of JSONL/Parquet files when they differ from the defaults (JSON object):
     # '{"prompt": "question_text", "ground_truth": "meta.label", "data_source": "src"}'.
     fields: str = setting("{}")
+    # The data_source of file rows that have none (it picks their verifier: rewards.map, e.g.
+    # "math"); "" = such rows are skipped and counted. A row's own data_source always wins.
+    default_source: str = setting("")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,6 +44,7 @@ MISSING_GROUND_TRUTH = "missing_ground_truth"
 MISSING_DATA_SOURCE = "missing_data_source"
 PROMPT_TOO_LONG = "prompt_too_long"
 SHARD_REMAINDER = "shard_remainder"
+INVALID_UNICODE = "invalid_unicode"       # text UTF-8 cannot encode (a lone surrogate)
 BAD_GROUND_TRUTH = "bad_ground_truth"     # the data source's verifier cannot read it
 
 # Where each normalized field is looked for, in order, when no `fields` mapping names a column.
@@ -214,6 +215,13 @@ def normalize_row(row: Any, *, source: str, row_index: int, report: DataReport,
         report.skip(source, row_index, reason, detail)
         return None
     ground_truth = _normalize_ground_truth(_lookup(row, "ground_truth", fields))
+    try:        # the tokenizer and the verifiers take UTF-8: a lone surrogate cannot be encoded
+        json.dumps([messages, text, ground_truth], ensure_ascii=False, default=str).encode()
+    except UnicodeEncodeError as e:
+        report.skip(source, row_index, INVALID_UNICODE,
+                    f"{e.reason} at character {e.start} of the row's text (e.g. an escaped lone "
+                    "surrogate such as \\ud800)")
+        return None
     if ground_truth is _MISSING:
         looked = [fields["ground_truth"]] if "ground_truth" in fields else list(
             DEFAULT_FIELDS["ground_truth"])
@@ -224,7 +232,8 @@ def normalize_row(row: Any, *, source: str, row_index: int, report: DataReport,
         row_source = data_source
     if not row_source:
         report.skip(source, row_index, MISSING_DATA_SOURCE,
-                    "add a data_source column or pass data_source= to the loader")
+                    "add a data_source column, or set --config.data.default_source=NAME (e.g. "
+                    "math) for rows without one")
         return None
     extra_info = _lookup(row, "extra_info", fields)
     if extra_info is _MISSING or extra_info is None:

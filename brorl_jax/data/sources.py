@@ -75,6 +75,7 @@ def load_train_and_eval(data_cfg, on_report=None
         spec = data_cfg[key]
         try:
             records, report = load_dataset(spec, size=size, seed=seed, fields=fields,
+                                           data_source=data_cfg.default_source or None,
                                            reasoning_gym_kwargs=kwargs)
         except DataError:
             raise                       # already names the file

@@ -149,3 +149,15 @@ def test_load_dataset_dispatches_and_merges_reports(tmp_path):
     assert [(s.source, s.row, s.reason) for s in report.skipped] == [
         (str(jsonl), 1, rec.MISSING_GROUND_TRUTH), (str(parquet), 1, rec.MISSING_GROUND_TRUTH),
         (str(parquet), 2, rec.EMPTY_PROMPT)]
+
+
+def test_text_utf8_cannot_encode_is_a_skipped_row(tmp_path):
+    """Valid JSON, invalid Unicode: an escaped lone surrogate used to reach the tokenizer and
+    end the run with a traceback naming no row."""
+    path = tmp_path / "surrogate.jsonl"
+    write_jsonl(path, ['{"question": "\\ud800 1+1?", "answer": "2", "data_source": "math"}',
+                       {"question": "2+2?", "answer": "4", "data_source": "math"}])
+    records, report = load_jsonl(path)
+    assert [r["row"] for r in records] == [1]
+    assert report.skipped[0].reason == rec.INVALID_UNICODE and report.skipped[0].row == 0
+    assert "surrogate" in report.skipped[0].detail

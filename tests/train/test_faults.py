@@ -692,6 +692,6 @@ def test_export_never_writes_over_the_base_model(copy, env, tmp_path):
     results = run_all(env, [
         ("brorl_jax.export", f"--workdir={copy}", model, f"--out={out}", "--overwrite")
         for out in (base, base / "sub", tmp_path)])
-    for rc, out, err in results:
+    for rc, _, err in results:
         assert "is or holds the run's base model" in short_error(rc, err)
     assert hashes(str(base), what=sorted(os.listdir(base))) == before
