@@ -66,10 +66,27 @@ def load_model(cfg) -> models.Model:
     except (OSError, ValueError) as e:
         raise ModelError(f"config key 'model.path' = {path!r} does not hold a usable model: "
                          f"{e}") from e
+    _check_generation(model, path)
     mcfg = with_config_impls(model.config, cfg)
     if mcfg is model.config:
         return model
     return models.Model(mcfg, model.params, model.tokenizer, model.generation_eos_ids)
+
+
+def _check_generation(model: models.Model, path: str) -> None:
+    """A model the rollouts cannot use as it is, refused once it has loaded: no stop id anywhere
+    (every sample would run to rollout.max_new_tokens), or a tokenizer with ids the embedding
+    does not have (the first rollout would fail)."""
+    if not model.generation_eos_ids and not model.config.eos_token_ids:
+        raise ModelError(f"the model at {path!r} has no end-of-sequence id (none in "
+                         "generation_config.json, config.json's eos_token_id or the tokenizer's "
+                         "eos_token), so every sample would run to rollout.max_new_tokens; set "
+                         "eos_token_id in its generation_config.json.")
+    vocab = model.config.vocab_size
+    if model.tokenizer is not None and len(model.tokenizer) > vocab:
+        raise ModelError(f"the tokenizer at {path!r} has {len(model.tokenizer)} tokens, more than "
+                         f"the model's vocab_size {vocab}: ids from {vocab} up have no embedding. "
+                         "Use the tokenizer saved with these weights.")
 
 
 def reward_routing(cfg) -> tuple[dict, dict]:

@@ -5,6 +5,7 @@ train.max_skipped_steps of them in a row, each a warning, with the checkpoints a
 kept as they were."""
 import json
 import os
+import shutil
 
 import pytest
 from testutil import run_main
@@ -48,3 +49,36 @@ def test_steps_with_every_update_non_finite_stop_the_run(tmp_path, tiny_warm_sta
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert [r["update/skipped"] for r in rows if r["step"] == 1] == [0.0]   # the first update
     assert os.path.isdir(run / "checkpoints" / "1")                      # kept as written
+
+
+def _demo_copy(tmp_path, name):
+    from brorl_jax.models import ensure_demo_model
+    dest = tmp_path / name
+    shutil.copytree(ensure_demo_model(), dest)
+    return dest
+
+
+def _edit_json(path, change):
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def test_models_the_rollouts_cannot_use_are_refused_once_loaded(tmp_path):
+    """A model with no stop id anywhere decoded every sample to max_new_tokens with no word; a
+    tokenizer larger than the model's vocabulary failed at the first rollout. Both are refused
+    by main once the model has loaded, naming the directory and the fix."""
+    no_eos = _demo_copy(tmp_path, "no_eos")
+    for name in ("config.json", "generation_config.json"):
+        _edit_json(no_eos / name, lambda c: c.pop("eos_token_id", None))
+    _edit_json(no_eos / "tokenizer_config.json", lambda c: c.update(eos_token=None))
+    wide = _demo_copy(tmp_path, "wide_tokenizer")
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(wide)
+    tok.add_tokens([f"<extra_{i}>" for i in range(8)])
+    tok.save_pretrained(wide)
+    for model, message in ((no_eos, "has no end-of-sequence id"),
+                           (wide, "tokens, more than the model's vocab_size 105")):
+        out = run_main(tmp_path / f"run_{model.name}", f"--config.model.path={model}")
+        assert out.returncode == 2, _failure(out)
+        assert message in out.stderr and str(model) in out.stderr and "Traceback" not in out.stderr
