@@ -44,6 +44,10 @@ MISSING_GROUND_TRUTH = "missing_ground_truth"
 MISSING_DATA_SOURCE = "missing_data_source"
 PROMPT_TOO_LONG = "prompt_too_long"
 SHARD_REMAINDER = "shard_remainder"
+# The roles a chat template takes, and ShareGPT's names for two of them (read as these).
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}
+
 INVALID_UNICODE = "invalid_unicode"       # text UTF-8 cannot encode (a lone surrogate)
 BAD_GROUND_TRUTH = "bad_ground_truth"     # the data source's verifier cannot read it
 
@@ -170,7 +174,13 @@ def _normalize_prompt(value: Any) -> tuple[list[dict] | None, str | None, str, s
                     and isinstance(m.get("content"), str)):
                 return None, None, BAD_PROMPT, (f"message {i} is not a {{'role': str, "
                                                 f"'content': str}} dict: {m!r:.80}")
-            messages.append({"role": m["role"], "content": m["content"]})
+            role = SHAREGPT_ROLES.get(m["role"], m["role"])
+            if role not in CHAT_ROLES:
+                return None, None, BAD_PROMPT, (
+                    f"message {i} has role {m['role']!r}; roles are {', '.join(CHAT_ROLES)} "
+                    f"(ShareGPT's {', '.join(SHAREGPT_ROLES)} are read as "
+                    f"{', '.join(SHAREGPT_ROLES.values())})")
+            messages.append({"role": role, "content": m["content"]})
         # A system message alone is an instruction without a question: count it as empty.
         if not any(m["content"].strip() for m in messages if m["role"] != "system"):
             return None, None, EMPTY_PROMPT, "no non-blank user message"

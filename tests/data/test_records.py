@@ -161,3 +161,17 @@ def test_text_utf8_cannot_encode_is_a_skipped_row(tmp_path):
     assert [r["row"] for r in records] == [1]
     assert report.skipped[0].reason == rec.INVALID_UNICODE and report.skipped[0].row == 0
     assert "surrogate" in report.skipped[0].detail
+
+
+def test_chat_roles_are_checked_and_sharegpt_names_read_as_theirs(tmp_path):
+    """ShareGPT's 'human' passed to the chat template as is; now it is read as 'user' ('gpt' as
+    'assistant') and a role no template knows skips the row naming it."""
+    path = tmp_path / "roles.jsonl"
+    write_jsonl(path, [
+        {"prompt": [{"role": "human", "content": "1+1?"}], "answer": "2", "data_source": "math"},
+        {"prompt": [{"role": "narrator", "content": "2+2?"}], "answer": "4", "data_source": "math"},
+    ])
+    records, report = load_jsonl(path)
+    assert records[0]["prompt_messages"] == [{"role": "user", "content": "1+1?"}]
+    assert report.skipped[0].reason == rec.BAD_PROMPT and report.skipped[0].row == 1
+    assert "role 'narrator'" in report.skipped[0].detail
