@@ -36,10 +36,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from brorl_jax.rewards.registry import REWARDS, register_reward
+from brorl_jax.rewards.registry import CUSTOM_NAME, REWARDS, register_reward
 from brorl_jax.rewards.types import FLOAT32_MAX, RewardResult, UnboundedRewardResult
 
-NAME = "custom"   # the verifier name data sources are mapped to
+NAME = CUSTOM_NAME   # the verifier name data sources are mapped to
 SINGLE = "brorl_jax.rewards.custom:custom_reward"
 BATCHED = "brorl_jax.rewards.custom:custom_reward_batch"
 _ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")

@@ -29,7 +29,12 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from brorl_jax.rewards.registry import REWARDS, load_check_fn, resolve_reward_name
+from brorl_jax.rewards.registry import (
+    CUSTOM_NAME as CUSTOM,
+    REWARDS,
+    load_check_fn,
+    resolve_reward_name,
+)
 
 FAILURE_KINDS = ("error", "timeout", "deadline", "worker_died")
 # (prefix of the reason, kind); the first matching prefix wins.
@@ -48,6 +53,10 @@ FIXES = {
     "deadline": "raise rewards.batch_deadline_s or rewards.num_workers",
     "worker_died": "the scoring workers crash (out of memory?); lower rewards.num_workers",
 }
+# A user's reward function (rewards.custom) that raises is fixed in the function, not the data.
+CUSTOM_ERROR_FIX = ("the reward function of rewards.custom raised (the first failure above): "
+                    "it must score any completion, e.g. one with no answer or a malformed one, "
+                    "returning 0 rather than raising; try it on a few real completions")
 
 
 def reason_kind(reason: str) -> str:
@@ -167,9 +176,11 @@ class VerifierHealth:
             failed = sum(src.kinds[k] for k in FAILURE_KINDS)
             if src.total and failed == src.total:
                 kind = reason_kind(src.first_failure)
+                fix = (CUSTOM_ERROR_FIX if kind == "error" and CUSTOM in src.cost
+                       else FIXES[kind])
                 raise VerifierFailure(
                     f"the verifier of data source {name!r} failed on all {src.total} samples of "
-                    f"{where}; first failure: {src.first_failure}. Fix: {FIXES[kind]}.")
+                    f"{where}; first failure: {src.first_failure}. Fix: {fix}.")
 
 
 @dataclasses.dataclass(frozen=True)

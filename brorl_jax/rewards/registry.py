@@ -49,6 +49,8 @@ class RewardSpec:
     batch_timeout_s: float = 60.0
 
 
+# The verifier name of a user's reward function (rewards.custom; rewards/custom.py registers it).
+CUSTOM_NAME = "custom"
 REWARDS: dict[str, RewardSpec] = {}
 
 # veRL's data_source names (verl/utils/reward_score default_compute_score) and our verifier for

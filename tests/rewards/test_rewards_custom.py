@@ -201,3 +201,16 @@ def test_a_verl_scorer_runs_unchanged_through_main(tmp_path, tiny_warm_start):
     assert step1[f"verifier_cost/{source}/custom/failures"] > 0
     assert step1[f"verifier_cost/{source}/custom/time_s_mean"] > 0
     assert 0 <= step1[f"reward_extra/{source}/acc"] <= 1    # the dict rows' extra field
+
+
+def test_a_reward_function_failing_on_every_sample_is_told_to_fix_the_function(service_for):
+    """A function that raises on completions without its answer tag: the stop names the
+    function, not the ground truths' format (the built-in verifiers' fix)."""
+    from brorl_jax.rewards.health import VerifierFailure
+    svc, _, _ = service_for(_rewards_cfg("raises_on_real_completions"))
+    records = [_rec("1")] * 4
+    health = VerifierHealth()
+    health.add(records, svc.score_batch(records, ["the answer is 1"] * 4))
+    with pytest.raises(VerifierFailure, match=r"reward function of rewards.custom raised.*"
+                                              r"returning 0 rather than raising"):
+        health.check("step 1")

@@ -75,3 +75,7 @@ def returns_beyond_float32(data_source, solution_str, ground_truth, extra_info=N
 def prints_a_lot(data_source, solution_str, ground_truth, extra_info=None):
     print("x" * 100_000)            # a reward function debugging itself, 100 kB a call
     return 0.0
+
+
+def raises_on_real_completions(data_source, solution_str, ground_truth, extra_info=None):
+    return float(solution_str.split("<answer>")[1].split("</answer>")[0] == ground_truth)
