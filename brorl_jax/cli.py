@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import errno
 import os
 import re
 import signal
@@ -48,6 +47,7 @@ from brorl_jax.errors import (  # noqa: F401
     VerifierError,
     WorkdirError,
     debug_enabled,
+    is_disk_full,
 )
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(configs.__file__), "demo.py")
@@ -221,8 +221,9 @@ def _write_log(exc: BaseException, values: dict, log_dirs: Sequence[str] = ()) -
 def report(exc: BaseException, values: dict, log_dirs: Sequence[str] = ()) -> int:
     """Prints the short message for a user error, an interruption or a full disk; returns the
     exit code. Anything else is re-raised (a bug: its traceback is the report)."""
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        exc = DiskFullError(f"disk full writing {exc.filename or 'a file'}: free space and "
+    if not isinstance(exc, UserError) and is_disk_full(exc):
+        name = exc.filename if isinstance(exc, OSError) else None
+        exc = DiskFullError(f"disk full writing {name or 'a file'}: free space and "
                             "restart with the same --workdir (it resumes from its last complete "
                             "checkpoint).")
     if isinstance(exc, KeyboardInterrupt):

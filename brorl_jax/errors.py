@@ -56,6 +56,22 @@ class DiskFullError(CheckpointError):
     """A save (or a write) ran out of disk space; the last complete checkpoint is intact."""
 
 
+def is_disk_full(exc: BaseException | None) -> bool:
+    """Whether `exc` (or an exception it was raised from) is a write that found no space: an
+    OSError with errno ENOSPC, or a library's own error that says so (safetensors raises a
+    SafetensorError 'No space left on device (os error 28)')."""
+    import errno
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 class VerifierError(UserError):
     """A verifier failed (raised, timed out, its worker died) on every sample of a data source in
     one step or evaluation: training on the zeros would be meaningless."""

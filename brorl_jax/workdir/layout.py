@@ -27,7 +27,7 @@ import json
 import os
 import socket
 
-from brorl_jax.errors import WorkdirError, WorkdirLockedError
+from brorl_jax.errors import DiskFullError, WorkdirError, WorkdirLockedError, is_disk_full
 
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
@@ -319,6 +319,12 @@ def keep_warm_start(workdir: str, cfg, model) -> str:
         os.chmod(tmp, 0o755)
         set_aside(dest)
         os.replace(tmp, dest)
+    except Exception as e:
+        if is_disk_full(e):
+            raise DiskFullError(f"disk full saving the warm start to {dest}: free space and "
+                                "restart with the same --workdir (the warm start runs again; "
+                                "nothing else was written).") from e
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest

@@ -317,6 +317,15 @@ def test_an_asynchronous_write_that_runs_out_of_space_is_reported_with_its_step(
     ckpt.close()
 
 
+def test_a_warm_start_save_that_runs_out_of_space_is_one_line(small_tmpfs, env):
+    """The warm start (3.2 MB of weights) saved into a 3 MB work directory: safetensors' own
+    error ('No space left on device (os error 28)', not an OSError) was a traceback."""
+    rc, out, err = run(env, "brorl_jax.main", "--config=configs/tiny.py", "--config.sft.steps=2",
+                       f"--workdir={small_tmpfs}/run", "--config.train.tensorboard=False")
+    assert "disk full saving the warm start to" in short_error(rc, err), err[-3000:]
+    assert not os.path.exists(os.path.join(small_tmpfs, "run", "warm_start_model"))
+
+
 # 5. Verifier health -----------------------------------------------------------------------------
 def test_verifier_health_is_in_the_metrics(finished):
     for record in read_metrics(os.path.join(finished, "metrics.jsonl"))[1:]:
