@@ -46,7 +46,7 @@ from brorl_jax.train.context import (
     log as _log,
     make_prompt_tokenizer,
 )
-from brorl_jax.train.sft import run_warm_start
+from brorl_jax.train.sft import check_references, run_warm_start
 from brorl_jax.train.step import LOSS_KEYS, rl_step  # noqa: F401 - re-exported
 from brorl_jax.workdir import layout, saved_config
 from brorl_jax.workdir.checkpoint import Checkpointer
@@ -88,6 +88,8 @@ class Trainer:
         allow = saved_config.check_allow_list(allow_config_change)
         self.config_changes = saved_config.check_resume(cfg, workdir, allow) if self.resuming else []
         train_records, eval_records = load_records(cfg)
+        if cfg.sft.steps > 0:           # before the model loads
+            check_references(train_records)
         self.data_metrics = data.check_overlap(train_records, eval_records, log=_log)  # step 0
         self.lr, self.lr_note = derived_learning_rate(cfg)
         model = load_model(cfg)

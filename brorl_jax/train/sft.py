@@ -20,6 +20,7 @@ import numpy as np
 import optax
 
 from brorl_jax import models
+from brorl_jax.errors import ConfigError
 from brorl_jax.workdir.logger import progress
 from pallas_kernels import fused_logprob
 
@@ -47,6 +48,17 @@ def answer_text(record: dict, truth=None) -> str:
         return f"\\boxed{{{truth}}}"
     raise ValueError(f"the supervised warm start has no reference completion for data_source "
                      f"{source!r}; set sft.steps=0 or use reasoning_gym/math prompts.")
+
+
+def check_references(records: Sequence[dict]) -> None:
+    """Refuses (ConfigError, before the model loads) a warm start on training records a data
+    source of which has no reference completion (answer_text)."""
+    for source in sorted({str(r.get("data_source", "")) for r in records}):
+        record = next(r for r in records if str(r.get("data_source", "")) == source)
+        try:
+            answer_text(record)
+        except ValueError as e:
+            raise ConfigError(f"config key 'sft.steps' > 0 asks for a warm start, but {e}") from e
 
 
 @flax.struct.dataclass

@@ -82,3 +82,16 @@ def test_models_the_rollouts_cannot_use_are_refused_once_loaded(tmp_path):
         out = run_main(tmp_path / f"run_{model.name}", f"--config.model.path={model}")
         assert out.returncode == 2, _failure(out)
         assert message in out.stderr and str(model) in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_warm_start_without_references_is_refused_before_the_model_loads(tmp_path):
+    """A warm start on a data source with no reference completion (gsm8k rows here) failed
+    after the model had loaded; it is refused as soon as the data is read."""
+    rows = [json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1),
+                        "data_source": "gsm8k"}) for i in range(40)]
+    (tmp_path / "gsm.jsonl").write_text("\n".join(rows) + "\n")
+    out = run_main(tmp_path / "run", f"--config.data.train={tmp_path}/gsm.jsonl",
+                   "--config.sft.steps=5")
+    assert out.returncode == 2, _failure(out)
+    assert "'sft.steps' > 0 asks for a warm start" in out.stderr and "'gsm8k'" in out.stderr
+    assert "Traceback" not in out.stderr
