@@ -370,6 +370,18 @@ def restore_params(cfg, workdir: str, step: int | None = None, *,
     if not layout.has_checkpoints(workdir):
         raise CheckpointError(f"no complete checkpoint in {ckpt_dir}; train first.")
     model = load_model(cfg) if model is None else model
+    try:
+        return _restore_params(cfg, ckpt_dir, step, model)
+    except CheckpointError as e:
+        differs = saved_config.differences(cfg, workdir)
+        if not differs:
+            raise
+        raise CheckpointError(f"{e} The config differs from the run's own "
+                              f"({saved_config.CONFIG_FILE}) in {'; '.join(differs)}: without "
+                              "--config, evaluate and export read the run's own.") from e
+
+
+def _restore_params(cfg, ckpt_dir: str, step: int | None, model: models.Model):
     ckpt = Checkpointer(ckpt_dir, read_only=True, log=_log)
     try:
         optimizer = algo.make_optimizer(optimizer_config(cfg))

@@ -151,6 +151,22 @@ def as_config(workdir: str) -> ml_collections.ConfigDict | None:
     return cfg
 
 
+# What shapes a checkpoint's tree: the model, whether it holds a reference model, its optimizer.
+CHECKPOINT_SHAPE_KEYS = ("model.", "algo.kl_coef", "optim.name")
+
+
+def differences(cfg, workdir: str, keys: Sequence[str] = CHECKPOINT_SHAPE_KEYS) -> list[str]:
+    """'key: saved -> given' for each key starting with one of `keys` where `cfg` differs from
+    the run's saved config (CHECKPOINT_SHAPE_KEYS: what shapes a checkpoint)."""
+    saved = load(workdir)
+    if saved is None:
+        return []
+    refused, accepted = compare(saved, cfg.to_config_dict() if hasattr(cfg, "to_config_dict")
+                                else cfg)
+    return [f"{key}: {old!r} -> {new!r}" for key, old, new, *_ in refused + accepted
+            if key.startswith(tuple(keys))]
+
+
 def check_allow_list(allow: Iterable[str]) -> list[str]:
     """The --allow_config_change entries, each a config key or a section; ConfigError otherwise."""
     schema = _flatten(default_config())

@@ -704,3 +704,16 @@ def test_export_never_writes_over_the_base_model(copy, env, tmp_path):
     for rc, _, err in results:
         assert "is or holds the run's base model" in short_error(rc, err)
     assert hashes(str(base), what=sorted(os.listdir(base))) == before
+
+
+def test_a_checkpoint_that_does_not_fit_the_given_config_names_the_keys(copy, env):
+    """evaluate with --config naming another model (SmolLM2) than the run's: the restore fails
+    and the error names the keys that differ from the run's own config, and that evaluate
+    without --config reads that one."""
+    rc, out, err = run(env, "brorl_jax.evaluate", "--config=configs/smollm2_arith.py",
+                       f"--workdir={copy}")
+    err = short_error(rc, err)
+    assert "can be restored" in err, err[-3000:]
+    assert ("The config differs from the run's own (brorl_config.json) in model.path: '' -> "
+            "'builtin:smollm2-135m-instruct':") in err, err[-3000:]
+    assert "without --config, evaluate and export read the run's own" in err
