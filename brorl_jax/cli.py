@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
 import os
 import re
 import signal
@@ -218,9 +219,30 @@ def _write_log(exc: BaseException, values: dict, log_dirs: Sequence[str] = ()) -
         return None
 
 
+def cache_error(exc: BaseException | None) -> WorkdirError | None:
+    """A write into the cache directory ($BRORL_JAX_CACHE: the demo model, generated prompt
+    files) that the file system refused, as one line naming the directory and the fix; None for
+    any other error. It read as an invalid command line (a config file writes there) or a
+    traceback (the demo model)."""
+    from brorl_jax.models.builtin_store import default_cache_dir
+    cache = str(default_cache_dir())
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if (isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
+                and str(exc.filename or "").startswith(cache)):
+            return WorkdirError(f"the cache directory {cache} is not writable ({exc.strerror}: "
+                                f"{exc.filename}); it holds the demo model and generated prompt "
+                                "files. Set BRORL_JAX_CACHE to a writable directory.")
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def report(exc: BaseException, values: dict, log_dirs: Sequence[str] = ()) -> int:
     """Prints the short message for a user error, an interruption or a full disk; returns the
     exit code. Anything else is re-raised (a bug: its traceback is the report)."""
+    if not isinstance(exc, UserError):
+        exc = cache_error(exc) or exc
     if not isinstance(exc, UserError) and is_disk_full(exc):
         name = exc.filename if isinstance(exc, OSError) else None
         exc = DiskFullError(f"disk full writing {name or 'a file'}: free space and "
@@ -248,8 +270,8 @@ def report(exc: BaseException, values: dict, log_dirs: Sequence[str] = ()) -> in
 def _fail_at_parse(argv: Sequence[str], exc: BaseException) -> None:
     if "--debug" in argv or debug_enabled():
         os.environ[DEBUG_ENV] = "1"
-    code = report(ConfigError(command_line_error(argv, exc)).with_traceback(exc.__traceback__),
-                  {})
+    code = report(cache_error(exc) or ConfigError(command_line_error(argv, exc)).with_traceback(
+        exc.__traceback__), {})
     sys.exit(code)
 
 

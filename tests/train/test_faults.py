@@ -326,6 +326,34 @@ def test_a_warm_start_save_that_runs_out_of_space_is_one_line(small_tmpfs, env):
     assert not os.path.exists(os.path.join(small_tmpfs, "run", "warm_start_model"))
 
 
+@pytest.fixture
+def read_only_dir(tmp_path):
+    path = tmp_path / "ro"
+    path.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(
+        ["mount", "--bind", str(path), str(path)], capture_output=True).returncode == 0
+    if not mounted or subprocess.run(["mount", "-o", "remount,bind,ro", str(path)],
+                                     capture_output=True).returncode:
+        if mounted:
+            subprocess.run(["umount", str(path)], check=False)
+        pytest.skip("needs root to bind-mount a read-only directory (root writes through "
+                    "permission bits)")
+    yield str(path)
+    subprocess.run(["umount", str(path)], check=False)
+
+
+def test_a_read_only_cache_directory_is_one_line(read_only_dir, env, tmp_path):
+    """BRORL_JAX_CACHE read-only: a config file that writes its prompt files there read as an
+    invalid command line, the demo model's first build as a traceback."""
+    ro = {"BRORL_JAX_CACHE": read_only_dir}
+    results = run_all(dict(env, **ro), [
+        ("brorl_jax.main", "--config=configs/smollm2_arith.py", f"--workdir={tmp_path / 'a'}"),
+        ("brorl_jax.main", "--config=configs/tiny.py", f"--workdir={tmp_path / 'b'}")])
+    for rc, _, err in results:
+        assert f"the cache directory {read_only_dir} is not writable" in short_error(rc, err)
+        assert "BRORL_JAX_CACHE" in err and "invalid command line" not in err
+
+
 # 5. Verifier health -----------------------------------------------------------------------------
 def test_verifier_health_is_in_the_metrics(finished):
     for record in read_metrics(os.path.join(finished, "metrics.jsonl"))[1:]:
