@@ -55,10 +55,15 @@ def with_config_impls(mcfg: models.ModelConfig, cfg) -> models.ModelConfig:
     return dataclasses.replace(mcfg, **changes) if changes else mcfg
 
 
+def base_model_dir(cfg) -> str:
+    """Where the config's base model is: model.path, or the embedded demo model's directory."""
+    return cfg.model.path or models.ensure_demo_model()
+
+
 def load_model(cfg) -> models.Model:
     """The config's model (the embedded demo model when model.path is empty), with the config's
     attention and MLP implementations. A path that does not hold a model raises ModelError."""
-    path = cfg.model.path or models.ensure_demo_model()
+    path = base_model_dir(cfg)
     check_model_path(cfg.model.path)
     try:
         model = models.from_pretrained(path, dtype=cfg.model.dtype,

@@ -39,6 +39,7 @@ from brorl_jax.errors import CheckpointError, DataError, TrainingStopped
 from brorl_jax.train import door, evaluation
 from brorl_jax.train.context import (
     RunContext,
+    base_model_dir,
     build_context,
     check_model_path,
     load_model,
@@ -251,6 +252,8 @@ class Trainer:
             for line in saved_config.record(self.cfg, self.workdir, resumed_from=resumed_from,
                                             accepted=self.config_changes):
                 _log(line)
+            if resumed_from is None:
+                saved_config.record_base_model(self.workdir, base_model_dir(self.cfg))
 
     def run(self) -> RunResult:
         """Trains to cfg.train.steps, resuming from the latest checkpoint in the workdir."""
@@ -369,6 +372,7 @@ def restore_params(cfg, workdir: str, step: int | None = None, *,
     ckpt_dir = os.path.join(workdir, layout.CHECKPOINTS)
     if not layout.has_checkpoints(workdir):
         raise CheckpointError(f"no complete checkpoint in {ckpt_dir}; train first.")
+    saved_config.check_base_model(workdir, base_model_dir(cfg))
     model = load_model(cfg) if model is None else model
     try:
         return _restore_params(cfg, ckpt_dir, step, model)

@@ -95,6 +95,60 @@ def policy(key: str) -> tuple[bool, str]:
     return CHANGE_POLICY.get(section, (REFUSED, "not classified; refused to be safe"))
 
 
+# The base model's files (its weights aside) that shape what a run trains and what its exports
+# ship: a fresh start records their hashes in BASE_MODEL_FILE; evaluate and export check them.
+BASE_MODEL_FILE = "base_model.json"
+BASE_MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json",
+                    "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                    "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def _base_hashes(model_dir: str) -> dict[str, str]:
+    import hashlib
+    out = {}
+    for name in BASE_MODEL_FILES:
+        path = os.path.join(model_dir, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                out[name] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def record_base_model(workdir: str, model_dir: str) -> None:
+    """At a fresh start: the hashes of the base model's files (BASE_MODEL_FILES) in
+    WORKDIR/base_model.json. A model that is not a directory (a .gguf file, a built-in name) is
+    not recorded."""
+    if not os.path.isdir(model_dir):
+        return
+    path = os.path.join(workdir, BASE_MODEL_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"path": os.path.abspath(model_dir), "files": _base_hashes(model_dir)}, f,
+                  indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def check_base_model(workdir: str, model_dir: str) -> None:
+    """Raises ConfigError when a file of the base model at `model_dir` differs from the one the
+    run started with (its prompts would be built, and an export would ship files, the run did not
+    train with). Nothing to check for a run that recorded none."""
+    try:
+        with open(os.path.join(workdir, BASE_MODEL_FILE)) as f:
+            recorded = json.load(f)
+    except (OSError, ValueError):
+        return
+    if not os.path.isdir(model_dir):
+        return
+    now = _base_hashes(model_dir)
+    changed = [name for name, digest in recorded.get("files", {}).items()
+               if now.get(name) != digest]
+    if changed:
+        raise ConfigError(f"config key 'model.path' = {model_dir!r}: {', '.join(changed)} "
+                          f"differ(s) from the base model the run started with "
+                          f"({recorded.get('path')}, hashes in {BASE_MODEL_FILE}); prompts and "
+                          "exported files would not be the run's. Point model.path at the run's "
+                          "base model.")
+
+
 def save(cfg: ml_collections.ConfigDict, workdir: str) -> str:
     """Writes the resolved config to workdir/brorl_config.json (atomically); returns the path."""
     path = os.path.join(workdir, CONFIG_FILE)

@@ -745,3 +745,23 @@ def test_a_checkpoint_that_does_not_fit_the_given_config_names_the_keys(copy, en
     assert ("The config differs from the run's own (brorl_config.json) in model.path: '' -> "
             "'builtin:smollm2-135m-instruct':") in err, err[-3000:]
     assert "without --config, evaluate and export read the run's own" in err
+
+
+def test_evaluate_and_export_refuse_a_base_model_that_changed(copy, env, tmp_path):
+    """A fresh start records the hashes of its base model's config and tokenizer files
+    (base_model.json); evaluate and export with a model.path whose files differ are refused
+    naming them, where they built prompts and shipped files the run did not train with."""
+    from brorl_jax.models import ensure_demo_model
+    assert os.path.exists(os.path.join(copy, "base_model.json"))
+    edited = tmp_path / "edited"
+    shutil.copytree(ensure_demo_model(), edited)
+    config = json.loads((edited / "tokenizer_config.json").read_text())
+    (edited / "tokenizer_config.json").write_text(json.dumps(dict(config, model_max_length=64)))
+    results = run_all(env, [
+        ("brorl_jax.evaluate", f"--workdir={copy}", f"--config.model.path={edited}"),
+        ("brorl_jax.export", f"--workdir={copy}", f"--config.model.path={edited}",
+         f"--out={tmp_path / 'hf'}")])
+    for rc, _, err in results:
+        assert "tokenizer_config.json differ(s) from the base model the run started with" in \
+            short_error(rc, err), err[-3000:]
+    assert not os.path.exists(tmp_path / "hf")
