@@ -97,10 +97,12 @@ def policy(key: str) -> tuple[bool, str]:
 
 # The base model's files (its weights aside) that shape what a run trains and what its exports
 # ship: a fresh start records their hashes in BASE_MODEL_FILE; evaluate and export check them.
+# tokenizer_config.json and special_tokens_map.json are left out: every writer (transformers'
+# save_pretrained, ours) serialises them differently for the same tokenizer, so a warm start saved
+# from the base would differ from it.
 BASE_MODEL_FILE = "base_model.json"
 BASE_MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json",
-                    "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                    "vocab.json", "merges.txt", "tokenizer.model")
+                    "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
 
 
 def _base_hashes(model_dir: str) -> dict[str, str]:

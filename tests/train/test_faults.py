@@ -755,13 +755,13 @@ def test_evaluate_and_export_refuse_a_base_model_that_changed(copy, env, tmp_pat
     assert os.path.exists(os.path.join(copy, "base_model.json"))
     edited = tmp_path / "edited"
     shutil.copytree(ensure_demo_model(), edited)
-    config = json.loads((edited / "tokenizer_config.json").read_text())
-    (edited / "tokenizer_config.json").write_text(json.dumps(dict(config, model_max_length=64)))
+    template = edited / "chat_template.jinja"
+    template.write_text("{# another template #}" + template.read_text())    # another file
     results = run_all(env, [
         ("brorl_jax.evaluate", f"--workdir={copy}", f"--config.model.path={edited}"),
         ("brorl_jax.export", f"--workdir={copy}", f"--config.model.path={edited}",
          f"--out={tmp_path / 'hf'}")])
     for rc, _, err in results:
-        assert "tokenizer_config.json differ(s) from the base model the run started with" in \
+        assert "chat_template.jinja differ(s) from the base model the run started with" in \
             short_error(rc, err), err[-3000:]
     assert not os.path.exists(tmp_path / "hf")
