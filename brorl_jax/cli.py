@@ -48,6 +48,7 @@ from brorl_jax.errors import (  # noqa: F401
     VerifierError,
     WorkdirError,
     debug_enabled,
+    exception_chain,
     is_disk_full,
 )
 
@@ -226,15 +227,12 @@ def cache_error(exc: BaseException | None) -> WorkdirError | None:
     traceback (the demo model)."""
     from brorl_jax.models.builtin_store import default_cache_dir
     cache = str(default_cache_dir())
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if (isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
-                and str(exc.filename or "").startswith(cache)):
-            return WorkdirError(f"the cache directory {cache} is not writable ({exc.strerror}: "
-                                f"{exc.filename}); it holds the demo model and generated prompt "
+    for e in exception_chain(exc):
+        if (isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
+                and str(e.filename or "").startswith(cache)):
+            return WorkdirError(f"the cache directory {cache} is not writable ({e.strerror}: "
+                                f"{e.filename}); it holds the demo model and generated prompt "
                                 "files. Set BRORL_JAX_CACHE to a writable directory.")
-        exc = exc.__cause__ or exc.__context__
     return None
 
 

@@ -56,20 +56,22 @@ class DiskFullError(CheckpointError):
     """A save (or a write) ran out of disk space; the last complete checkpoint is intact."""
 
 
+def exception_chain(exc: BaseException | None):
+    """`exc` and the exceptions it was raised from (__cause__, else __context__), each once."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
 def is_disk_full(exc: BaseException | None) -> bool:
     """Whether `exc` (or an exception it was raised from) is a write that found no space: an
     OSError with errno ENOSPC, or a library's own error that says so (safetensors raises a
     SafetensorError 'No space left on device (os error 28)')."""
     import errno
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            return True
-        if "No space left on device" in str(exc):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+    return any((isinstance(e, OSError) and e.errno == errno.ENOSPC)
+               or "No space left on device" in str(e) for e in exception_chain(exc))
 
 
 class VerifierError(UserError):

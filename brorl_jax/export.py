@@ -106,11 +106,12 @@ def export(cfg, workdir: str, out: str, step: int | None = None, overwrite: bool
     work directory is only read (a missing one is an error, never created)."""
     from brorl_jax import models
     from brorl_jax.config import validate
+    from brorl_jax.train.context import base_model_dir
     from brorl_jax.train.loop import restore_params
     from brorl_jax.workdir.layout import require_existing
     cfg = validate(cfg)
     require_existing(workdir)
-    check_out(out, workdir, overwrite, base_model=cfg.model.path or models.ensure_demo_model())
+    check_out(out, workdir, overwrite, base_model=base_model_dir(cfg))
     model, params, step = restore_params(cfg, workdir, step)
 
     def write(tmp: str) -> None:

@@ -50,7 +50,12 @@ from brorl_jax import algo, models
 from brorl_jax.config import INT32_MAX, RunConfig, as_run_config, check_mesh, validate
 from brorl_jax.errors import CheckpointError, ConfigError
 from brorl_jax.rollout import plan as rollout_plan
-from brorl_jax.train.context import check_model_path, eval_sampling, with_config_impls
+from brorl_jax.train.context import (
+    base_model_dir,
+    check_model_path,
+    eval_sampling,
+    with_config_impls,
+)
 from brorl_jax.train.evaluation import prompts_per_call
 from brorl_jax.train.rollout_calls import (
     RolloutCall,
@@ -125,7 +130,7 @@ def check_loaded_model(cfg, model_cfg: models.ModelConfig | None, *, update: boo
 def read_model_config(cfg) -> models.ModelConfig | None:
     """The ModelConfig load_model(cfg) will have, read from the model's config.json without its
     weights; None for a .gguf file or a path load_model will refuse."""
-    mcfg = models.read_config(cfg.model.path or models.ensure_demo_model(),
+    mcfg = models.read_config(base_model_dir(cfg),
                               dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
     return None if mcfg is None else with_config_impls(mcfg, cfg)
 

@@ -112,7 +112,7 @@ class Trainer:
             self.ctx.close()
             raise
         self.updates_per_step = cfg.updates_per_step
-        self.skipped_in_a_row = 0       # RL steps with every update non-finite (_skipped_step)
+        self.skipped_in_a_row = 0       # RL steps with every update non-finite (_check_skips)
         self.stopping = GracefulStop(_log)
 
     def _make_loader(self, train_records, prompt_tokenizer):
@@ -214,15 +214,17 @@ class Trainer:
             layout.keep_warm_start(self.workdir, self.cfg, self.ctx.model.with_params(params))
         return params
 
-    def _skipped_step(self, step: int, metrics: dict) -> None:
-        """The NaN guard skipped updates of `step`: a warning; train.max_skipped_steps steps in
-        a row with every update skipped stop the run (TrainingStopped, exit code 2), since it
-        cannot learn. The last checkpoint is kept as it is."""
+    def _check_skips(self, step: int, metrics: dict) -> None:
+        """The NaN guard's skips of `step`: a line when it skipped some updates, a warning when
+        it skipped all; train.max_skipped_steps steps in a row with every update skipped stop
+        the run (TrainingStopped, exit code 2), since it cannot learn. The last checkpoint is
+        kept as it is."""
         skipped, updates = int(metrics["update/skipped"]), self.updates_per_step
         if skipped < updates:
             self.skipped_in_a_row = 0
-            _log(f"[nan-guard] step {step}: {skipped} of {updates} updates non-finite (loss or "
-                 "gradient); skipped")
+            if skipped:
+                _log(f"[nan-guard] step {step}: {skipped} of {updates} updates non-finite "
+                     "(loss or gradient); skipped")
             return
         self.skipped_in_a_row += 1
         limit = self.cfg.train.max_skipped_steps
@@ -275,9 +277,7 @@ class Trainer:
             done = step + 1
             if metrics["update/skipped"]:
                 counters["skipped_steps"] += 1
-                self._skipped_step(step, metrics)
-            else:
-                self.skipped_in_a_row = 0
+            self._check_skips(step, metrics)
             if metrics.get("ref_reset"):
                 _log(f"[reference] reset at step {done}" + (
                     " (optimizer state cleared)" if cfg.algo.reset_optimizer_on_ref_reset else ""))
