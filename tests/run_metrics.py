@@ -17,7 +17,8 @@ import json
 import os
 
 TIMING = ("time/", "perf/samples_per_s", "perf/tokens_per_s", "verifier_cost/", "data/")
-DEVICE_REDUCED = ("loss/", "update/", "mass_balance/")
+DEVICE_REDUCED = ("loss/", "update/", "mass_balance/", "rollout/logprob_gap_mean",
+                  "rollout/behaviour_kl")
 # Counts the update reports among its float metrics: sample-decided, compared exactly.
 UPDATE_COUNTS = {"update/n_tokens", "update/optimizer_steps", "update/skipped", "update/finite"}
 

@@ -192,6 +192,17 @@ def tis_weights(trainer_logp, rollout_logp, mode: str = "ice_pop", low: float = 
     return TIS_MODES[mode](jnp.exp(log_k), low, high)
 
 
+def behaviour_gap(trainer_logp, rollout_logp):
+    """Per token, under stop_gradient: |log pi_old - log mu| (the trainer's step-start log-prob
+    against the rollout engine's sampling log-prob: precision, kernels, staleness) and the k3
+    estimate of KL(mu || pi_old) from the samples of mu, exp(d) - 1 - d with d = log pi_old -
+    log mu (Schulman's k3: unbiased, >= 0), d clamped like the TIS ratio. Logged as
+    rollout/logprob_gap_mean and rollout/behaviour_kl."""
+    d = jnp.clip(lax_stop(trainer_logp) - lax_stop(rollout_logp), -PPO_LOG_RATIO_CLAMP,
+                 PPO_LOG_RATIO_CLAMP)
+    return jnp.abs(d), jnp.expm1(d) - d
+
+
 def lax_stop(x):
     return jax.lax.stop_gradient(x)
 
@@ -225,6 +236,7 @@ def policy_loss(
                                                         cfg.clip_eps_low, cfg.clip_eps_high,
                                                         cfg.dual_clip_c)
     tis_w, dropped = tis_weights(old_logp, rollout_logp, cfg.tis_mode, cfg.tis_low, cfg.tis_high)
+    gap_abs, behaviour_kl = behaviour_gap(old_logp, rollout_logp)
     pg_term = jnp.sum(w * tis_w * pg)
     if ref_logp is not None and cfg.kl_coef > 0:
         kl = kl_penalty(logp, ref_logp, cfg.kl_estimator, cfg.kl_clamp)
@@ -247,5 +259,7 @@ def policy_loss(
         "ratio_sum": sg(jnp.sum(m * ratio)),
         "tis_dropped_sum": jnp.sum(m * dropped),
         "tis_weight_sum": jnp.sum(m * tis_w),
+        "logprob_gap_sum": jnp.sum(m * gap_abs),
+        "behaviour_kl_sum": jnp.sum(m * behaviour_kl),
     }
     return loss, sums

@@ -366,7 +366,8 @@ def make_logprob_fn(model_cfg=None, algo_cfg: UpdateConfig | None = None, *, pol
 
 _METRIC_SUMS = ("n_tokens", "kl_sum", "entropy_sum", "clip_low_sum", "clip_high_sum", "dual_clip_sum",
                 "ratio_sum",
-                "tis_dropped_sum", "tis_weight_sum", "pg_loss", "kl_loss", "entropy_loss")
+                "tis_dropped_sum", "tis_weight_sum", "pg_loss", "kl_loss", "entropy_loss",
+                "logprob_gap_sum", "behaviour_kl_sum")
 
 
 def make_update_step(model_cfg, algo_cfg: UpdateConfig, optimizer: optax.GradientTransformation, *,
@@ -570,6 +571,8 @@ def _step_metrics(m: dict, cfg: UpdateConfig) -> dict:
         "ratio_mean": frac("ratio_sum"),
         "tis_dropped_frac": frac("tis_dropped_sum"),
         "tis_weight_mean": frac("tis_weight_sum"),
+        "logprob_gap_mean": frac("logprob_gap_sum"),
+        "behaviour_kl": frac("behaviour_kl_sum"),
         "grad_norm": jnp.mean(m["grad_norm"]),
         "grad_var": jnp.mean(m["grad_var"]),
         "finite": jnp.min(m["finite"]),

@@ -33,7 +33,7 @@ def choices() -> dict[str, tuple[str, ...]]:
     implement them (adding an estimator, filter or verifier there adds it here)."""
     from brorl_jax import algo
     from brorl_jax.algo import policies
-    from brorl_jax.models.config import ATTENTION_IMPLS, MLP_IMPLS
+    from brorl_jax.models.config import ATTENTION_IMPLS, MLP_IMPLS, ROLLOUT_PRECISIONS
     from brorl_jax.parallel.rules import PARAM_RULES
     from pallas_kernels.fused_logprob import IMPLS as LOGPROB_IMPLS
     from pallas_kernels.sampling import IMPLS as ROLLOUT_IMPLS
@@ -44,6 +44,8 @@ def choices() -> dict[str, tuple[str, ...]]:
         "model.mlp_impl": MLP_IMPLS,
         "rollout.impl": ROLLOUT_IMPLS,
         "rollout.select_rule": policies.SELECT_RULES,
+        "rollout.weight_dtype": ROLLOUT_PRECISIONS,
+        "rollout.kv_dtype": ROLLOUT_PRECISIONS,
         "algo.advantage": tuple(algo.ADVANTAGES),
         "algo.dynamic_sampling_rule": tuple(algo.GROUP_FILTERS),
         "algo.dynamic_sampling_cap_policy": algo.CAP_POLICIES,
@@ -197,6 +199,14 @@ def _validate_rules(cfg: RunConfig) -> list[str]:
     if a.tis_mode != "off" and not 0.0 <= a.tis_low < 1.0 < a.tis_high:
         errors.append(f"config keys 'algo.tis_low'/'algo.tis_high' must satisfy "
                       f"0 <= tis_low < 1 < tis_high, got {a.tis_low}, {a.tis_high}.")
+    low = [f"rollout.{k}='fp8'" for k in ("weight_dtype", "kv_dtype") if r[k] == "fp8"]
+    if low and (a.tis_mode == "off" or not a.recompute_old_logprobs):
+        errors.append(f"{' and '.join(low)} samples from a policy other than the one trained: it "
+                      "needs the truncated importance-sampling correction, which "
+                      + ("'algo.tis_mode'='off'" if a.tis_mode == "off" else
+                         "'algo.recompute_old_logprobs'=False") + " turns off. Set "
+                      "algo.tis_mode='ice_pop' or 'truncate' (and recompute_old_logprobs=True), "
+                      "or keep the rollout in 'bf16' (docs/rollout.md, 'FP8 rollouts').")
     if r.rollouts_per_prompt < 2:
         errors.append("config key 'rollout.rollouts_per_prompt' must be >= 2: the group "
                       "baselines of every advantage estimator need several responses per prompt.")

@@ -92,6 +92,11 @@ class Rollout(Section):
     # rollout working memory (decode slots, KV pages); 0 = a slot per sample
     memory_budget_gb: float = setting(0.0, ">= 0")
     impl: str = setting("auto")              # auto | pallas | reference (auto: Pallas on GPU/TPU)
+    # The rollout copy's precision (docs/rollout.md "FP8 rollouts"; not in the paper: its write-ups
+    # ask for FP8 on the exploration path, verl and NeMo-RL ship it): bf16 (the compute dtype) |
+    # fp8 (e4m3, per-output-channel weight scales / per-(position, head) KV scales). fp8 needs TIS.
+    weight_dtype: str = setting("bf16", source="verl docs/low_precision/fp8.md")
+    kv_dtype: str = setting("bf16", source="slime FP8 KV cache")
     # Options NOT in the paper (docs/options.md), all off by default:
     temperature_schedule: str = setting("")  # "step:T,step:T", e.g. "0:1.3,100:0.9,200:0.7"; "" = off
     adaptive_n: bool = setting(False)        # N per prompt from its EMA pass rate, bucketed
@@ -242,6 +247,8 @@ class Eval(Section):
     temperature: float = setting(0.6, ">= 0", source="BroRL App. D")
     top_p: float = setting(0.95, "(0, 1]")
     max_new_tokens: int = setting(-1)        # -1 = rollout.max_new_tokens
+    # evaluate with the rollout's weight_dtype / kv_dtype; False: always in the compute dtype
+    low_precision: bool = setting(False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,8 @@ SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 ATTENTION_IMPLS = ("reference", "xla", "cudnn", "flash")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
+# The rollout copy's weights and KV cache (models/precision.py)
+ROLLOUT_PRECISIONS = ("bf16", "fp8")
 
 # HF's RotaryEmbeddingConfigMixin.default_theta: used when a config.json names no theta.
 _DEFAULT_ROPE_THETA = 10_000.0
@@ -75,6 +77,12 @@ class ModelConfig:
     # "pallas" (the kernels; interpreted on CPU), "reference" (always the XLA expression).
     # Not part of the checkpoint, like attention_impl.
     mlp_impl: str = "auto"
+    # The rollout copy's precision (models/precision.py; keys rollout.weight_dtype and
+    # rollout.kv_dtype): "bf16" = the compute dtype, "fp8" = e4m3 values with scales. Set only on
+    # the rollout engine's config (models.precision.with_precision); the update's stays "bf16".
+    # Not part of the checkpoint, like attention_impl.
+    weight_precision: str = "bf16"
+    kv_precision: str = "bf16"
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -87,6 +95,10 @@ class ModelConfig:
                              f"{ATTENTION_IMPLS}")
         if self.mlp_impl not in MLP_IMPLS:
             raise ValueError(f"ModelConfig.mlp_impl={self.mlp_impl!r}; use one of {MLP_IMPLS}")
+        for name in ("weight_precision", "kv_precision"):
+            if getattr(self, name) not in ROLLOUT_PRECISIONS:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; use one of "
+                                 f"{ROLLOUT_PRECISIONS}")
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in SUPPORTED_DTYPES:
                 raise ValueError(

@@ -35,6 +35,7 @@ from brorl_jax.parallel.attention import packed_attention_on_mesh
 from pallas_kernels import _backend, swiglu_mlp
 
 from .config import ModelConfig
+from .precision import layer_module
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # Same init as transformers' PreTrainedModel._init_weights (initializer_range=0.02).
@@ -194,10 +195,12 @@ class DecoderLayer(nn.Module):
         (GPU), pallas_kernels.swiglu_mlp computes the product inside the GEMMs over the same
         parameters; elsewhere (and while the parameters are created) the Dense layers do."""
         cfg = self.cfg
-        if not self.is_initializing() and swiglu_mlp.resolve_impl(
-                cfg.mlp_impl, hidden.shape, (cfg.hidden_size, cfg.intermediate_size),
-                hidden.dtype) == "pallas":
-            p = self.variables["params"]
+        p = None if self.is_initializing() else self.variables["params"]
+        # (qwix-quantized projections, models/precision.py, take the Dense path: its GEMMs)
+        if p is not None and isinstance(p["gate_proj"]["kernel"], jax.Array) and \
+                swiglu_mlp.resolve_impl(cfg.mlp_impl, hidden.shape,
+                                        (cfg.hidden_size, cfg.intermediate_size),
+                                        hidden.dtype) == "pallas":
             return swiglu_mlp.swiglu_mlp(hidden, p["gate_proj"]["kernel"], p["up_proj"]["kernel"],
                                          p["down_proj"]["kernel"], impl="pallas")
         return self.down_proj(nn.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
@@ -224,7 +227,8 @@ def layer_qkv(
     layer_params: ONE layer's params (no leading L axis); x[B,T,D], positions int[B,T]
     -> q[B,T,H,Dh], k[B,T,Hkv,Dh], v[B,T,Hkv,Dh] in the compute dtype.
     """
-    return DecoderLayer(cfg).apply({"params": layer_params}, x, positions, method="qkv")
+    return layer_module(cfg, layer_params).apply({"params": layer_params}, x, positions,
+                                                 method="qkv")
 
 
 def layer_finish(layer_params: dict, cfg: ModelConfig, x: jax.Array, attn: jax.Array) -> jax.Array:
@@ -232,7 +236,8 @@ def layer_finish(layer_params: dict, cfg: ModelConfig, x: jax.Array, attn: jax.A
 
     x[B,T,D] (the layer's input), attn[B,T,H,Dh] (attention output) -> x[B,T,D].
     """
-    return DecoderLayer(cfg).apply({"params": layer_params}, x, attn, method="finish")
+    return layer_module(cfg, layer_params).apply({"params": layer_params}, x, attn,
+                                                 method="finish")
 
 
 def final_norm(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:

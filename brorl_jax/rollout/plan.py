@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from brorl_jax.models import ModelConfig
+from brorl_jax.models.precision import rollout_weight_bytes
 from brorl_jax.models.transformer import dtype_of
 from pallas_kernels import _backend
 from pallas_kernels.decode_attention import default_page_size
@@ -71,9 +72,13 @@ def _itemsize(cfg: ModelConfig) -> int:
 
 
 def kv_bytes(cfg: ModelConfig, num_sequences: int, length: int) -> int:
-    """Bytes of a K+V cache for ``num_sequences`` sequences of ``length`` positions, all layers."""
-    return (2 * cfg.num_hidden_layers * num_sequences * length * cfg.num_key_value_heads
-            * cfg.head_dim * _itemsize(cfg))
+    """Bytes of a K+V cache for ``num_sequences`` sequences of ``length`` positions, all layers,
+    at the config's KV precision (models.precision.kv_bytes_per_element: an fp8 cache stores a
+    byte per element and a float32 scale per position and KV head)."""
+    positions = 2 * cfg.num_hidden_layers * num_sequences * length * cfg.num_key_value_heads
+    if cfg.kv_precision == "fp8":
+        return positions * (cfg.head_dim + 4)
+    return positions * cfg.head_dim * _itemsize(cfg)
 
 
 def cache_len(max_new_tokens: int, page_size: int | None = None) -> int:
@@ -166,8 +171,9 @@ def rollout_params_bytes(cfg: ModelConfig, num_params: int) -> int:
     """Device memory of the rollout's copy of the parameters (``Runtime.rollout_params``: the
     compute dtype, one buffer per layer, replicated on every rollout device). It is held by the
     runtime from one update to the next, beside the trainer's master weights, and is not part of
-    a rollout memory budget (which covers the working memory only)."""
-    return int(num_params) * _itemsize(cfg)
+    a rollout memory budget (which covers the working memory only). Under fp8 weights the
+    projections take a byte each (models.precision.rollout_weight_bytes)."""
+    return rollout_weight_bytes(cfg, num_params)
 
 
 def slot_buckets(slots: int, min_slots: int | None = None) -> tuple[int, ...]:

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from brorl_jax.models import ModelConfig, embed, final_norm, layer_finish, layer_qkv, lm_logits
+from brorl_jax.models.precision import is_quantized, quantize_layers
 from brorl_jax.models.transformer import dtype_of
 from brorl_jax.rollout.plan import FIRST_TOKEN_ROWS, slot_buckets
 from pallas_kernels import _backend
@@ -67,21 +68,34 @@ def rollout_layout(params: dict, cfg: ModelConfig) -> dict:
     (cast once, not inside every decode step) and the layer stack ``[L, ...]`` split into one
     buffer per layer (a tuple of L per-layer dicts), so each layer's weights are read in place:
     slicing layer l out of a stacked weight inside the decode loop (a ``lax.scan`` over layers)
-    is a copy of every layer's weights on every step. Already in this layout: unchanged.
+    is a copy of every layer's weights on every step. With ``cfg.weight_precision == "fp8"`` each
+    layer's projections are quantized (models.precision.quantize_layers: e4m3, per-output-channel
+    scales from these weights). Already in this layout: unchanged.
     Run it under jit (``Runtime.rollout_params``, ``Engine.stream``): the outputs are separate
     buffers."""
+    if in_rollout_layout(params, cfg):
+        return params
     dt = dtype_of(cfg.dtype)
     cast = lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x
     params = jax.tree.map(cast, params)
-    return dict(params, layers=layer_list(params, cfg))
+    layers = layer_list(params, cfg)
+    if cfg.weight_precision == "fp8":
+        layers = quantize_layers(layers, cfg)
+    return dict(params, layers=layers)
 
 
 def in_rollout_layout(params: dict, cfg: ModelConfig) -> bool:
     """True when ``params`` is in :func:`rollout_layout`'s layout (no conversion needed)."""
     dt = jnp.dtype(dtype_of(cfg.dtype))
-    return isinstance(params.get("layers"), (tuple, list)) and all(
-        jnp.dtype(x.dtype) == dt for x in jax.tree.leaves(params)
-        if jnp.issubdtype(x.dtype, jnp.floating))
+    layers = params.get("layers")
+    if not isinstance(layers, (tuple, list)):
+        return False
+    fp8 = cfg.weight_precision == "fp8"
+    if any(is_quantized(lp) != fp8 for lp in layers):
+        return False
+    allowed = {dt, jnp.dtype(jnp.float8_e4m3fn)} if fp8 else {dt}
+    return all(jnp.dtype(x.dtype) in allowed for x in jax.tree.leaves(params)
+               if jnp.issubdtype(x.dtype, jnp.floating))
 
 
 def layer_list(params: dict, cfg: ModelConfig) -> tuple:

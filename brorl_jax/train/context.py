@@ -24,6 +24,7 @@ from brorl_jax.errors import ConfigError, DataError, ModelError, VerifierError
 from brorl_jax.rewards import ScoringService, custom as custom_reward
 from brorl_jax.rewards.health import VerifierFailure, VerifierHealth, check_records
 from brorl_jax.rewards.registry import resolve_reward_name
+from brorl_jax.train.rollout_calls import rollout_precision
 from brorl_jax.train.runtime import Runtime, make_runtime
 
 # Seed offset of the held-out evaluation's rollouts (distinct from every training round's).
@@ -179,6 +180,9 @@ class Sampling:
     top_p: float
     top_k: int
     max_new_tokens: int
+    # the rollout copy's (weights, KV cache) precision: rollout.weight_dtype / kv_dtype for the
+    # training steps; the compute dtype for evaluation unless eval.low_precision
+    precision: tuple[str, str] = ("bf16", "bf16")
 
 
 def update_config_at(algo_cfg: UpdateConfig, temperature: float) -> UpdateConfig:
@@ -195,7 +199,8 @@ def eval_sampling(cfg) -> Sampling:
     """The evaluation's sampling settings (eval.*; eval.max_new_tokens -1 = the rollout's)."""
     c = cfg.eval
     return Sampling(c.temperature, c.top_p, 0,
-                    c.max_new_tokens if c.max_new_tokens > 0 else cfg.rollout.max_new_tokens)
+                    c.max_new_tokens if c.max_new_tokens > 0 else cfg.rollout.max_new_tokens,
+                    rollout_precision(cfg) if c.low_precision else ("bf16", "bf16"))
 
 
 @dataclasses.dataclass
@@ -229,7 +234,8 @@ class RunContext:
 
     def train_sampling(self, step: int) -> Sampling:
         r = self.cfg.rollout
-        return Sampling(self.rollout_temperature(step), r.top_p, r.top_k, r.max_new_tokens)
+        return Sampling(self.rollout_temperature(step), r.top_p, r.top_k, r.max_new_tokens,
+                        rollout_precision(self.cfg))
 
     def eval_sampling(self) -> Sampling:
         return eval_sampling(self.cfg)
@@ -248,7 +254,7 @@ class RunContext:
         (memory budget, impl)."""
         kw = dict(rollouts_per_prompt=n, max_new_tokens=sampling.max_new_tokens,
                   temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                  seed=seed, eos_ids=self.eos_ids)
+                  seed=seed, eos_ids=self.eos_ids, precision=sampling.precision)
         if open_stream is not None:
             return self.runtime.open_stream(self.model, params,
                                             prompt_len=self.cfg.data.max_prompt_len,

@@ -142,7 +142,8 @@ def rollout_calls(cfg, num_processes: int = 1) -> tuple[RolloutCall, RolloutCall
     evaluation = RolloutCall(
         "evaluation", min(prompts_per_call(k), -(-cfg.eval.num_prompts // num_processes)), k,
         eval_sampling(cfg).max_new_tokens, "eval.samples_per_prompt",
-        "eval.max_new_tokens" if cfg.eval.max_new_tokens > 0 else "rollout.max_new_tokens")
+        "eval.max_new_tokens" if cfg.eval.max_new_tokens > 0 else "rollout.max_new_tokens",
+        eval_sampling(cfg).precision)
     return train, evaluation
 
 
@@ -208,6 +209,7 @@ def _rollout_call(cfg, model_cfg, call: RolloutCall, devices: int, device_bytes,
                   ) -> list[str]:
     prompt_len = rollout_plan.bucket_prompt_length(cfg.data.max_prompt_len)
     budget = cfg.memory_budget_bytes
+    model_cfg = call.model_config(model_cfg)
     shapes = (model_cfg, call.num_prompts, prompt_len, call.samples_per_prompt,
               call.max_new_tokens)
     sizes = (f"{call.samples_per_prompt} samples per prompt ({call.n_keys}), prompts up to "

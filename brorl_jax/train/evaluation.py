@@ -53,14 +53,14 @@ def evaluate(ctx, params, step: int) -> dict:
     prompts. A data source whose verifier failed on every sample raises VerifierError."""
     k = ctx.cfg.eval.samples_per_prompt
     runtime, prompts_all = ctx.runtime, ctx.eval_prompts
-    params = runtime.rollout_params(params)
+    sampling = ctx.eval_sampling()
+    params = runtime.rollout_params(params, sampling.precision)
     procs, index = runtime.num_processes, runtime.process_index
     per = -(-len(prompts_all) // procs)
     first = per * index
     prompts = prompts_all[first:first + per]
     real = len(prompts)
     prompts = prompts + [prompts_all[0]] * (per - real)    # equal shapes everywhere
-    sampling = ctx.eval_sampling()
     rewards, healths = [], []
     chunk = prompts_per_call(k)
     bar = progress(total=len(prompts), desc=f"eval at step {step}: {k} samples per prompt",

@@ -20,6 +20,17 @@ class RolloutCall:
     max_new_tokens: int
     n_keys: str                 # the keys that set samples_per_prompt
     length_key: str             # the key that sets max_new_tokens
+    precision: tuple[str, str] = ("bf16", "bf16")   # the rollout copy's (weights, KV cache)
+
+    def model_config(self, model_cfg):
+        """The call's engine config: ``model_cfg`` at its precision (the memory plan's sizes)."""
+        from brorl_jax.models.precision import with_precision
+        return with_precision(model_cfg, *self.precision)
+
+
+def rollout_precision(cfg) -> tuple[str, str]:
+    """(rollout.weight_dtype, rollout.kv_dtype): the training rollouts' precision."""
+    return cfg.rollout.weight_dtype, cfg.rollout.kv_dtype
 
 
 def training_call(cfg, num_processes: int = 1) -> RolloutCall:
@@ -32,7 +43,7 @@ def training_call(cfg, num_processes: int = 1) -> RolloutCall:
         n_keys += " x rollout.overgenerate_factor"
     return RolloutCall("training", -(-cfg.round_prompts // num_processes),
                        host.num_candidates(cfg, host.max_group_rows(cfg)), r.max_new_tokens,
-                       n_keys, "rollout.max_new_tokens")
+                       n_keys, "rollout.max_new_tokens", rollout_precision(cfg))
 
 
 def rollout_device_count(cfg) -> int:
@@ -53,6 +64,7 @@ def paused_engine_bytes(cfg, model_cfg, *, num_devices: int, num_processes: int 
     if model_cfg is None or not cfg.carries_samples or int(cfg.mesh.rollout_devices):
         return 0
     train = training_call(cfg, num_processes)
+    model_cfg = train.model_config(model_cfg)
     prompt_len = rollout_plan.bucket_prompt_length(cfg.data.max_prompt_len)
     plan = rollout_plan.plan_slots(model_cfg, train.num_prompts, prompt_len,
                                    train.samples_per_prompt, train.max_new_tokens,

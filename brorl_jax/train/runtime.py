@@ -64,6 +64,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from brorl_jax import algo, rollout
 from brorl_jax.algo import sharded_steps as algo_sharded
 from brorl_jax.config import ConfigError, as_run_config, check_update_split
+from brorl_jax.models.precision import with_precision
 from brorl_jax.parallel import distributed, sharded
 from brorl_jax.parallel.mesh import batch_axis_size, make_mesh, mesh_from_config
 
@@ -89,6 +90,9 @@ class Runtime:
         self.optimizer = optimizer
         self.diagnostics_n = diagnostics_n
         self.rollout_impl = cfg.rollout.impl
+        # the training rollouts' precision (rollout.weight_dtype / kv_dtype); evaluation passes
+        # its own (Sampling.precision)
+        self.precision = (cfg.rollout.weight_dtype, cfg.rollout.kv_dtype)
         self.memory_budget_bytes = as_run_config(cfg).memory_budget_bytes
         # the stream left paused across the update (RunConfig.carries_samples): the door's
         # count (train/door.py), counted here for a runtime built outside a run
@@ -99,7 +103,7 @@ class Runtime:
                 num_processes=jax.process_count())
         self.paused_engine_bytes = paused_engine_bytes
         self._steps: dict[Any, Any] = {}
-        self._rollout: rollout.Engine | None = None
+        self._rollout: dict = {}        # precision -> rollout.Engine
         self._rollout_copy: tuple | None = None     # (source params, the rollout's copy)
         self._layout_fns: dict[Any, Callable] = {}
 
@@ -150,54 +154,63 @@ class Runtime:
         """The state (device arrays, e.g. after a reference reset) in the update's layout."""
         raise NotImplementedError
 
-    def rollout_params(self, params):
-        """The rollout's copy of ``params`` (see the module docstring)."""
+    def rollout_params(self, params, precision=None):
+        """The rollout's copy of ``params`` (see the module docstring) at ``precision``
+        ((weights, kv); default the training rollouts')."""
         raise NotImplementedError
 
-    def _rollout_layout(self, params, sharding=None):
+    def rollout_cfg(self, model_cfg, precision=None):
+        """The rollout engine's model config: ``model_cfg`` at ``precision`` (models.precision)."""
+        return with_precision(model_cfg, *(precision or self.precision))
+
+    def _rollout_layout(self, params, sharding=None, precision=None):
         """``rollout.programs.rollout_layout`` of ``params`` under jit (``sharding``: its
         output sharding), made once per distinct ``params`` object and held (the one copy the
         memory plan counts: rollout.plan.rollout_params_bytes); the previous copy is dropped
         before the next is made."""
+        cfg = self.rollout_cfg(self.model_cfg, precision)
         held = self._rollout_copy
-        if held is not None and held[0] is params:
-            return held[1]
+        if held is not None and held[0] is params and held[1] == cfg:
+            return held[2]
         self._rollout_copy = None
-        if sharding not in self._layout_fns:
+        if (sharding, cfg) not in self._layout_fns:
             from brorl_jax.rollout.programs import rollout_layout
-            self._layout_fns[sharding] = jax.jit(
-                lambda p: rollout_layout(p, self.model_cfg), out_shardings=sharding)
-        out = self._layout_fns[sharding](params)
-        self._rollout_copy = (params, out)
+            self._layout_fns[sharding, cfg] = jax.jit(
+                lambda p: rollout_layout(p, cfg), out_shardings=sharding)
+        out = self._layout_fns[sharding, cfg](params)
+        self._rollout_copy = (params, cfg, out)
         return out
 
     rollout_mesh = None             # None: one device (LocalRuntime)
     rollout_devices = 0             # > 0: disaggregated (MeshRuntime, mesh.rollout_devices)
 
-    def generate(self, model, params, prompts, **kwargs):
+    def generate(self, model, params, prompts, *, precision=None, **kwargs):
         """Rollouts (rollout.RolloutResult) through the runtime's rollout Engine."""
-        return self.rollout_engine(model.config).generate(
+        return self.rollout_engine(model.config, precision).generate(
             params, prompts, memory_budget_bytes=self.memory_budget_bytes, **kwargs)
 
-    def stream(self, model, params, prompts, **kwargs):
+    def stream(self, model, params, prompts, *, precision=None, **kwargs):
         """The same rollouts as a rollout.RolloutStream: each prompt's group as soon as its
         samples are done, while a background thread keeps decoding."""
-        return self.rollout_engine(model.config).stream(
+        return self.rollout_engine(model.config, precision).stream(
             params, prompts, memory_budget_bytes=self.memory_budget_bytes, **kwargs)
 
-    def open_stream(self, model, params, **kwargs):
+    def open_stream(self, model, params, *, precision=None, **kwargs):
         """An open rollout.RolloutStream (Engine.open_stream): prompts fed while it decodes,
         paused between steps, weights swapped in (algo.stream_rounds)."""
-        return self.rollout_engine(model.config).open_stream(
+        return self.rollout_engine(model.config, precision).open_stream(
             params, memory_budget_bytes=self.memory_budget_bytes, **kwargs)
 
-    def rollout_engine(self, model_cfg) -> rollout.Engine:
-        """The rollout's compiled programs, held for the run (one Engine per model config; on
-        the rollout mesh under shard_map, so the Pallas kernels run per device)."""
-        if self._rollout is None or self._rollout.cfg != model_cfg:
-            self._rollout = rollout.Engine(model_cfg, mesh=self.rollout_mesh,
-                                           impl=self.rollout_impl)
-        return self._rollout
+    def rollout_engine(self, model_cfg, precision=None) -> rollout.Engine:
+        """The rollout's compiled programs, held for the run (one Engine per model config and
+        precision; on the rollout mesh under shard_map, so the Pallas kernels run per device)."""
+        cfg = self.rollout_cfg(model_cfg, precision)
+        key = (cfg.weight_precision, cfg.kv_precision)
+        engine = self._rollout.get(key)
+        if engine is None or engine.cfg != cfg:
+            engine = self._rollout[key] = rollout.Engine(cfg, mesh=self.rollout_mesh,
+                                                         impl=self.rollout_impl)
+        return engine
 
     def update(self, algo_cfg, state, batch: algo.UpdateBatch, rng):
         raise NotImplementedError
@@ -225,8 +238,8 @@ class LocalRuntime(Runtime):
     def relayout(self, state):
         return state
 
-    def rollout_params(self, params):
-        return self._rollout_layout(params)
+    def rollout_params(self, params, precision=None):
+        return self._rollout_layout(params, precision=precision)
 
     def _compiled(self, algo_cfg) -> _LocalSteps:
         if algo_cfg not in self._steps:
@@ -323,25 +336,26 @@ class MeshRuntime(Runtime):
     def relayout(self, state):
         return sharded.place(state, self.state_sharding(state))
 
-    def rollout_params(self, params):
+    def rollout_params(self, params, precision=None):
         """The rollout's copy, replicated on the rollout mesh. With several processes the
         all-gather runs on device over the global mesh, and each process's replicas become
         arrays of its own rollout mesh (its local devices) without a copy."""
         local = NamedSharding(self.rollout_mesh, P())
         if self.rollout_devices:      # cast on the training devices, then moved: a reshard
+            cfg = self.rollout_cfg(self.model_cfg, precision)
             held = self._rollout_copy
-            if held is not None and held[0] is params:
-                return held[1]
-            full = self._rollout_layout(params, NamedSharding(self.mesh, P()))
+            if held is not None and held[0] is params and held[1] == cfg:
+                return held[2]
+            full = self._rollout_layout(params, NamedSharding(self.mesh, P()), precision)
             if self.num_processes == 1:
                 moved = jax.device_put(full, local)
             else:   # each process copies a local replica of the gathered copy to its own
                 moved = jax.tree.map(lambda x: _local_replicas(x, local), full)
-            self._rollout_copy = (params, moved)        # the training devices' copy is dropped
+            self._rollout_copy = (params, cfg, moved)   # the training devices' copy is dropped
             return moved
         if self.num_processes == 1:
-            return self._rollout_layout(params, local)
-        full = self._rollout_layout(params, NamedSharding(self.mesh, P()))
+            return self._rollout_layout(params, local, precision)
+        full = self._rollout_layout(params, NamedSharding(self.mesh, P()), precision)
         return jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
             x.shape, local, [s.data for s in x.addressable_shards
                              if s.device in local.device_set]), full)

@@ -54,6 +54,8 @@ from brorl_jax.train.metrics import MAX, SUM
 # Update metrics logged under loss/ (the rest under update/).
 LOSS_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "clip_frac_low", "clip_frac_high",
              "dual_clip_frac", "ratio_mean", "tis_dropped_frac", "tis_weight_mean")
+# ... and under rollout/: the behaviour policy's gap to the trainer (losses.behaviour_gap)
+ROLLOUT_GAP_KEYS = ("logprob_gap_mean", "behaviour_kl")
 
 
 def rl_step(ctx: RunContext, train_state: algo.TrainState, collect_state: algo.CollectState,
@@ -95,6 +97,8 @@ def rl_step(ctx: RunContext, train_state: algo.TrainState, collect_state: algo.C
 
 
 def update_metrics(upd: dict) -> dict:
-    """The update's metrics under loss/ (LOSS_KEYS), mass_balance/ or update/."""
-    return {k if k.startswith("mass_balance/") else
-            f"loss/{k}" if k in LOSS_KEYS else f"update/{k}": float(v) for k, v in upd.items()}
+    """The update's metrics under loss/ (LOSS_KEYS), rollout/ (ROLLOUT_GAP_KEYS), mass_balance/
+    or update/."""
+    return {k if k.startswith("mass_balance/") else f"loss/{k}" if k in LOSS_KEYS else
+            f"rollout/{k}" if k in ROLLOUT_GAP_KEYS else f"update/{k}": float(v)
+            for k, v in upd.items()}
