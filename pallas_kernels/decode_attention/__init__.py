@@ -59,20 +59,27 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _backend
-from pallas_kernels.decode_attention import mosaic, triton
+from pallas_kernels.decode_attention import common, mosaic, triton
 from pallas_kernels.decode_attention.common import (
+    FP8_KV_DTYPE,
+    FP8_MAX,
+    KVScales,
+    _check_scales,
     _check_slot_shapes,
     _pow2,
     _round_up,
     decode_attention_unsupported_reason,
     default_tile,
+    dequantize_kv,
     plan_tiles,
+    quantize_kv,
 )
 from pallas_kernels.decode_attention.reference import slot_decode_attention_reference
 from pallas_kernels.decode_attention.triton import TRITON_TILE_ROWS, triton_tile
 
-__all__ = ["TRITON_TILE_ROWS", "decode_attention_unsupported_reason", "default_page_size",
-           "default_tile", "plan_tiles", "resolve_impl", "shared_prefix_decode_attention",
+__all__ = ["FP8_KV_DTYPE", "FP8_MAX", "KVScales", "TRITON_TILE_ROWS",
+           "decode_attention_unsupported_reason", "default_page_size", "default_tile",
+           "dequantize_kv", "plan_tiles", "quantize_kv", "resolve_impl", "shared_prefix_decode_attention",
            "shared_prefix_decode_attention_pallas", "shared_prefix_decode_attention_reference",
            "slot_decode_attention", "slot_decode_attention_pallas",
            "slot_decode_attention_reference", "slot_decode_attention_traffic", "triton_tile"]
@@ -117,10 +124,17 @@ def slot_decode_attention_traffic(kernel: str, operands, *, group: int,
       entries; Triton: its rows of the prompt part (f32) in and the merged output (q's dtype)
       out; Mosaic: its f32 outputs.
     Flops: 2 x rows x positions x Dh for QK^T and again for PV, padded rows included.
+
+    An e4m3 store (``kv_scales``): the KV at 1 byte an element, plus its float32 scale rows (two
+    more operands after the KV: prefix, after prefix_v; own, Triton: after the prompt part's o
+    and lse, last; Mosaic: after pages_v, last), 4 bytes per position each for K and V.
     """
-    itemsize = lambda d: jnp.dtype(d).itemsize
+    itemsize = lambda d: 1 if str(d).startswith(("f8", "float8")) else jnp.dtype(d).itemsize
+    # the calls' operand counts without scale rows (scalars, q, K, V[, o, lse]); 2 more with
+    scale_ops = lambda plain: 2 if len(operands) >= plain + 2 else 0
     if kernel == "slot_decode_attention_prefix":
         (q_dt, q_shape), (kv_dt, kv_shape) = operands[4], operands[5]
+        sc_bytes = 4 * scale_ops(7)
         n_tiles, hkv, rows, dh = q_shape
         p_pad = kv_shape[3]
         if family == "triton":    # packed rows (triton.slot_attention)
@@ -134,12 +148,13 @@ def slot_decode_attention_traffic(kernel: str, operands, *, group: int,
         else:
             positions = p_pad
         per = (rows * dh * itemsize(q_dt) + 2 * positions * dh * itemsize(kv_dt)
-               + rows * (dh + 1) * 4)
+               + rows * (dh + 1) * 4 + positions * sc_bytes)
         return float(in_use * hkv * per), float(in_use * hkv * 4 * rows * positions * dh)
     if kernel == "slot_decode_attention_own":
         merged = family == "triton"     # merges the prompt part in the kernel, writes q's dtype
-        (q_dt, q_shape), (kv_dt, kv_shape) = operands[4 if merged else -3], \
-            operands[5 if merged else -2]
+        n_sc = scale_ops(9 if merged else 7)
+        (q_dt, q_shape), (kv_dt, kv_shape) = operands[4 if merged else -3 - n_sc], \
+            operands[5 if merged else -2 - n_sc]
         b, hkv, gp, dh = q_shape
         page = kv_shape[3]
         live = min(b, sum(int(c) for c in slots_per_prompt))
@@ -148,7 +163,8 @@ def slot_decode_attention_traffic(kernel: str, operands, *, group: int,
             per_slot = gp * dh * itemsize(q_dt) + gp * (dh + 1) * 4 + gp * dh * itemsize(q_dt)
         else:        # q in, f32 o and lse out
             per_slot = gp * dh * itemsize(q_dt) + gp * (dh + 1) * 4
-        kv = live * (2 * positions * dh * itemsize(kv_dt) + 4 * positions // page)
+        kv = live * (2 * positions * dh * itemsize(kv_dt) + 4 * positions // page
+                     + 4 * n_sc * positions)
         return (float(hkv * (b * per_slot + kv)),
                 float(hkv * live * 4 * gp * positions * dh))
     raise ValueError(f"unknown slot decode attention kernel {kernel!r}")
@@ -156,25 +172,27 @@ def slot_decode_attention_traffic(kernel: str, operands, *, group: int,
 
 def slot_decode_attention_pallas(
     q, prefix_k, prefix_v, prefix_len, prefix_index, pages_k, pages_v, page_table, suffix_len, *,
-    layer=None, scale=None, tile=None, family=None, block_p=None,
+    layer=None, scale=None, tile=None, family=None, block_p=None, kv_scales=None,
 ) -> jax.Array:
     """Pallas form of :func:`slot_decode_attention_reference` (same contract).
 
     The prompt pool and the page pool are passed whole (with their layer axis) and read in place;
     q, the plans and the two partial results are small. ``family``: "triton" or "mosaic"
     (default: by target). ``block_p``: prompt positions per step (default up to 128). The own KV
-    is read a page at a time (pages of >= 16 positions on GPU, a multiple of 8 on TPU)."""
+    is read a page at a time (pages of >= 16 positions on GPU, a multiple of 8 on TPU).
+    ``kv_scales``: e4m3 KV arrays, dequantized block by block inside the kernels."""
     _check_slot_shapes(q, prefix_k, prefix_v, prefix_len, prefix_index, pages_k, pages_v,
                        page_table, suffix_len, layer)
+    _check_scales(kv_scales, prefix_k, prefix_v, pages_k, pages_v)
     family_module = triton if _backend.kernel_family(family) == "triton" else mosaic
     return family_module.slot_attention(q, prefix_k, prefix_v, prefix_len, prefix_index, pages_k,
                                         pages_v, page_table, suffix_len, layer=layer, scale=scale,
-                                        tile=tile, block_p=block_p)
+                                        tile=tile, block_p=block_p, kv_scales=kv_scales)
 
 
 def slot_decode_attention(
     q, prefix_k, prefix_v, prefix_len, prefix_index, pages_k, pages_v, page_table, suffix_len, *,
-    layer=None, scale=None, impl="auto",
+    layer=None, scale=None, impl="auto", kv_scales=None,
 ) -> jax.Array:
     """Decode attention of B slots (module docstring for shapes and layouts).
 
@@ -190,12 +208,17 @@ def slot_decode_attention(
       suffix_len: ``[B]`` valid own positions.
       layer: int or traced int32: read layer ``layer`` of the pools in place.
       impl: "auto" (kernels on GPU/TPU, reference on CPU), "reference" or "pallas".
+      kv_scales: a :class:`KVScales` when the four KV arrays hold e4m3 (``quantize_kv``; a
+        uint8 store of its bit patterns: reference only): ``KV = x8 * scale``, one float32 scale
+        per (position, KV head), applied inside the kernels to the scores (k) and to the
+        softmax weights before the PV matmul (v). None: unscaled float KV, as before.
     Returns ``out[B, H, Dh]`` = softmax attention over prompt ++ own KV, q's dtype.
     """
-    pallas = resolve_impl(impl, pages_k.dtype, pages_k.shape[-2]) == "pallas"
+    pallas = resolve_impl(impl, common._store_dtype(prefix_k, pages_k),
+                          pages_k.shape[-2]) == "pallas"
     fn = slot_decode_attention_pallas if pallas else slot_decode_attention_reference
     return fn(q, prefix_k, prefix_v, prefix_len, prefix_index, pages_k, pages_v, page_table,
-              suffix_len, layer=layer, scale=scale)
+              suffix_len, layer=layer, scale=scale, kv_scales=kv_scales)
 
 
 # ----------------------------------------------------------------------------------------------

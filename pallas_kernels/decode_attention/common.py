@@ -3,14 +3,97 @@ argument checks, the prompt-tile plan (jnp, on device), the log-sum-exp merge of
 and the online softmax the kernels run over KV blocks."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend
 
-_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
 _NEG = -1e30  # finite "minus infinity": keeps exp() and max() NaN-free on fully masked rows
+
+# ----------------------------------------------------------------------------------------------
+# FP8 (e4m3) KV: one float32 scale per (position, KV head), fixed when the token is written
+# ----------------------------------------------------------------------------------------------
+
+FP8_KV_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = 448.0        # the largest finite e4m3fn value
+# amax floor: an all-zero row gets a finite, normal scale (2.2e-33) and quantizes to zeros
+_AMAX_FLOOR = 1e-30
+
+
+class KVScales(NamedTuple):
+    """The float32 dequantization scales of an e4m3 KV store, each the shape of its KV array
+    without the last (Dh) axis: ``prefix_k/v [K, Hkv, P]`` (``[L, K, Hkv, P]`` with a layer
+    axis), ``pages_k/v [NP, Hkv, page]`` (``[L, NP, Hkv, page]``). KV = e4m3 value x scale."""
+    prefix_k: jax.Array
+    prefix_v: jax.Array
+    pages_k: jax.Array
+    pages_v: jax.Array
+
+
+def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``x[..., Dh]`` -> (``x8`` float8_e4m3fn ``[..., Dh]``, ``scale`` float32 ``[...]``):
+    ``scale = max(amax_Dh |x|, floor) / FP8_MAX``, ``x8 = x / scale`` rounded to e4m3 (the clip
+    only catches a last-ulp overshoot of amax / scale past 448, which e4m3fn would make NaN)."""
+    xf = x.astype(jnp.float32)
+    scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1), _AMAX_FLOOR) / FP8_MAX
+    x8 = jnp.clip(xf / scale[..., None], -FP8_MAX, FP8_MAX).astype(FP8_KV_DTYPE)
+    return x8, scale
+
+
+def as_fp8(x: jax.Array) -> jax.Array:
+    """An e4m3 KV block: a uint8 store holds e4m3 bit patterns (the CPU reference's form)."""
+    return jax.lax.bitcast_convert_type(x, FP8_KV_DTYPE) if x.dtype == jnp.uint8 else x
+
+
+def dequantize_kv(x8: jax.Array, scale: jax.Array) -> jax.Array:
+    """float32 ``x8 * scale[..., None]`` (x8: e4m3, or uint8 holding its bit patterns)."""
+    return as_fp8(x8).astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
+
+
+def is_fp8_store(dtype) -> bool:
+    return jnp.dtype(dtype) in (jnp.dtype(FP8_KV_DTYPE), jnp.dtype(jnp.uint8))
+
+
+def _store_dtype(prefix_k, pages_k):
+    """The KV dtype the kernels are asked to read: a CPU reference's bit-pattern store (uint16,
+    uint8) in either pool wins (the kernels refuse it), else the page pool's."""
+    for x in (prefix_k, pages_k):
+        if x.dtype in (jnp.uint16, jnp.uint8):
+            return x.dtype
+    return pages_k.dtype
+
+
+def _scale_rows(kv_scales, layered: bool):
+    """The four scale arrays with a layer axis and a unit axis before positions:
+    ``[L, K, Hkv, 1, P]`` / ``[L, NP, Hkv, 1, page]`` (free reshapes), so a kernel's block of
+    them is a ``[1, positions]`` row, lanes along positions like its scores."""
+    return tuple((x if layered else x[None])[..., None, :] for x in kv_scales)
+
+
+def _check_scales(kv_scales, prefix_k, prefix_v, pages_k, pages_v) -> None:
+    """With ``kv_scales`` the four KV arrays hold e4m3 (or uint8 bit patterns) and each scale has
+    its array's shape less Dh; without, no array may be e4m3 (it would be read unscaled)."""
+    kvs = dict(prefix_k=prefix_k, prefix_v=prefix_v, pages_k=pages_k, pages_v=pages_v)
+    if kv_scales is None:
+        fp8 = [n for n, x in kvs.items() if is_fp8_store(x.dtype)]
+        if fp8:
+            raise ValueError(f"{', '.join(fp8)} hold e4m3 (or uint8) values but kv_scales is None:"
+                             " pass the KVScales written with them")
+        return
+    if not isinstance(kv_scales, KVScales):
+        raise ValueError(f"kv_scales must be a KVScales, got {type(kv_scales).__name__}")
+    for name, x in kvs.items():
+        sc = getattr(kv_scales, name)
+        if not is_fp8_store(x.dtype):
+            raise ValueError(f"kv_scales given but {name} is {jnp.dtype(x.dtype).name}: "
+                             "an fp8 store is float8_e4m3fn (or uint8 bit patterns)")
+        if sc.shape != x.shape[:-1] or sc.dtype != jnp.float32:
+            raise ValueError(f"kv_scales.{name} must be float32{list(x.shape[:-1])} (its KV's "
+                             f"shape less Dh), got {jnp.dtype(sc.dtype).name}{list(sc.shape)}")
 
 
 def decode_attention_unsupported_reason(dtype=None, page_size: int | None = None,
@@ -23,7 +106,7 @@ def decode_attention_unsupported_reason(dtype=None, page_size: int | None = None
     not matter."""
     if dtype is not None and jnp.dtype(dtype).name not in _DTYPES:
         return (f"KV dtype {jnp.dtype(dtype).name} (the kernels take {_DTYPES}; a uint16 store "
-                "of bfloat16 bit patterns is the CPU reference's)")
+                "of bfloat16 bit patterns and a uint8 one of e4m3 are the CPU reference's)")
     if not in_shard_map and _backend.under_auto_partitioned_mesh():
         return "traced under a mesh outside shard_map (GSPMD cannot partition a Pallas call)"
     if page_size is not None:
@@ -177,17 +260,31 @@ def _pv(p, v):
     return jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
 
+def _widen(x, dtype):
+    """An e4m3 KV block as ``dtype`` (q's: exact, e4m3 fits bfloat16), converted where it was
+    loaded (registers / VMEM); any other block as it is."""
+    return x.astype(dtype) if x.dtype == jnp.dtype(FP8_KV_DTYPE) else x
+
+
 def _attend_blocks(q, length, block, load):
     """Online softmax of q [R, Dh] over the first ``length`` positions, ``block`` at a time:
-    ``load(j, start)`` -> (k, v) [block, Dh] of block j. Returns (out [R, Dh] f32, lse [R])."""
+    ``load(j, start)`` -> (k, v) [block, Dh] of block j, or (k, v, k_scale, v_scale) with e4m3
+    k, v and float32 scale rows [1, block]: s = (q . k) * k_scale, the PV matmul takes
+    p * v_scale (the normaliser the unscaled p). Returns (out [R, Dh] f32, lse [R])."""
     rows, dh = q.shape
     state = (jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32),
              jnp.zeros((rows, dh), jnp.float32))
 
     def body(j, st):
         start = pl.multiple_of(j * block, block)
-        k, v = load(j, start)
+        k, v, *scales = load(j, start)
         pos = start + jax.lax.broadcasted_iota(jnp.int32, (rows, block), 1)
-        return _online_step(st, _qk(q, k), pos < length, lambda p: _pv(p, v))
+        if not scales:
+            return _online_step(st, _qk(q, k), pos < length, lambda p: _pv(p, v))
+        k_scale, v_scale = scales
+        s = _qk(q, _widen(k, q.dtype)) * k_scale
+        v = _widen(v, q.dtype)
+        mask = pos < length
+        return _online_step(st, s, mask, lambda p: _pv(jnp.where(mask, p * v_scale, 0.0), v))
 
     return _finish(jax.lax.fori_loop(0, (length + block - 1) // block, body, state))
