@@ -31,7 +31,12 @@ from brorl_jax.models.precision import is_quantized, quantize_layers
 from brorl_jax.models.transformer import dtype_of
 from brorl_jax.rollout.plan import FIRST_TOKEN_ROWS, slot_buckets
 from pallas_kernels import _backend
-from pallas_kernels.decode_attention import slot_decode_attention
+from pallas_kernels.decode_attention import (
+    FP8_KV_DTYPE,
+    KVScales,
+    quantize_kv,
+    slot_decode_attention,
+)
 from pallas_kernels.sampling import sample_tokens
 
 
@@ -212,6 +217,9 @@ class Pool:
     res_logp: jax.Array
     res_len: jax.Array
     res_fin: jax.Array
+    # an fp8 KV cache (cfg.kv_precision): the float32 scales of prefix_k/v, [L, K, Hkv, P]
+    prefix_ks: jax.Array | None = None
+    prefix_vs: jax.Array | None = None
 
 
 @struct.dataclass
@@ -241,11 +249,15 @@ class KV:
       pages_k, pages_v: ``[L, NP+1, Hkv, ps, Dh]`` (``kv_store_dtype``); page NP takes the writes
         of idle slots.
       free: ``int32[NP+1]`` a stack of free pages, ``free[:top]``; top: ``int32[]``.
+      ks, vs: under an fp8 KV cache the float32 scales of pages_k/v, ``[L, NP+1, Hkv, ps]``
+        (one per position and KV head, written with the token); else None.
     """
     pages_k: jax.Array
     pages_v: jax.Array
     free: jax.Array
     top: jax.Array
+    ks: jax.Array | None = None
+    vs: jax.Array | None = None
 
 
 @struct.dataclass
@@ -264,9 +276,12 @@ class Stats:
 def init_pool(spec: Spec) -> Pool:
     c, k, nd, s = spec.cfg, spec.pool, spec.share, spec.max_new_tokens
     kv = (c.num_hidden_layers, k, c.num_key_value_heads, spec.prompt_len, c.head_dim)
-    dt = dtype_of(c.dtype)
+    fp8 = c.kv_precision == "fp8"
+    dt = FP8_KV_DTYPE if fp8 else dtype_of(c.dtype)
+    scale = (lambda: jnp.zeros(kv[:-1], jnp.float32)) if fp8 else (lambda: None)
     i32 = functools.partial(jnp.zeros, dtype=jnp.int32)
-    return Pool(prefix_k=jnp.zeros(kv, dt), prefix_v=jnp.zeros(kv, dt), plen=jnp.ones((k,), jnp.int32),
+    return Pool(prefix_k=jnp.zeros(kv, dt), prefix_v=jnp.zeros(kv, dt),
+                prefix_ks=scale(), prefix_vs=scale(), plen=jnp.ones((k,), jnp.int32),
                 gid=jnp.full((k,), -1, jnp.int32), queue=i32((k, nd)), qlen=i32((k,)),
                 qnext=i32((k,)), done=i32((k,)), res_tok=i32((k + 1, nd, s)),
                 res_logp=jnp.zeros((k + 1, nd, s), jnp.float32), res_len=i32((k + 1, nd)),
@@ -285,7 +300,9 @@ def init_kv(spec: Spec) -> KV:
     shape = (c.num_hidden_layers, spec.num_pages + 1, c.num_key_value_heads, spec.page_size,
              c.head_dim)
     dt = kv_store_dtype(c, spec.attention_impl)
-    return KV(pages_k=jnp.zeros(shape, dt), pages_v=jnp.zeros(shape, dt),
+    scale = (lambda: jnp.zeros(shape[:-1], jnp.float32)) if c.kv_precision == "fp8" else \
+        (lambda: None)
+    return KV(pages_k=jnp.zeros(shape, dt), pages_v=jnp.zeros(shape, dt), ks=scale(), vs=scale(),
               free=jnp.arange(spec.num_pages + 1, dtype=jnp.int32),
               top=jnp.asarray(spec.num_pages, jnp.int32))
 
@@ -312,7 +329,7 @@ def admit(params, pool: Pool, tokens, lengths, entries, gids, stop, seed_key, *,
     # padding rows repeat row 0 (same entry, same values): every scatter below stays in bounds
     src = jnp.where(real, jnp.arange(ga), 0)
     dest = entries[src]
-    heads_major = lambda x: x.transpose(0, 1, 3, 2, 4).astype(pool.prefix_k.dtype)
+    heads_major = lambda x: x.transpose(0, 1, 3, 2, 4)
     # token 0 of samples j of this device (global sample index gid * N + dev * Nd + j)
     n_glob = dev * nd + jnp.arange(nd, dtype=jnp.int32)
     in_share = (n_glob < n)[None, :] & real[:, None]                       # [Ga, Nd]
@@ -338,9 +355,17 @@ def admit(params, pool: Pool, tokens, lengths, entries, gids, stop, seed_key, *,
     res_logp = jnp.zeros((ga, nd, s), jnp.float32).at[:, :, 0].set(jnp.where(in_share, logp0, 0))
     inb = "promise_in_bounds"
     put = lambda name, v: getattr(pool, name).at[dest].set(v[src], mode=inb)
+    prompt_kv = {}
+    for name, x in (("k", pk), ("v", pv)):
+        x = heads_major(x)[:, src]
+        if pool.prefix_ks is not None:        # an fp8 cache: e4m3 values and their scales
+            x, sc = quantize_kv(x)
+            prompt_kv[f"prefix_{name}s"] = getattr(pool, f"prefix_{name}s").at[:, dest].set(
+                sc, mode=inb)
+        store = getattr(pool, f"prefix_{name}")
+        prompt_kv[f"prefix_{name}"] = store.at[:, dest].set(x.astype(store.dtype), mode=inb)
     return pool.replace(
-        prefix_k=pool.prefix_k.at[:, dest].set(heads_major(pk)[:, src], mode=inb),
-        prefix_v=pool.prefix_v.at[:, dest].set(heads_major(pv)[:, src], mode=inb),
+        **prompt_kv,
         plen=put("plen", lengths.astype(jnp.int32)), gid=put("gid", gids.astype(jnp.int32)),
         queue=put("queue", queue), qlen=put("qlen", jnp.sum(pending, axis=1, dtype=jnp.int32)),
         qnext=put("qnext", jnp.zeros((ga,), jnp.int32)),
@@ -416,12 +441,15 @@ def kv_store_dtype(cfg: ModelConfig, attention_impl: str = "reference"):
     float32, converting the whole store per layer and step; the reference reads the blocks back
     as bfloat16; the Pallas kernels take float stores)."""
     dt = jnp.dtype(dtype_of(cfg.dtype))
-    if dt == jnp.bfloat16 and _backend.backend() == "cpu" and attention_impl == "reference":
+    cpu_reference = _backend.backend() == "cpu" and attention_impl == "reference"
+    if cfg.kv_precision == "fp8":     # e4m3, as uint8 bit patterns on CPU (the same reason)
+        return jnp.dtype(jnp.uint8) if cpu_reference else jnp.dtype(FP8_KV_DTYPE)
+    if dt == jnp.bfloat16 and cpu_reference:
         return jnp.dtype(jnp.uint16)
     return dt
 
 
-def _write_kv(pages, layer, page, offset, values):
+def _write_kv(pages, scales, layer, page, offset, values):
     """pages[layer, page[b], h, offset[b], :] = values[b, h]: one scatter, in place. In bounds by
     construction (``promise_in_bounds``: a bounds-checked scatter costs a pass over the pool).
 
@@ -429,16 +457,26 @@ def _write_kv(pages, layer, page, offset, values):
     window dimension is the minor ``Dh``: a scatter whose window is ``(Hkv, Dh)`` with the page
     offset between them makes XLA's TPU layout assignment pick a layout with ``Hkv`` next to
     ``Dh`` for the store, and then copy the whole page pool into the attention kernel's layout
-    at every layer of every step."""
-    if pages.dtype == jnp.uint16:
-        values = jax.lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint16)
+    at every layer of every step.
+
+    ``scales`` (an fp8 cache: ``[L, NP+1, Hkv, ps]`` float32, else None): the values are
+    quantized per (position, KV head) (quantize_kv) and their scales written beside them.
+    Returns (pages, scales)."""
     n_layers, n_pages, hkv, ps, dh = pages.shape
     b = page.shape[0]
     rows = ((layer * n_pages + page)[:, None] * hkv + jnp.arange(hkv)[None, :]).reshape(b * hkv)
+    at = (rows, jnp.repeat(offset, hkv))
+    if scales is not None:
+        values, sc = quantize_kv(values)
+        scales = scales.reshape(n_layers * n_pages * hkv, ps).at[at].set(
+            sc.reshape(b * hkv), mode="promise_in_bounds").reshape(scales.shape)
+    if pages.dtype in (jnp.uint16, jnp.uint8):     # bit patterns of bfloat16 / e4m3
+        wide = jnp.bfloat16 if pages.dtype == jnp.uint16 else FP8_KV_DTYPE
+        values = jax.lax.bitcast_convert_type(values.astype(wide), pages.dtype)
     flat = pages.reshape(n_layers * n_pages * hkv, ps, dh)
-    flat = flat.at[rows, jnp.repeat(offset, hkv)].set(
-        values.reshape(b * hkv, dh).astype(pages.dtype), mode="promise_in_bounds")
-    return flat.reshape(pages.shape)
+    flat = flat.at[at].set(values.reshape(b * hkv, dh).astype(pages.dtype),
+                           mode="promise_in_bounds")
+    return flat.reshape(pages.shape), scales
 
 
 def _forward(params, pool: Pool, slots: Slots, kv: KV, go, spec: Spec):
@@ -458,17 +496,18 @@ def _forward(params, pool: Pool, slots: Slots, kv: KV, go, spec: Spec):
 
     # Layer by layer, each layer's weights read in place from its own buffers (the rollout
     # layout); the KV pools are one buffer each, updated in place at (layer, page, offset).
-    x, gk, gv = embed(params, c, slots.cur[:, None]), kv.pages_k, kv.pages_v
+    x, gk, gv, ks, vs = embed(params, c, slots.cur[:, None]), kv.pages_k, kv.pages_v, kv.ks, kv.vs
     for li, layer_params in enumerate(layer_list(params, c)):
         q, k_new, v_new = layer_qkv(layer_params, c, x, positions)
-        gk = _write_kv(gk, li, page, offset, k_new[:, 0])
-        gv = _write_kv(gv, li, page, offset, v_new[:, 0])
+        gk, ks = _write_kv(gk, ks, li, page, offset, k_new[:, 0])
+        gv, vs = _write_kv(gv, vs, li, page, offset, v_new[:, 0])
+        scales = None if ks is None else KVScales(pool.prefix_ks, pool.prefix_vs, ks, vs)
         attn = slot_decode_attention(q[:, 0], pool.prefix_k, pool.prefix_v, pool.plen,
                                      prefix_index, gk, gv, slots.table, own_len, layer=li,
-                                     impl=spec.attention_impl)
+                                     impl=spec.attention_impl, kv_scales=scales)
         x = layer_finish(layer_params, c, x, attn.reshape(b, 1, h, dh).astype(x.dtype))
     logits = lm_logits(params, c, final_norm(params, c, x))[:, 0]
-    return logits, kv.replace(pages_k=gk, pages_v=gv)
+    return logits, kv.replace(pages_k=gk, pages_v=gv, ks=ks, vs=vs)
 
 
 def _push_pages(kv: KV, table, counts, spec: Spec) -> KV:
