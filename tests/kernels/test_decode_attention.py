@@ -319,11 +319,12 @@ def test_fp8_kv_reference_matches_dense_attention_over_the_dequantized_kv():
     (e4m3 widens to bf16 exactly: only p's rounding to bf16 for the PV dot is left)."""
     args, scales, _, want = _fp8_case()
 
+    q, pk8, pv8, plen, pidx, gk8, gv8, table, slen = args
+    bits = lambda x: jax.lax.bitcast_convert_type(x[1], jnp.uint8)      # layer 1, no layer axis
+    u8 = (q, bits(pk8), bits(pv8), plen, pidx, bits(gk8), bits(gv8), table, slen)
+
     @jax.jit
-    def forms(args, scales):
-        q, pk8, pv8, plen, pidx, gk8, gv8, table, slen = args
-        bits = lambda x: jax.lax.bitcast_convert_type(x[1], jnp.uint8)
-        u8 = (q, bits(pk8), bits(pv8), plen, pidx, bits(gk8), bits(gv8), table, slen)
+    def forms(args, u8, scales):
         return (slot_decode_attention(*args, layer=jnp.int32(1), kv_scales=scales,
                                       impl="reference"),
                 slot_decode_attention(*u8, kv_scales=KVScales(*(s[1] for s in scales)),
@@ -331,9 +332,16 @@ def test_fp8_kv_reference_matches_dense_attention_over_the_dequantized_kv():
                 slot_decode_attention(q.astype(jnp.bfloat16), *args[1:], layer=1,
                                       kv_scales=scales, impl="reference"))
 
-    fp8, uint8, bf16 = forms(args, scales)
-    np.testing.assert_allclose(np.asarray(fp8), want[jnp.float32], atol=2e-6, rtol=1e-5)
-    np.testing.assert_array_equal(np.asarray(uint8), np.asarray(fp8))
+    compiled = forms.lower(args, u8, scales).compile()
+    fp8, uint8, bf16 = compiled(args, u8, scales)
+    # the stores are read as they are (e4m3, or its bits), a block at a time: XLA:CPU, which has
+    # no e4m3 arithmetic, would otherwise widen each whole store to f16 per call
+    stores = {",".join(map(str, x.shape)) for x in (args[1], args[5])}
+    wide = {m.group(0) for m in re.finditer(r"\b(\w+)\[([\d,]+)\]", compiled.as_text())
+            if m.group(2) in stores and m.group(1) not in ("u8", "f8e4m3fn")}
+    assert not wide, wide
+    for got in (fp8, uint8):
+        np.testing.assert_allclose(np.asarray(got), want[jnp.float32], atol=2e-6, rtol=1e-5)
     assert bf16.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(bf16, np.float32), want[jnp.bfloat16], atol=2e-2)
 
