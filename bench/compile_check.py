@@ -42,7 +42,8 @@ TARGETS = {
 }
 KERNELS = ("sample_tokens", "sample_tokens_greedy", "sample_tokens_top_k_top_p",
            "sample_tokens_triton", "fused_logprob_fwd", "fused_logprob_fwd_bwd",
-           "decode_attention", "decode_attention_slots", "rollout_decode", "swiglu_mlp_fwd_bwd")
+           "decode_attention", "decode_attention_slots", "decode_attention_slots_fp8",
+           "rollout_decode", "swiglu_mlp_fwd_bwd")
 JAX_TRITON = ("sample_tokens_triton",)   # the jax_triton kernel
 # GPU kernels only: jax_triton's; the fused SwiGLU MLP (TPU runs XLA's own MLP fusions)
 GPU_ONLY = JAX_TRITON + ("swiglu_mlp_fwd_bwd",)
@@ -129,21 +130,31 @@ def _build(kernel: str, model: str, dtype: str, sharding):
                 sds((b, n), jnp.int32))
         fn = lambda *a: pk.shared_prefix_decode_attention(*a, impl="pallas")
         shape = f"B{b} N{n} H{m.heads}/{m.kv_heads} P{p} S{s}"
-    elif kernel == "decode_attention_slots":
-        from pallas_kernels.decode_attention import default_page_size, slot_decode_attention
+    elif kernel in ("decode_attention_slots", "decode_attention_slots_fp8"):
+        from pallas_kernels.decode_attention import (
+            FP8_KV_DTYPE,
+            KVScales,
+            default_page_size,
+            slot_decode_attention,
+        )
         c = tg.SLOT_DECODE_ATTENTION
         b, k, p, s, nl = c["slots"], c["pool"], c["prompt"], c["own"], c["layers"]
         page = default_page_size()      # under compile_target: the target's page size
         n_pages = int(b * s // page * c["page_fraction"])
-        pool = sds((nl, k, m.kv_heads, p, m.head_dim))
-        pages = sds((nl, n_pages, m.kv_heads, page, m.head_dim))
+        fp8 = kernel.endswith("_fp8")   # e4m3 KV with its scale rows; q in ``dtype``
+        kv_dt = FP8_KV_DTYPE if fp8 else dt
+        pool = sds((nl, k, m.kv_heads, p, m.head_dim), kv_dt)
+        pages = sds((nl, n_pages, m.kv_heads, page, m.head_dim), kv_dt)
         i32 = lambda *shape: sds(shape, jnp.int32)
+        f32 = lambda x: sds(x.shape[:-1], jnp.float32)
         args = (sds((b, m.heads, m.head_dim)), pool, pool, i32(k), i32(b), pages, pages,
-                i32(b, s // page), i32(b), i32())
-        fn = lambda q, pk_, pv, pln, pidx, gk, gv, tab, sln, layer: slot_decode_attention(
-            q, pk_, pv, pln, pidx, gk, gv, tab, sln, layer=layer, impl="pallas")
+                i32(b, s // page), i32(b), i32()) + (
+            (KVScales(f32(pool), f32(pool), f32(pages), f32(pages)),) if fp8 else ())
+        fn = lambda q, pk_, pv, pln, pidx, gk, gv, tab, sln, layer, *sc: slot_decode_attention(
+            q, pk_, pv, pln, pidx, gk, gv, tab, sln, layer=layer, impl="pallas",
+            kv_scales=sc[0] if sc else None)
         shape = (f"slots {b} H{m.heads}/{m.kv_heads} pool {k}x{p} own {s} in "
-                 f"{n_pages} pages of {page}")
+                 f"{n_pages} pages of {page}" + (" (e4m3 KV)" if fp8 else ""))
     elif kernel == "rollout_decode":
         # the rollout's whole decode program (brorl_jax.rollout.Engine: refill, pages, layers
         # with the slot attention kernels, the sampling kernel) for a 2-layer model of these

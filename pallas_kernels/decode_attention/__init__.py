@@ -28,6 +28,14 @@ the ones in use are computed. ``plan_tiles`` builds this plan (jnp, on device).
 prompt pool and the page pool carry a leading layer axis (``[L, K, ...]``, ``[L, NP, ...]``) and
 layer ``l`` is read in place (a decode loop's caches are never copied per layer).
 
+**An e4m3 KV store** (``kv_scales=KVScales(...)``): the four KV arrays hold float8_e4m3fn values
+(``quantize_kv``: one float32 scale per position and KV head, ``amax / 448``, fixed when the token
+is written), the scales the arrays' shapes less Dh. Every form reads the 1-byte blocks and the
+block's scale rows and dequantizes there: scores ``(q . k8) * k_scale``, the PV matmul on
+``p * v_scale`` (the softmax normaliser on p). The e4m3 values widen exactly to q's dtype for the
+dots (registers on GPU; VMEM on TPU, where v5e has no fp8 arithmetic: a conversion, no fp8 math);
+no dequantized copy of a store exists. On CPU the reference also reads a uint8 store of the bits.
+
 Three implementations of :func:`slot_decode_attention`:
 
 * ``reference`` (jnp): one ``lax.fori_loop`` over the prompt tiles in use, a matmul each; then the

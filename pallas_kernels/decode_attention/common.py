@@ -107,6 +107,11 @@ def decode_attention_unsupported_reason(dtype=None, page_size: int | None = None
     if dtype is not None and jnp.dtype(dtype).name not in _DTYPES:
         return (f"KV dtype {jnp.dtype(dtype).name} (the kernels take {_DTYPES}; a uint16 store "
                 "of bfloat16 bit patterns and a uint8 one of e4m3 are the CPU reference's)")
+    if dtype is not None and jnp.dtype(dtype) == jnp.dtype(FP8_KV_DTYPE):
+        cc = _gpu_compute_capability()
+        if cc is not None and cc < (8, 9):
+            return (f"an e4m3 KV store on sm_{cc[0]}{cc[1]}: Triton converts e4m3 from sm_89 "
+                    "(Ada, Hopper) on")
     if not in_shard_map and _backend.under_auto_partitioned_mesh():
         return "traced under a mesh outside shard_map (GSPMD cannot partition a Pallas call)"
     if page_size is not None:
@@ -115,6 +120,18 @@ def decode_attention_unsupported_reason(dtype=None, page_size: int | None = None
             return (f"page size {page_size}: the kernels read whole pages, a multiple of 8 "
                     "(TPU sublanes), a power of two >= 16 on GPU (Triton dot)")
     return None
+
+
+def _gpu_compute_capability() -> tuple[int, int] | None:
+    """The attached GPU's compute capability when kernels are traced for it; None otherwise
+    (CPU, TPU, or a GPU compile target without a device: H100 is what bench/ compiles for)."""
+    if _backend.backend() != "gpu" or jax.default_backend() != "gpu":
+        return None
+    try:
+        major, minor = str(jax.devices()[0].compute_capability).split(".")[:2]
+        return int(major), int(minor)
+    except Exception:  # a device without the attribute: let the compiler say
+        return None
 
 
 def default_tile(num_slots: int, num_prefixes: int) -> int:

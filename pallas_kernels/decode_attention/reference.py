@@ -73,6 +73,10 @@ def slot_decode_attention_reference(
             kv_scales = type(kv_scales)(*(x[None] for x in kv_scales))
     # no kv_scales: no scale rows, no multiply (the unscaled program, op for op)
     sc = kv_scales if kv_scales is not None else (None,) * 4
+    if kv_scales is not None:   # e4m3 stores read as their bits, converted a block at a time:
+        # XLA:CPU has no e4m3 arithmetic and would otherwise widen each whole store to f16
+        bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)
+        prefix_k, prefix_v, pages_k, pages_v = map(bits, (prefix_k, prefix_v, pages_k, pages_v))
     scaled = lambda s, x: s if x is None else s * x
     page_table = jnp.clip(page_table.astype(jnp.int32), 0, n_pages - 1)
     plan = plan_tiles(prefix_index, suffix_len, num_prefixes=k_pool, tile=tile, max_suffix=s_len)

@@ -5,6 +5,8 @@ kernels lower for GPU and TPU at the real models' shapes."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +17,12 @@ from lowering import CUSTOM_CALL
 import pallas_kernels as pk
 from pallas_kernels import targets as tg
 from pallas_kernels.decode_attention import (
+    FP8_KV_DTYPE,
+    FP8_MAX,
+    KVScales,
     default_page_size,
+    dequantize_kv,
+    quantize_kv,
     resolve_impl,
     shared_prefix_decode_attention,
     shared_prefix_decode_attention_pallas,
@@ -23,6 +30,7 @@ from pallas_kernels.decode_attention import (
     slot_decode_attention,
     slot_decode_attention_pallas,
     slot_decode_attention_reference,
+    slot_decode_attention_traffic,
 )
 
 
@@ -213,7 +221,8 @@ _ATTENTION_SHAPES = {(m.heads, m.kv_heads, m.head_dim): name
                      for name, m in reversed(tg.MODEL_SHAPES.items())}
 
 
-def lower_slot_attention(platform, heads, kv_heads, head_dim, dtype) -> str:
+def lower_slot_attention(platform, heads, kv_heads, head_dim, dtype, kv_dtype=None) -> str:
+    """The lowered module text (``kv_dtype`` e4m3: with the KVScales of the store)."""
     c = tg.SLOT_DECODE_ATTENTION
     mesh = (jax.sharding.use_abstract_mesh(pk.tpu_abstract_mesh()) if platform == "tpu"
             else contextlib.nullcontext())
@@ -221,14 +230,19 @@ def lower_slot_attention(platform, heads, kv_heads, head_dim, dtype) -> str:
         page = default_page_size()
         b, k, p, own = c["slots"], c["pool"], c["prompt"], c["own"]
         sds = jax.ShapeDtypeStruct
-        pool = sds((c["layers"], k, kv_heads, p, head_dim), dtype)
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
+        pool = sds((c["layers"], k, kv_heads, p, head_dim), kv_dtype)
         pages = sds((c["layers"], int(b * own // page * c["page_fraction"]), kv_heads, page,
-                     head_dim), dtype)
+                     head_dim), kv_dtype)
         i32 = lambda *shape: sds(shape, jnp.int32)
-        f = jax.jit(lambda q, pk_, pv, pln, pidx, gk, gv, tab, sln, layer: slot_decode_attention(
-            q, pk_, pv, pln, pidx, gk, gv, tab, sln, layer=layer, impl="pallas"))
+        f32 = lambda x: sds(x.shape[:-1], jnp.float32)
+        scales = ((KVScales(f32(pool), f32(pool), f32(pages), f32(pages)),)
+                  if kv_dtype == FP8_KV_DTYPE else ())
+        f = jax.jit(lambda q, pk_, pv, pln, pidx, gk, gv, tab, sln, layer, *sc:
+                    slot_decode_attention(q, pk_, pv, pln, pidx, gk, gv, tab, sln, layer=layer,
+                                          impl="pallas", kv_scales=sc[0] if sc else None))
         return f.trace(sds((b, heads, head_dim), dtype), pool, pool, i32(k), i32(b), pages,
-                       pages, i32(b, own // page), i32(b), i32()).lower(
+                       pages, i32(b, own // page), i32(b), i32(), *scales).lower(
             lowering_platforms=(platform,)).as_text()
 
 
@@ -251,3 +265,156 @@ def test_auto_falls_back_to_the_reference_where_the_kernels_do_not_compile():
         assert resolve_impl("auto", jnp.float32, 24) == "reference"
         with pytest.raises(ValueError, match="page size"):
             resolve_impl("pallas", jnp.float32, 24)
+
+
+# ----------------------------------------------------------------------------------------------
+# An e4m3 KV store (issue 41): quantize_kv, and every form against dense attention over the
+# dequantized KV (exact values, so the match is as tight as float32 attention)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_quantize_kv_round_trip_is_within_e4m3_precision():
+    rng = np.random.default_rng(7)
+    mag = 10.0 ** rng.uniform(-6, 3, (3, 5, 1))            # rows of very different magnitudes
+    x = rng.standard_normal((3, 5, 64)).astype(np.float32) * mag
+    x[0, 0] = 0.0                                          # an all-zero row
+    for dtype in (jnp.float32, jnp.bfloat16):
+        xj = jnp.asarray(x, dtype)
+        x8, scale = quantize_kv(xj)
+        assert x8.dtype == FP8_KV_DTYPE and x8.shape == xj.shape
+        assert scale.dtype == jnp.float32 and scale.shape == xj.shape[:-1]
+        xf = np.asarray(xj, np.float32)
+        amax = np.abs(xf).max(-1)
+        err = np.abs(np.asarray(dequantize_kv(x8, scale)) - xf)
+        assert np.all(err <= 2.0**-4 * amax[..., None])    # e4m3: 3 mantissa bits
+        # per element: half an ulp of a normal e4m3 value, or of the subnormal step 2^-9
+        assert np.all(err <= 2.0**-4 * np.abs(xf) + 2.0**-10 * np.asarray(scale)[..., None])
+        # the row's largest element lands on +-448 (the whole e4m3 range is used); zeros stay 0
+        top = np.abs(np.asarray(x8, np.float32)).max(-1)
+        np.testing.assert_array_equal(top[amax > 0], FP8_MAX)
+        assert not np.asarray(dequantize_kv(x8, scale))[0, 0].any() and np.isfinite(scale).all()
+
+
+FP8_SHAPE = (7, 2, 4, 2, 16, 20, 16, 2)   # GQA 2, prompts of up to 20, two pages per slot
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_case():
+    """Slots (_slot_inputs, layer 1 of 2) with the four KV arrays quantized (one jitted
+    quantize_kv per array): (args with e4m3 KV, KVScales, the same args with the dequantized
+    float32 KV, dense attention over those in float64 for f32 and for bf16 queries)."""
+    q, pk, pv, plen, pidx, gk, gv, table, slen = _slot_inputs(*FP8_SHAPE, seed=8)
+    quant = jax.jit(lambda *xs: [(x8, s, dequantize_kv(x8, s)) for x8, s in map(quantize_kv, xs)])
+    (pk8, spk, pkd), (pv8, spv, pvd), (gk8, sgk, gkd), (gv8, sgv, gvd) = quant(pk, pv, gk, gv)
+    deq = (q, pkd, pvd, plen, pidx, gkd, gvd, table, slen)
+    want = {jnp.float32: _slot_brute_force(*deq, 1),
+            jnp.bfloat16: _slot_brute_force(q.astype(jnp.bfloat16), *deq[1:], 1)}
+    return ((q, pk8, pv8, plen, pidx, gk8, gv8, table, slen), KVScales(spk, spv, sgk, sgv),
+            deq, want)
+
+
+def test_fp8_kv_reference_matches_dense_attention_over_the_dequantized_kv():
+    """The reference reads e4m3 blocks and their scale rows, from an e4m3 store (layer traced)
+    or a uint8 one of its bit patterns (a pool without a layer axis), for f32 and bf16 queries
+    (e4m3 widens to bf16 exactly: only p's rounding to bf16 for the PV dot is left)."""
+    args, scales, _, want = _fp8_case()
+
+    q, pk8, pv8, plen, pidx, gk8, gv8, table, slen = args
+    bits = lambda x: jax.lax.bitcast_convert_type(x[1], jnp.uint8)      # layer 1, no layer axis
+    u8 = (q, bits(pk8), bits(pv8), plen, pidx, bits(gk8), bits(gv8), table, slen)
+
+    @jax.jit
+    def forms(args, u8, scales):
+        return (slot_decode_attention(*args, layer=jnp.int32(1), kv_scales=scales,
+                                      impl="reference"),
+                slot_decode_attention(*u8, kv_scales=KVScales(*(s[1] for s in scales)),
+                                      impl="reference"),
+                slot_decode_attention(q.astype(jnp.bfloat16), *args[1:], layer=1,
+                                      kv_scales=scales, impl="reference"))
+
+    compiled = forms.lower(args, u8, scales).compile()
+    fp8, uint8, bf16 = compiled(args, u8, scales)
+    # the stores are read as they are (e4m3, or its bits), a block at a time: XLA:CPU, which has
+    # no e4m3 arithmetic, would otherwise widen each whole store to f16 per call
+    stores = {",".join(map(str, x.shape)) for x in (args[1], args[5])}
+    wide = {m.group(0) for m in re.finditer(r"\b(\w+)\[([\d,]+)\]", compiled.as_text())
+            if m.group(2) in stores and m.group(1) not in ("u8", "f8e4m3fn")}
+    assert not wide, wide
+    for got in (fp8, uint8):
+        np.testing.assert_allclose(np.asarray(got), want[jnp.float32], atol=2e-6, rtol=1e-5)
+    assert bf16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(bf16, np.float32), want[jnp.bfloat16], atol=2e-2)
+
+
+@pytest.mark.parametrize("family", ["triton", "mosaic"])
+def test_fp8_kv_kernels_match_dense_attention_over_the_dequantized_kv(family):
+    """Both kernel structures, interpreted: e4m3 blocks and scale rows loaded per prompt block
+    (two of 16) and per page, dequantized in the kernel."""
+    args, scales, _, want = _fp8_case()
+    out = slot_decode_attention_pallas(*args, layer=jnp.int32(1), kv_scales=scales,
+                                       family=family, block_p=16)
+    np.testing.assert_allclose(np.asarray(out), want[jnp.float32], atol=2e-6, rtol=1e-5)
+
+
+def test_fp8_kv_scales_are_checked_at_the_door():
+    args, scales, deq, _ = _fp8_case()
+    with pytest.raises(ValueError, match="kv_scales is None"):
+        slot_decode_attention_reference(*args, layer=1)
+    with pytest.raises(ValueError, match="an fp8 store is"):
+        slot_decode_attention_pallas(*deq, layer=1, kv_scales=scales)
+    bad = scales._replace(pages_v=scales.pages_v[..., :-1])
+    with pytest.raises(ValueError, match=r"kv_scales.pages_v must be float32"):
+        slot_decode_attention(*args, layer=1, kv_scales=bad)
+
+
+_QWEN25_1P5B = next(s for s, n in _ATTENTION_SHAPES.items() if n == "qwen2.5-1.5b")
+_HLO_DTYPES = {"bf16": "bfloat16", "f32": "float32", "i32": "int32", "f8E4M3FN": "float8_e4m3fn"}
+
+
+@functools.lru_cache(maxsize=None)
+def _lowered_calls(platform: str, fp8: bool) -> dict:
+    """{kernel name: [(dtype name, shape)] of its custom call's operands} of the slot attention
+    lowered for ``platform`` at Qwen2.5-1.5B's shapes (bf16 queries; e4m3 KV if ``fp8``)."""
+    kv = FP8_KV_DTYPE if fp8 else jnp.bfloat16
+    text = lower_slot_attention(platform, *_QWEN25_1P5B, jnp.bfloat16, kv_dtype=kv)
+    calls = {}
+    for line in text.splitlines():
+        if CUSTOM_CALL[platform] in line and "stablehlo.custom_call" in line:
+            name = next(n for n in ("slot_decode_attention_prefix", "slot_decode_attention_own")
+                        if n in line)
+            types = re.search(r"\} : \((.*?)\) ->", line).group(1)
+            calls[name] = [(_HLO_DTYPES[d], tuple(int(x) for x in dims.split("x") if x))
+                           for dims, d in re.findall(r"tensor<((?:\d+x)*)(\w+)>", types)]
+    return calls
+
+
+@pytest.mark.parametrize("platform", list(CUSTOM_CALL))
+def test_fp8_kernels_lower_for_gpu_and_tpu_and_declare_their_bytes(platform):
+    """Both kernels lower with e4m3 operands and two float32 scale rows after each call's KV; the
+    traffic declaration (bench/roofline.py) finds q and the KV by position with or without them,
+    counts the KV at 1 byte and 4 bytes of scale row per position of K and of V."""
+    calls = _lowered_calls(platform, True)
+    family = "triton" if platform == "cuda" else "mosaic"
+    dh = _QWEN25_1P5B[2]
+    for name in ("slot_decode_attention_prefix", "slot_decode_attention_own"):
+        ops = calls[name]
+        assert sum(d == "float8_e4m3fn" for d, _ in ops) == 2
+        declare = lambda o: slot_decode_attention_traffic(
+            name, o, group=_QWEN25_1P5B[0] // _QWEN25_1P5B[1], slots_per_prompt=[16] * 4,
+            prompt_len=1000, own_len=300.5, family=family)[0]
+        scale_at = [i for i, (d, s) in enumerate(ops) if d == "float32" and len(s) == 5]
+        assert len(scale_at) == 2 and scale_at[1] == scale_at[0] + 1
+        plain = [o for i, o in enumerate(ops) if i not in scale_at]
+        b16 = [("bfloat16", s) if d == "float8_e4m3fn" else (d, s) for d, s in plain]
+        assert b16 == _lowered_calls(platform, False)[name]   # the scale rows are all that's new
+        kv_elems = declare(b16) - declare(plain)              # KV bytes at 2 minus at 1 byte
+        assert kv_elems > 0
+        # a float32 scale per position of K and of V, against Dh one-byte elements each
+        assert declare(ops) - declare(plain) == pytest.approx(kv_elems * 4 / dh)
+
+
+def test_auto_takes_the_kernels_for_an_fp8_store_on_gpu_and_tpu():
+    for platform in CUSTOM_CALL:
+        with pk.compile_target(platform):
+            assert resolve_impl("auto", FP8_KV_DTYPE, default_page_size()) == "pallas"
+            assert resolve_impl("auto", jnp.uint8, default_page_size()) == "reference"
