@@ -194,7 +194,8 @@ class Pool:
     entry's pending samples and its samples' results (written as tokens are sampled).
 
     Shapes:
-      prefix_k, prefix_v: ``[L, K, Hkv, P, Dh]`` compute dtype, the prompts' KV (head-major).
+      prefix_k, prefix_v: ``[L, K, Hkv, P, Dh]`` compute dtype, the prompts' KV (head-major);
+        under an fp8 KV cache e4m3 (``kv_store_dtype``) with scales prefix_ks / prefix_vs.
       plen: ``int32[K]`` prompt length (1 in a free entry).
       gid: ``int32[K]`` global prompt index (-1: free entry).
       queue: ``int32[K, Nd]`` the entry's pending samples, in order.
@@ -277,7 +278,7 @@ def init_pool(spec: Spec) -> Pool:
     c, k, nd, s = spec.cfg, spec.pool, spec.share, spec.max_new_tokens
     kv = (c.num_hidden_layers, k, c.num_key_value_heads, spec.prompt_len, c.head_dim)
     fp8 = c.kv_precision == "fp8"
-    dt = FP8_KV_DTYPE if fp8 else dtype_of(c.dtype)
+    dt = kv_store_dtype(c, spec.attention_impl) if fp8 else dtype_of(c.dtype)
     scale = (lambda: jnp.zeros(kv[:-1], jnp.float32)) if fp8 else (lambda: None)
     i32 = functools.partial(jnp.zeros, dtype=jnp.int32)
     return Pool(prefix_k=jnp.zeros(kv, dt), prefix_v=jnp.zeros(kv, dt),
@@ -363,7 +364,7 @@ def admit(params, pool: Pool, tokens, lengths, entries, gids, stop, seed_key, *,
             prompt_kv[f"prefix_{name}s"] = getattr(pool, f"prefix_{name}s").at[:, dest].set(
                 sc, mode=inb)
         store = getattr(pool, f"prefix_{name}")
-        prompt_kv[f"prefix_{name}"] = store.at[:, dest].set(x.astype(store.dtype), mode=inb)
+        prompt_kv[f"prefix_{name}"] = store.at[:, dest].set(_as_store(x, store.dtype), mode=inb)
     return pool.replace(
         **prompt_kv,
         plen=put("plen", lengths.astype(jnp.int32)), gid=put("gid", gids.astype(jnp.int32)),
@@ -470,13 +471,19 @@ def _write_kv(pages, scales, layer, page, offset, values):
         values, sc = quantize_kv(values)
         scales = scales.reshape(n_layers * n_pages * hkv, ps).at[at].set(
             sc.reshape(b * hkv), mode="promise_in_bounds").reshape(scales.shape)
-    if pages.dtype in (jnp.uint16, jnp.uint8):     # bit patterns of bfloat16 / e4m3
-        wide = jnp.bfloat16 if pages.dtype == jnp.uint16 else FP8_KV_DTYPE
-        values = jax.lax.bitcast_convert_type(values.astype(wide), pages.dtype)
     flat = pages.reshape(n_layers * n_pages * hkv, ps, dh)
-    flat = flat.at[at].set(values.reshape(b * hkv, dh).astype(pages.dtype),
+    flat = flat.at[at].set(_as_store(values.reshape(b * hkv, dh), pages.dtype),
                            mode="promise_in_bounds")
     return flat.reshape(pages.shape), scales
+
+
+def _as_store(values, dtype):
+    """``values`` in a KV store's dtype: a uint16 / uint8 store holds the bit patterns of
+    bfloat16 / e4m3 (kv_store_dtype)."""
+    if dtype in (jnp.uint16, jnp.uint8):
+        wide = jnp.bfloat16 if dtype == jnp.uint16 else FP8_KV_DTYPE
+        return jax.lax.bitcast_convert_type(values.astype(wide), dtype)
+    return values.astype(dtype)
 
 
 def _forward(params, pool: Pool, slots: Slots, kv: KV, go, spec: Spec):
