@@ -214,15 +214,24 @@ def test_bad_batch_gives_clear_error():
         update(state, bad, None)
 
 
-def test_real_transformer_logprobs_and_update():
+# A mixture-of-experts model's fields (qwen3_moe: q/k norms, no biases, 4 experts, top-2).
+_MOE = dict(model_type="qwen3_moe", attention_bias=False, qk_norm=True, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_real_transformer_logprobs_and_update(family):
     """With brorl_jax.models: the fused log-probs equal log_softmax of forward()'s logits, and one
-    update step runs with finite metrics and zero KL against an identical reference."""
+    update step runs with finite metrics and zero KL against an identical reference; a
+    mixture-of-experts policy's update moves its router (the gates carry its gradient) and its
+    experts."""
     from brorl_jax.models import ModelConfig, forward, init_params
-    mc = ModelConfig(model_type="qwen2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                     rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-6, attention_bias=True,
-                     qk_norm=False, tie_word_embeddings=True, max_position_embeddings=64,
-                     bos_token_id=None, eos_token_ids=(1,))
+    fields = dict(model_type="qwen2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-6, attention_bias=True,
+                  qk_norm=False, tie_word_embeddings=True, max_position_embeddings=64,
+                  bos_token_id=None, eos_token_ids=(1,))
+    mc = ModelConfig(**dict(fields, **(_MOE if family == "qwen3_moe" else {})))
     params = init_params(mc, jax.random.PRNGKey(0))
     cfg = _cfg(ppo_mini_batches=2)
     batch = random_batch(rows=8, seq=6)
@@ -240,6 +249,8 @@ def test_real_transformer_logprobs_and_update():
     assert np.isfinite(float(m["kl"])) and float(m["entropy"]) > 0
     moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), new_state.params, params)
     assert max(jax.tree.leaves(moved)) > 0
+    if mc.is_moe:
+        assert all(v > 0 for v in jax.tree.leaves(moved["layers"]["moe"])), moved["layers"]["moe"]
 
 
 def test_grad_var_matches_brute_force_micro_batch_gradients():
