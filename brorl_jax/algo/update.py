@@ -166,31 +166,51 @@ def remat_saved_bytes(model_cfg, tokens: int, policy: str) -> int:
       input, normalised and scaled outputs and two float32 scalars; q after RoPE and its
       float32 cos/sin; K and V repeated to the query heads, the attention output (twice: the
       kernel's and o_proj's view) and its float32 log-sum-exp; gate and up (fused kernels)
-      or gate, up, silu's three residuals and the product (XLA).
+      or gate, up, silu's three residuals and the product (XLA); with q/k norms (qwen3) their
+      float32 inputs, two float32 scalars per head and normalised outputs; a mixture of
+      experts' MLP as _mlp_saved_bytes lists it.
 
     Whether the fused MLP kernels run is decided for the platform traced for."""
     from brorl_jax.models.transformer import dtype_of
-    from pallas_kernels import swiglu_mlp
     c = model_cfg
     dtype = jnp.dtype(dtype_of(c.dtype))
     item = dtype.itemsize
-    d, i, h, dh = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.head_dim
+    d, h, hkv, dh = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
     if policy == "full":
-        per_token = d
+        per_token_bytes = d * item
     elif policy == "dots":
-        per_token = d + (h * dh + 2 * c.num_key_value_heads * dh + 2 * d + 2 * i)
+        per_token_bytes = ((d + h * dh + 2 * hkv * dh + d) * item
+                           + _mlp_saved_bytes(c, tokens, policy, dtype))
     elif policy == "none":
         if c.attention_impl != "flash":
             raise ValueError(f"remat_saved_bytes: policy 'none' is planned for attention_impl="
                              f"'flash' only, not {c.attention_impl!r} (its [T, T] "
                              "probabilities are not counted)")
-        fused = swiglu_mlp.resolve_impl(c.mlp_impl, (int(tokens), d), (d, i), dtype) == "pallas"
+        qk_norms = (4 + item) * (h + hkv) * dh + 8 * (h + hkv) if c.qk_norm else 0
         per_token_bytes = ((8 + 4 * item) * d + 16 + 5 * item * h * dh + 8 * dh + 4 * h
-                           + (2 if fused else 6) * item * i)
-        return int(tokens) * c.num_hidden_layers * per_token_bytes
+                           + qk_norms + _mlp_saved_bytes(c, tokens, policy, dtype))
     else:
         raise ValueError(f"remat policy {policy!r}; one of ('full', 'dots', 'none')")
-    return int(tokens) * c.num_hidden_layers * per_token * item
+    return int(tokens) * c.num_hidden_layers * per_token_bytes
+
+
+def _mlp_saved_bytes(c, tokens: int, policy: str, dtype) -> int:
+    """Per-token bytes the MLP keeps for the backward under "dots" or "none" (remat_saved_bytes)."""
+    from pallas_kernels import swiglu_mlp
+    d, item = c.hidden_size, dtype.itemsize
+    if c.is_moe:
+        e, k, i = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
+        if policy == "dots":    # the router's float32 logits (the grouped GEMMs are no dots)
+            return 4 * e
+        # softmax's exp and two float32 scalars, the top-k gates and ids, the K gathered rows
+        # and their ids, gate, up, silu's three residuals and the product of each chosen
+        # expert, the ids putting rows back, the K float32 expert outputs (models/moe.py)
+        return 4 * e + 8 + 16 * k + k * d * (item + 4) + 6 * k * i * item
+    i = c.intermediate_size
+    if policy == "dots":        # down's output, gate's and up's
+        return (d + 2 * i) * item
+    fused = swiglu_mlp.resolve_impl(c.mlp_impl, (int(tokens), d), (d, i), dtype) == "pallas"
+    return (2 if fused else 6) * item * i
 
 
 # Parameter-sized float32 buffers the update holds besides activations: params, Adam's two

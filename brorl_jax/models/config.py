@@ -101,6 +101,14 @@ class ModelConfig:
         """True when every layer's MLP is a sparse mixture of experts."""
         return self.model_type in MOE_MODEL_TYPES
 
+    @property
+    def mlp_width(self) -> int:
+        """A token's MLP width (what the memory plans count per token): intermediate_size, or
+        the widths of the num_experts_per_tok experts it goes to."""
+        if self.is_moe:
+            return self.num_experts_per_tok * self.moe_intermediate_size
+        return self.intermediate_size
+
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(

@@ -151,3 +151,32 @@ def test_qwen3_moe_config_round_trips_and_dense_layers_among_sparse_are_refused(
             ModelConfig.from_hf_config({**hf, **bad}, source="m/config.json")
     with pytest.raises(ValueError, match="'moe_intermediate_size' is missing"):
         ModelConfig.from_hf_config({k: v for k, v in hf.items() if k != "moe_intermediate_size"})
+
+
+# Qwen/Qwen3-30B-A3B's config.json as the Hub ships it (written out: nothing is downloaded).
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+    "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+    "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936}
+
+
+def test_qwen3_30b_a3b_loads_as_config_and_the_plans_count_every_expert():
+    """The parameter count the door's memory plans read (hf.param_shapes) holds all 128
+    experts of every layer: the model card's 30.5B, by hand from the shapes."""
+    from brorl_jax.models.hf import param_shapes
+    from brorl_jax.rollout.plan import rollout_params_bytes
+    cfg = ModelConfig.from_hf_config(QWEN3_30B_A3B, dtype="bfloat16")
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.mlp_width) == (128, 8, 8 * 768)
+    n = sum(int(x.size) for x in jax.tree.leaves(param_shapes(cfg)))
+    d, v, layers, e, i = 2048, 151936, 48, 128, 768
+    attention = 2 * d * 32 * 128 + 2 * d * 4 * 128 + 2 * 128 + 2 * d   # q, o; k, v; norms
+    assert n == 2 * v * d + d + layers * (attention + d * e + 3 * e * d * i) == 30_532_122_624
+    assert rollout_params_bytes(cfg, n) == 2 * n
