@@ -27,9 +27,13 @@ def main(out_path: str, layout: str) -> None:
     cfg = small_model_config(model_type="qwen3_moe", qk_norm=True, attention_bias=False,
                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                              norm_topk_prob=True)
-    # larger weights: decided routers (no near-ties for the float order to flip)
-    params = jax.tree.map(lambda x: x * 4.0 if x.ndim >= 2 else x,
-                          init_params(cfg, jax.random.PRNGKey(0)))
+    # N(0, 0.08) weights (init_params' x 4: decided routers, no near-ties for the float order
+    # to flip), unit norm scales; drawn in numpy from the shapes (init_params compiles for 6 s)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(
+        lambda s: (0.08 * rng.standard_normal(s.shape) if len(s.shape) >= 2
+                   else np.ones(s.shape)).astype(np.float32),
+        jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0))))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (8, 16), 0, cfg.vocab_size)
     fwd = lambda p, t: forward(p, cfg, t, return_routing=True)
     sizes = {k: int(v) for k, v in (kv.split("=") for kv in layout.split(","))}
