@@ -14,8 +14,10 @@ import pytest
 from models_testutil import hf_config
 from testutil import tiny_model_config
 
+import pallas_kernels as pk
 from brorl_jax.models import ModelConfig, forward, init_params, layer_finish, layer_finish_routed
 from brorl_jax.models.moe import experts_dense, experts_ragged, route
+from brorl_jax.models.transformer import layer_loop_form
 
 N, D, E, K, I = 10, 16, 4, 2, 8     # tokens, hidden, experts, top-k, expert width
 
@@ -106,6 +108,11 @@ def test_forward_returns_its_routing_and_replaying_it_changes_nothing():
     replayed, used = fwd(params, tokens=tokens, routing=other)
     np.testing.assert_array_equal(used, other)
     assert float(jnp.abs(replayed - logits).max()) > 1e-4
+    with pk.compile_target("cuda"):               # the GPU/TPU form: layer by layer, unrolled
+        assert layer_loop_form() == "unrolled"
+        unrolled, used = fwd(params, tokens=tokens, routing=other)
+    np.testing.assert_array_equal(used, other)
+    np.testing.assert_allclose(unrolled, replayed, atol=1e-5)
 
 
 def test_the_decode_loops_layer_functions_take_and_give_the_routing():
