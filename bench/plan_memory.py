@@ -74,7 +74,7 @@ def hand_calculation(mc, *, fsdp: int, devices: int, seq: int, rows_per_step: in
                      q_chunk: int) -> dict:
     n_params = sum(x.size for x in jax.tree.leaves(
         jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0)))))
-    d, i, l, h, v = (mc.hidden_size, mc.intermediate_size, mc.num_hidden_layers,
+    d, i, l, h, v = (mc.hidden_size, mc.mlp_width, mc.num_hidden_layers,
                      mc.num_attention_heads, mc.vocab_size)
     shard = n_params * 4 / fsdp
     layer_params = (n_params - v * d - d) / l

@@ -263,3 +263,37 @@ def policy_loss(
         "behaviour_kl_sum": jnp.sum(m * behaviour_kl),
     }
     return loss, sums
+
+
+# The sums policy_loss returns (per mini-batch), and the step's metrics from them
+METRIC_SUMS = ("n_tokens", "kl_sum", "entropy_sum", "clip_low_sum", "clip_high_sum",
+               "dual_clip_sum", "ratio_sum", "tis_dropped_sum", "tis_weight_sum", "pg_loss",
+               "kl_loss", "entropy_loss", "logprob_gap_sum", "behaviour_kl_sum")
+
+
+def step_metrics(m: dict, cfg) -> dict:
+    """The step's metrics from the per-mini-batch ones (stacked [ppo_epochs * M]); cfg: the
+    UpdateConfig."""
+    n_tok = jnp.maximum(m["n_tokens"], 1.0)
+    frac = lambda k: jnp.mean(m[k] / n_tok)
+    return {
+        "loss": jnp.mean(m["loss"]),
+        "pg_loss": jnp.mean(m["pg_loss"]),
+        "kl": frac("kl_sum"),
+        "entropy": frac("entropy_sum"),
+        "clip_frac_low": frac("clip_low_sum"),
+        "clip_frac_high": frac("clip_high_sum"),
+        "clip_frac": jnp.mean((m["clip_low_sum"] + m["clip_high_sum"]) / n_tok),
+        "dual_clip_frac": frac("dual_clip_sum"),
+        "ratio_mean": frac("ratio_sum"),
+        "tis_dropped_frac": frac("tis_dropped_sum"),
+        "tis_weight_mean": frac("tis_weight_sum"),
+        "logprob_gap_mean": frac("logprob_gap_sum"),
+        "behaviour_kl": frac("behaviour_kl_sum"),
+        "grad_norm": jnp.mean(m["grad_norm"]),
+        "grad_var": jnp.mean(m["grad_var"]),
+        "finite": jnp.min(m["finite"]),
+        "skipped": jnp.sum(1.0 - m["finite"]),
+        "n_tokens": jnp.sum(m["n_tokens"]) / cfg.ppo_epochs,
+        "optimizer_steps": jnp.sum(m["finite"]),
+    }

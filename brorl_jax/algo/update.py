@@ -31,7 +31,7 @@ import optax
 from jax import lax
 
 from brorl_jax.algo.batch import TokenRows, UpdateBatch
-from brorl_jax.algo.losses import get_loss_agg, policy_loss
+from brorl_jax.algo.losses import METRIC_SUMS, get_loss_agg, policy_loss, step_metrics
 from brorl_jax.config.schema import UpdateConfig
 from pallas_kernels import fused_logprob, fused_logprob_stats
 
@@ -166,31 +166,51 @@ def remat_saved_bytes(model_cfg, tokens: int, policy: str) -> int:
       input, normalised and scaled outputs and two float32 scalars; q after RoPE and its
       float32 cos/sin; K and V repeated to the query heads, the attention output (twice: the
       kernel's and o_proj's view) and its float32 log-sum-exp; gate and up (fused kernels)
-      or gate, up, silu's three residuals and the product (XLA).
+      or gate, up, silu's three residuals and the product (XLA); with q/k norms (qwen3) their
+      float32 inputs, two float32 scalars per head and normalised outputs; a mixture of
+      experts' MLP as _mlp_saved_bytes lists it.
 
     Whether the fused MLP kernels run is decided for the platform traced for."""
     from brorl_jax.models.transformer import dtype_of
-    from pallas_kernels import swiglu_mlp
     c = model_cfg
     dtype = jnp.dtype(dtype_of(c.dtype))
     item = dtype.itemsize
-    d, i, h, dh = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.head_dim
+    d, h, hkv, dh = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
     if policy == "full":
-        per_token = d
+        per_token_bytes = d * item
     elif policy == "dots":
-        per_token = d + (h * dh + 2 * c.num_key_value_heads * dh + 2 * d + 2 * i)
+        per_token_bytes = ((d + h * dh + 2 * hkv * dh + d) * item
+                           + _mlp_saved_bytes(c, tokens, policy, dtype))
     elif policy == "none":
         if c.attention_impl != "flash":
             raise ValueError(f"remat_saved_bytes: policy 'none' is planned for attention_impl="
                              f"'flash' only, not {c.attention_impl!r} (its [T, T] "
                              "probabilities are not counted)")
-        fused = swiglu_mlp.resolve_impl(c.mlp_impl, (int(tokens), d), (d, i), dtype) == "pallas"
+        qk_norms = (4 + item) * (h + hkv) * dh + 8 * (h + hkv) if c.qk_norm else 0
         per_token_bytes = ((8 + 4 * item) * d + 16 + 5 * item * h * dh + 8 * dh + 4 * h
-                           + (2 if fused else 6) * item * i)
-        return int(tokens) * c.num_hidden_layers * per_token_bytes
+                           + qk_norms + _mlp_saved_bytes(c, tokens, policy, dtype))
     else:
         raise ValueError(f"remat policy {policy!r}; one of ('full', 'dots', 'none')")
-    return int(tokens) * c.num_hidden_layers * per_token * item
+    return int(tokens) * c.num_hidden_layers * per_token_bytes
+
+
+def _mlp_saved_bytes(c, tokens: int, policy: str, dtype) -> int:
+    """Per-token bytes the MLP keeps for the backward under "dots" or "none" (remat_saved_bytes)."""
+    from pallas_kernels import swiglu_mlp
+    d, item = c.hidden_size, dtype.itemsize
+    if c.is_moe:
+        e, k, i = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
+        if policy == "dots":    # the router's float32 logits (the grouped GEMMs are no dots)
+            return 4 * e
+        # softmax's exp and two float32 scalars, the top-k gates and ids, the K gathered rows
+        # and their ids, gate, up, silu's three residuals and the product of each chosen
+        # expert, the ids putting rows back, the K float32 expert outputs (models/moe.py)
+        return 4 * e + 8 + 16 * k + k * d * (item + 4) + 6 * k * i * item
+    i = c.intermediate_size
+    if policy == "dots":        # down's output, gate's and up's
+        return (d + 2 * i) * item
+    fused = swiglu_mlp.resolve_impl(c.mlp_impl, (int(tokens), d), (d, i), dtype) == "pallas"
+    return (2 if fused else 6) * item * i
 
 
 # Parameter-sized float32 buffers the update holds besides activations: params, Adam's two
@@ -364,12 +384,6 @@ def make_logprob_fn(model_cfg=None, algo_cfg: UpdateConfig | None = None, *, pol
     return logprobs
 
 
-_METRIC_SUMS = ("n_tokens", "kl_sum", "entropy_sum", "clip_low_sum", "clip_high_sum", "dual_clip_sum",
-                "ratio_sum",
-                "tis_dropped_sum", "tis_weight_sum", "pg_loss", "kl_loss", "entropy_loss",
-                "logprob_gap_sum", "behaviour_kl_sum")
-
-
 def make_update_step(model_cfg, algo_cfg: UpdateConfig, optimizer: optax.GradientTransformation, *,
                      policy: PolicyFns | None = None, logprob_fn=None, shard_rows=None,
                      diagnostics_n: int | None = None, remat_policy: str | None = None,
@@ -444,7 +458,7 @@ def make_update_step(model_cfg, algo_cfg: UpdateConfig, optimizer: optax.Gradien
                                           (state.params, state.opt_state),
                                           (minis, jnp.arange(n_minis)))
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-        return new_state, dict(_step_metrics(m, cfg), **diag)
+        return new_state, dict(step_metrics(m, cfg), **diag)
 
     return update
 
@@ -533,7 +547,7 @@ def _minibatch_step(grad_fn, optimizer, agg, shard_rows, micro_rows, remat, carr
                     sq_acc + jnp.square(optax.tree.norm(g))), None
 
         zeros_g = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        zeros_s = {k: jnp.zeros((), jnp.float32) for k in _METRIC_SUMS}
+        zeros_s = {k: jnp.zeros((), jnp.float32) for k in METRIC_SUMS}
         zero = jnp.zeros((), jnp.float32)
         (grads, loss, sums, sq), _ = lax.scan(accumulate, (zeros_g, zero, zeros_s, zero), micro)
         total_sq = jnp.square(optax.tree.norm(grads))
@@ -555,28 +569,3 @@ def _minibatch_step(grad_fn, optimizer, agg, shard_rows, micro_rows, remat, carr
     return (params, opt_state), metrics
 
 
-def _step_metrics(m: dict, cfg: UpdateConfig) -> dict:
-    """The step's metrics from the per-mini-batch ones (stacked [ppo_epochs * M])."""
-    n_tok = jnp.maximum(m["n_tokens"], 1.0)
-    frac = lambda k: jnp.mean(m[k] / n_tok)
-    return {
-        "loss": jnp.mean(m["loss"]),
-        "pg_loss": jnp.mean(m["pg_loss"]),
-        "kl": frac("kl_sum"),
-        "entropy": frac("entropy_sum"),
-        "clip_frac_low": frac("clip_low_sum"),
-        "clip_frac_high": frac("clip_high_sum"),
-        "clip_frac": jnp.mean((m["clip_low_sum"] + m["clip_high_sum"]) / n_tok),
-        "dual_clip_frac": frac("dual_clip_sum"),
-        "ratio_mean": frac("ratio_sum"),
-        "tis_dropped_frac": frac("tis_dropped_sum"),
-        "tis_weight_mean": frac("tis_weight_sum"),
-        "logprob_gap_mean": frac("logprob_gap_sum"),
-        "behaviour_kl": frac("behaviour_kl_sum"),
-        "grad_norm": jnp.mean(m["grad_norm"]),
-        "grad_var": jnp.mean(m["grad_var"]),
-        "finite": jnp.min(m["finite"]),
-        "skipped": jnp.sum(1.0 - m["finite"]),
-        "n_tokens": jnp.sum(m["n_tokens"]) / cfg.ppo_epochs,
-        "optimizer_steps": jnp.sum(m["finite"]),
-    }

@@ -1,4 +1,5 @@
-"""brorl_jax.models: Flax decoder-only transformer (Qwen2/Qwen3/Llama), HF load/save, demo model.
+"""brorl_jax.models: Flax decoder-only transformer (Qwen2/Qwen3/Llama, Qwen3-MoE), HF load/save,
+demo model.
 
 See docs/INTERFACES.md ("models") for the contract; the pure functions live in ``transformer``.
 """
@@ -21,6 +22,7 @@ from .transformer import (
     forward,
     init_params,
     layer_finish,
+    layer_finish_routed,
     layer_qkv,
     lm_head_matrix,
     lm_logits,
@@ -59,6 +61,7 @@ __all__ = [
     "embed",
     "layer_qkv",
     "layer_finish",
+    "layer_finish_routed",
     "final_norm",
     "lm_head_matrix",
     "lm_logits",

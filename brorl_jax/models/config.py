@@ -1,8 +1,9 @@
 """ModelConfig: the frozen, hashable description of a decoder-only transformer.
 
-It covers the three Hugging Face families used by BroRL-style RLVR runs (Qwen2/Qwen2.5, Qwen3,
-Llama 3.x) and converts to and from a HF ``config.json`` dict. Being a frozen dataclass of plain
-hashable fields, a ``ModelConfig`` can be a static argument of ``jax.jit``.
+It covers the Hugging Face families used by BroRL-style RLVR runs (Qwen2/Qwen2.5, Qwen3,
+Llama 3.x, and the mixture-of-experts Qwen3-MoE) and converts to and from a HF ``config.json``
+dict. Being a frozen dataclass of plain hashable fields, a ``ModelConfig`` can be a static
+argument of ``jax.jit``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ from typing import Any
 
 from pallas_kernels.swiglu_mlp import IMPLS as MLP_IMPLS
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+# Families whose MLP is a sparse mixture of experts (models/moe.py).
+MOE_MODEL_TYPES = ("qwen3_moe",)
+# The experts' grouped GEMM (models/moe.py): "ragged" (jax.lax.ragged_dot over the tokens
+# sorted by expert), "dense" (the reference: every expert on every token, masked by the gates).
+MOE_IMPLS = ("ragged", "dense")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 ATTENTION_IMPLS = ("reference", "xla", "cudnn", "flash")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
@@ -26,11 +32,14 @@ _DEFAULTS = {
     "qwen2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "tie_word_embeddings": False},
     "qwen3": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "tie_word_embeddings": False},
     "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "tie_word_embeddings": False},
+    "qwen3_moe": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+                  "tie_word_embeddings": False},
 }
 _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "llama": "LlamaForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -83,6 +92,30 @@ class ModelConfig:
     # Not part of the checkpoint, like attention_impl.
     weight_precision: str = "bf16"
     kv_precision: str = "bf16"
+    # Mixture of experts (model_type "qwen3_moe"; all 0 for the dense families): every layer's
+    # MLP is num_experts SwiGLU experts of width moe_intermediate_size, num_experts_per_tok of
+    # them per token, their gates renormalised to sum to 1 when norm_topk_prob (HF's names).
+    # router_aux_loss_coef is the checkpoint's load-balancing weight, kept for the round trip.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    router_aux_loss_coef: float = 0.0
+    # The experts' grouped GEMM, one of MOE_IMPLS; not part of the checkpoint, like mlp_impl.
+    moe_impl: str = "ragged"
+
+    @property
+    def is_moe(self) -> bool:
+        """True when every layer's MLP is a sparse mixture of experts."""
+        return self.model_type in MOE_MODEL_TYPES
+
+    @property
+    def mlp_width(self) -> int:
+        """A token's MLP width (what the memory plans count per token): intermediate_size, or
+        the widths of the num_experts_per_tok experts it goes to."""
+        if self.is_moe:
+            return self.num_experts_per_tok * self.moe_intermediate_size
+        return self.intermediate_size
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -99,6 +132,7 @@ class ModelConfig:
             if getattr(self, name) not in ROLLOUT_PRECISIONS:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; use one of "
                                  f"{ROLLOUT_PRECISIONS}")
+        self._check_moe()
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in SUPPORTED_DTYPES:
                 raise ValueError(
@@ -119,6 +153,22 @@ class ModelConfig:
                     f"supported: {SUPPORTED_ROPE_TYPES}"
                 )
 
+    def _check_moe(self) -> None:
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(f"ModelConfig.moe_impl={self.moe_impl!r}; use one of {MOE_IMPLS}")
+        if not self.is_moe:
+            if self.num_experts or self.num_experts_per_tok or self.moe_intermediate_size:
+                raise ValueError(f"ModelConfig.num_experts={self.num_experts}: model_type="
+                                 f"{self.model_type!r} is dense; use one of {MOE_MODEL_TYPES}")
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok} must be in "
+                f"[1, num_experts={self.num_experts}] for model_type={self.model_type!r}")
+        if self.moe_intermediate_size < 1:
+            raise ValueError(f"ModelConfig.moe_intermediate_size={self.moe_intermediate_size} "
+                             f"must be >= 1 for model_type={self.model_type!r}")
+
     # ----------------------------------------------------------------------------------------
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -138,7 +188,7 @@ class ModelConfig:
         dtype: str = "float32",
         source: str = "config.json",
     ) -> "ModelConfig":
-        """Build from a HF ``config.json`` dict (qwen2, qwen3 or llama).
+        """Build from a HF ``config.json`` dict (qwen2, qwen3, llama or qwen3_moe).
 
         Accepts both the transformers-5 ``rope_parameters`` layout and the older
         ``rope_theta`` + ``rope_scaling`` layout. ``source`` names the file in error messages.
@@ -193,7 +243,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps") or defaults["rms_norm_eps"]),
             attention_bias=attention_bias,
-            qk_norm=(model_type == "qwen3"),
+            qk_norm=(model_type in ("qwen3", "qwen3_moe")),
             tie_word_embeddings=bool(defaults["tie_word_embeddings"] if tie is None else tie),
             max_position_embeddings=int(
                 hf.get("max_position_embeddings") or defaults["max_position_embeddings"]
@@ -202,6 +252,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             param_dtype=param_dtype,
             dtype=dtype,
+            **(_parse_moe(hf, source) if model_type in MOE_MODEL_TYPES else {}),
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -244,7 +295,41 @@ class ModelConfig:
             hf["attention_bias"] = self.attention_bias
         if self.model_type == "llama":
             hf["mlp_bias"] = False
+        if self.is_moe:
+            hf.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                      moe_intermediate_size=self.moe_intermediate_size,
+                      norm_topk_prob=self.norm_topk_prob,
+                      router_aux_loss_coef=self.router_aux_loss_coef,
+                      decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False)
         return hf
+
+
+def _parse_moe(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """The ModelConfig's mixture-of-experts fields from a qwen3_moe ``config.json``.
+
+    transformers writes ``num_local_experts`` (its attribute map for ``num_experts``). Only
+    checkpoints whose every layer is sparse load: the layers run as one ``lax.scan`` over
+    identically shaped params, so dense MLP layers among them (mlp_only_layers,
+    decoder_sparse_step > 1) are refused; Qwen3-MoE's released checkpoints have none.
+    """
+    num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+    for key, value in (("num_experts", num_experts),
+                       ("num_experts_per_tok", hf.get("num_experts_per_tok")),
+                       ("moe_intermediate_size", hf.get("moe_intermediate_size"))):
+        if value is None:
+            raise ValueError(f"{source}: required field {key!r} is missing")
+    if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step") or 1) != 1:
+        raise ValueError(
+            f"{source}: mlp_only_layers={hf.get('mlp_only_layers')}, decoder_sparse_step="
+            f"{hf.get('decoder_sparse_step')}: dense layers among the sparse ones are not "
+            "supported; every layer must be sparse (mlp_only_layers=[], decoder_sparse_step=1)")
+    return {
+        "num_experts": int(num_experts),
+        "num_experts_per_tok": int(hf["num_experts_per_tok"]),
+        "moe_intermediate_size": int(hf["moe_intermediate_size"]),
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+        "router_aux_loss_coef": float(hf.get("router_aux_loss_coef") or 0.0),
+    }
 
 
 def _parse_rope(hf: dict[str, Any], source: str) -> tuple[float, tuple | None]:

@@ -3,7 +3,7 @@
 ``load_directory`` reads a LOCAL HF model directory (nothing is downloaded; the public
 ``brorl_jax.models.from_pretrained`` in pretrained.py also takes ``.gguf`` files and built-in
 names and ends here):
-    config.json                          -> ModelConfig (qwen2 | qwen3 | llama)
+    config.json                          -> ModelConfig (qwen2 | qwen3 | llama | qwen3_moe)
     model.safetensors, or shards listed in model.safetensors.index.json -> params
     generation_config.json (optional)    -> Model.generation_eos_ids
     tokenizer files (optional)           -> Model.tokenizer (transformers AutoTokenizer)
@@ -17,6 +17,9 @@ Weight names (HF -> params; torch Linear weights are [out, in], our Dense kernel
     model.layers.{i}.self_attn.{q,k}_norm.weight       -> layers/{q,k}_norm/scale[i]   (qwen3)
     model.layers.{i}.post_attention_layernorm.weight   -> layers/post_attn_norm/scale[i]
     model.layers.{i}.mlp.{gate,up,down}_proj.weight    -> layers/{gate,up,down}_proj/kernel[i] (T)
+    qwen3_moe (every layer sparse), what transformers 5 writes and Qwen's checkpoints hold:
+    model.layers.{i}.mlp.gate.weight [E,D]             -> layers/moe/router[i] [D,E] (T)
+    model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight -> layers/moe/{...}_proj[i, e] (T)
     model.norm.weight                                  -> final_norm/scale
     lm_head.weight [V,D]                               -> lm_head/kernel [D,V] (T; untied only)
 """
@@ -61,6 +64,14 @@ _LAYER_NAMES: dict[tuple[str, str], tuple[str, bool]] = {
     ("gate_proj", "kernel"): ("mlp.gate_proj.weight", True),
     ("up_proj", "kernel"): ("mlp.up_proj.weight", True),
     ("down_proj", "kernel"): ("mlp.down_proj.weight", True),
+}
+# (our per-layer leaf path) -> (HF name inside model.layers.{i}., transpose); "{e}" marks a
+# per-expert tensor, stored at [i, e] of our [L, E, ...] leaf.
+_MOE_NAMES: dict[tuple[str, str], tuple[str, bool]] = {
+    ("moe", "router"): ("mlp.gate.weight", True),
+    ("moe", "gate_proj"): ("mlp.experts.{e}.gate_proj.weight", True),
+    ("moe", "up_proj"): ("mlp.experts.{e}.up_proj.weight", True),
+    ("moe", "down_proj"): ("mlp.experts.{e}.down_proj.weight", True),
 }
 _TOP_NAMES: dict[tuple[str, str], tuple[str, bool]] = {
     ("embed", "embedding"): ("model.embed_tokens.weight", False),
@@ -118,16 +129,21 @@ class Model:
 
 def _flat_names(
     cfg: ModelConfig, shapes: dict
-) -> list[tuple[tuple[str, ...], str, bool, int | None]]:
-    """Every param leaf as (our path, HF name, transpose, layer index or None for non-layer)."""
-    out: list[tuple[tuple[str, ...], str, bool, int | None]] = []
+) -> list[tuple[tuple[str, ...], str, bool, tuple[int, ...]]]:
+    """Every HF tensor as (our path, HF name, transpose, its index in our leaf): () for a
+    top-level leaf, (i,) for layer i's slice of a stacked leaf, (i, e) for expert e's."""
+    out: list[tuple[tuple[str, ...], str, bool, tuple[int, ...]]] = []
     for (module, leaf), (hf_name, transpose) in _TOP_NAMES.items():
         if module in shapes and leaf in shapes[module]:
-            out.append(((module, leaf), hf_name, transpose, None))
-    for (module, leaf), (hf_name, transpose) in _LAYER_NAMES.items():
+            out.append(((module, leaf), hf_name, transpose, ()))
+    for (module, leaf), (hf_name, transpose) in {**_LAYER_NAMES, **_MOE_NAMES}.items():
         if module in shapes["layers"] and leaf in shapes["layers"][module]:
+            experts = range(cfg.num_experts) if "{e}" in hf_name else (None,)
             for i in range(cfg.num_hidden_layers):
-                out.append((("layers", module, leaf), f"model.layers.{i}.{hf_name}", transpose, i))
+                for e in experts:
+                    name = f"model.layers.{i}." + hf_name.replace("{e}", str(e))
+                    index = (i,) if e is None else (i, e)
+                    out.append((("layers", module, leaf), name, transpose, index))
     return out
 
 
@@ -202,24 +218,18 @@ def _load_params(path: Path, cfg: ModelConfig) -> dict:
     for entry in entries:
         by_file.setdefault(files[entry[1]], []).append(entry)
 
-    layer_slices: dict[tuple[str, ...], list] = {}
     params: dict = {}
+    for our_path in dict.fromkeys(entry[0] for entry in entries):
+        _set(params, our_path, np.empty(_get(shapes, our_path).shape, pdt))
     for file, file_entries in by_file.items():
-        for our_path, tensor, transpose, layer in _read_file(file, file_entries, shapes, cfg):
+        for our_path, tensor, transpose, index in _read_file(file, file_entries, shapes, cfg):
             tensor = tensor.astype(pdt)
-            if transpose:
-                tensor = np.ascontiguousarray(tensor.T)
-            if layer is None:
-                _set(params, our_path, tensor)
-            else:
-                layer_slices.setdefault(our_path, [None] * cfg.num_hidden_layers)[layer] = tensor
-    for our_path, slices in layer_slices.items():
-        _set(params, our_path, np.stack(slices))
+            _get(params, our_path)[index] = tensor.T if transpose else tensor
     return jax.tree.map(jnp.asarray, params)
 
 
 def _read_file(file: Path, entries: list, shapes: dict, cfg: ModelConfig):
-    """Yield (our path, numpy tensor, transpose, layer) for ``entries`` of one safetensors file,
+    """Yield (our path, numpy tensor, transpose, index) for ``entries`` of one safetensors file,
     checking each stored shape against the config before reading its data."""
     try:
         with safe_open(file, framework="np") as f:
@@ -227,10 +237,8 @@ def _read_file(file: Path, entries: list, shapes: dict, cfg: ModelConfig):
             meta = {name: (tuple(sl.get_shape()), sl.get_dtype()) for name, sl in stored.items()}
     except (SafetensorError, OSError, ValueError) as e:
         raise ValueError(f"{file}: cannot read safetensors file ({e})") from e
-    for our_path, hf_name, transpose, layer in entries:
-        expected = tuple(_get(shapes, our_path).shape)
-        if layer is not None:
-            expected = expected[1:]
+    for our_path, hf_name, transpose, index in entries:
+        expected = tuple(_get(shapes, our_path).shape)[len(index):]
         hf_expected = expected[::-1] if transpose else expected
         got = meta[hf_name][0]
         if got != hf_expected:
@@ -239,15 +247,17 @@ def _read_file(file: Path, entries: list, shapes: dict, cfg: ModelConfig):
                 f"{list(hf_expected)} from {CONFIG_NAME} ({cfg.model_type}, "
                 f"hidden_size={cfg.hidden_size}, heads={cfg.num_attention_heads}/"
                 f"{cfg.num_key_value_heads}, head_dim={cfg.head_dim}, "
-                f"intermediate_size={cfg.intermediate_size}, vocab_size={cfg.vocab_size})"
+                f"intermediate_size={cfg.intermediate_size}, vocab_size={cfg.vocab_size}"
+                + (f", num_experts={cfg.num_experts}, moe_intermediate_size="
+                   f"{cfg.moe_intermediate_size})" if cfg.is_moe else ")")
             )
     # safetensors' numpy backend has no bfloat16: such files are read through its flax backend
     # and converted to numpy (ml_dtypes bfloat16).
     has_bf16 = any(dtype == "BF16" for _, dtype in meta.values())
     try:
         with safe_open(file, framework="flax" if has_bf16 else "np") as f:
-            for our_path, hf_name, transpose, layer in entries:
-                yield our_path, np.asarray(f.get_tensor(hf_name)), transpose, layer
+            for our_path, hf_name, transpose, index in entries:
+                yield our_path, np.asarray(f.get_tensor(hf_name)), transpose, index
     except (SafetensorError, OSError, ValueError, TypeError) as e:
         raise ValueError(f"{file}: cannot read tensor data ({e})") from e
 
@@ -334,16 +344,13 @@ def save_pretrained(model: Model, path: str | os.PathLike) -> None:
     pdt = _NUMPY_DTYPES[cfg.param_dtype]
     tensors: dict[str, np.ndarray] = {}
     host: dict[tuple[str, ...], np.ndarray] = {}  # each stacked leaf copied to numpy once
-    for our_path, hf_name, transpose, layer in _flat_names(cfg, shapes):
+    for our_path, hf_name, transpose, index in _flat_names(cfg, shapes):
         if our_path not in host:
             try:
                 host[our_path] = np.asarray(_get(model.params, our_path))
             except KeyError as e:
                 raise ValueError(f"save_pretrained: params lack {'/'.join(our_path)}") from e
-        value = host[our_path]
-        if layer is not None:
-            value = value[layer]
-        value = value.astype(pdt)
+        value = host[our_path][index].astype(pdt)
         tensors[hf_name] = np.ascontiguousarray(value.T) if transpose else value
     # Write beside the target and rename, so a crash never leaves a half-written weights file.
     fd, tmp = tempfile.mkstemp(dir=path, suffix=".safetensors.tmp")

@@ -63,12 +63,11 @@ def _rules(qtype) -> list:
 
 
 @functools.lru_cache(maxsize=None)
-def quantized_layer_module(cfg: ModelConfig, qtype_name: str):
-    """transformer.DecoderLayer under qwix's PTQ interception (methods qkv and finish)."""
+def quantized_layer_module(layer_cls, cfg: ModelConfig, qtype_name: str):
+    """``layer_cls(cfg)`` (transformer.DecoderLayer) under qwix's PTQ interception of its
+    methods qkv and finish."""
     import qwix
-
-    from .transformer import DecoderLayer
-    return qwix.quantize_model(DecoderLayer(cfg), qwix.PtqProvider(_rules(jnp.dtype(qtype_name))),
+    return qwix.quantize_model(layer_cls(cfg), qwix.PtqProvider(_rules(jnp.dtype(qtype_name))),
                                methods=_LAYER_METHODS)
 
 
@@ -78,19 +77,18 @@ def is_quantized(layer_params: dict) -> bool:
     return kernel is not None and not isinstance(kernel, (jax.Array, jax.ShapeDtypeStruct))
 
 
-def layer_module(cfg: ModelConfig, layer_params: dict):
-    """The linen module that applies ``layer_params``: the plain DecoderLayer, or its quantized
-    form for quantize_layers' output."""
-    from .transformer import DecoderLayer
+def layer_module(layer_cls, cfg: ModelConfig, layer_params: dict):
+    """The linen module that applies ``layer_params``: ``layer_cls(cfg)``, or its quantized
+    form for quantize_layers' output (transformer.layer_qkv / layer_finish)."""
     if not is_quantized(layer_params):
-        return DecoderLayer(cfg)
+        return layer_cls(cfg)
     qvalue = layer_params["q_proj"]["kernel"].array.qvalue
-    return quantized_layer_module(cfg, jnp.dtype(qvalue.dtype).name)
+    return quantized_layer_module(layer_cls, cfg, jnp.dtype(qvalue.dtype).name)
 
 
-def _abstract_quantized(cfg: ModelConfig, layer_params: dict, qtype) -> Any:
+def _abstract_quantized(layer_cls, cfg: ModelConfig, layer_params: dict, qtype) -> Any:
     """The quantized layer's parameter tree as shapes (qwix's PTQ init, traced, nothing run)."""
-    module = quantized_layer_module(cfg, jnp.dtype(qtype).name)
+    module = quantized_layer_module(layer_cls, cfg, jnp.dtype(qtype).name)
     dt = jnp.result_type(layer_params["q_proj"]["kernel"])
     x = jax.ShapeDtypeStruct((1, 1, cfg.hidden_size), dt)
     pos = jax.ShapeDtypeStruct((1, 1), jnp.int32)
@@ -104,32 +102,30 @@ def _abstract_quantized(cfg: ModelConfig, layer_params: dict, qtype) -> Any:
     return jax.eval_shape(init, x, pos, attn)
 
 
-def quantize_layers(layers, cfg: ModelConfig) -> tuple:
+def quantize_layers(layer_cls, layers, cfg: ModelConfig) -> tuple:
     """Each layer's projections quantized (weight_qtype, per-output-channel absmax scales in the
     compute dtype); everything else unchanged. Run under jit (rollout_layout)."""
     import qwix
     qtype = weight_qtype()
-    out = []
-    for lp in layers:
-        abstract = _abstract_quantized(cfg, lp, qtype)
-        out.append(qwix.quantize_params(lp, abstract))
-    return tuple(out)
+    return tuple(qwix.quantize_params(lp, _abstract_quantized(layer_cls, cfg, lp, qtype))
+                 for lp in layers)
 
 
 def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(inputs, outputs) of each quantized projection of one layer."""
     d, i = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
-            "gate_proj": (d, i), "up_proj": (d, i), "down_proj": (i, d)}
+    attention = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d)}
+    if cfg.is_moe:      # the experts (models/moe.py) stay in the compute dtype
+        return attention
+    return dict(attention, gate_proj=(d, i), up_proj=(d, i), down_proj=(i, d))
 
 
 def rollout_weight_bytes(cfg: ModelConfig, num_params: int) -> int:
     """Bytes of the rollout's copy of a model of ``num_params`` parameters: all in the compute
     dtype, or under fp8 weights the projections at one byte each plus one compute-dtype scale
     per output channel."""
-    from .transformer import dtype_of
-    item = jnp.dtype(dtype_of(cfg.dtype)).itemsize
+    item = jnp.dtype(cfg.dtype).itemsize
     if cfg.weight_precision != "fp8":
         return int(num_params) * item
     shapes = projection_shapes(cfg).values()

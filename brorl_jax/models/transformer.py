@@ -12,7 +12,9 @@ Per-layer leaves (before stacking): ``input_norm/scale [D]``, ``q_proj/kernel [D
 (+ ``bias [H*Dh]``), ``k_proj/kernel [D, Hkv*Dh]``, ``v_proj/kernel [D, Hkv*Dh]`` (+ biases),
 ``o_proj/kernel [H*Dh, D]`` (+ ``bias`` for llama/qwen3 with attention_bias), ``q_norm/scale [Dh]``,
 ``k_norm/scale [Dh]`` (qwen3 only), ``post_attn_norm/scale [D]``, ``gate_proj/kernel [D, I]``,
-``up_proj/kernel [D, I]``, ``down_proj/kernel [I, D]``.
+``up_proj/kernel [D, I]``, ``down_proj/kernel [I, D]``; a mixture-of-experts family (qwen3_moe)
+has ``moe/{router [D, E], gate_proj [E, D, I], up_proj [E, D, I], down_proj [E, I, D]}`` instead
+of the three MLP kernels (models/moe.py).
 
 One layer (pre-norm, Llama/Qwen):
     x = x + o_proj(Attn(RoPE(q), RoPE(k), v))      with q,k,v = proj(RMSNorm(x))
@@ -34,8 +36,9 @@ import numpy as np
 from brorl_jax.parallel.attention import packed_attention_on_mesh
 from pallas_kernels import _backend, swiglu_mlp
 
+from . import precision
 from .config import ModelConfig
-from .precision import layer_module
+from .moe import SparseMoeBlock
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # Same init as transformers' PreTrainedModel._init_weights (initializer_range=0.02).
@@ -165,6 +168,9 @@ class DecoderLayer(nn.Module):
             self.q_norm = norm()
             self.k_norm = norm()
         self.post_attn_norm = norm()
+        if cfg.is_moe:
+            self.moe = SparseMoeBlock(cfg, dt, pdt, _WEIGHT_INIT)
+            return
         self.gate_proj = dense(cfg.intermediate_size, use_bias=False)
         self.up_proj = dense(cfg.intermediate_size, use_bias=False)
         self.down_proj = dense(cfg.hidden_size, use_bias=False)
@@ -185,10 +191,23 @@ class DecoderLayer(nn.Module):
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
     def finish(self, x: jax.Array, attn: jax.Array) -> jax.Array:
+        if self.cfg.is_moe:
+            return self.finish_routed(x, attn)[0]
         b, t, d = x.shape
         x = x.reshape(b * t, d) + self.o_proj(attn.reshape(b * t, -1))
         hidden = self.post_attn_norm(x)
         return (x + self.mlp(hidden)).reshape(b, t, d)
+
+    def finish_routed(self, x: jax.Array, attn: jax.Array,
+                      routing: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """``finish`` of a mixture-of-experts layer, also returning the experts it chose:
+        routing int[B,T,K] (optional) replaces the router's top-k (moe.SparseMoeBlock)
+        -> (x[B,T,D], expert ids int32[B,T,K])."""
+        b, t, d = x.shape
+        x = x.reshape(b * t, d) + self.o_proj(attn.reshape(b * t, -1))
+        flat_routing = None if routing is None else routing.reshape(b * t, -1)
+        out, ids = self.moe(self.post_attn_norm(x), flat_routing)
+        return (x + out).reshape(b, t, d), ids.reshape(b, t, -1)
 
     def mlp(self, hidden: jax.Array) -> jax.Array:
         """SwiGLU: down(silu(gate(h)) * up(h)). Where cfg.mlp_impl resolves to the kernels
@@ -227,8 +246,8 @@ def layer_qkv(
     layer_params: ONE layer's params (no leading L axis); x[B,T,D], positions int[B,T]
     -> q[B,T,H,Dh], k[B,T,Hkv,Dh], v[B,T,Hkv,Dh] in the compute dtype.
     """
-    return layer_module(cfg, layer_params).apply({"params": layer_params}, x, positions,
-                                                 method="qkv")
+    return precision.layer_module(DecoderLayer, cfg, layer_params).apply(
+        {"params": layer_params}, x, positions, method="qkv")
 
 
 def layer_finish(layer_params: dict, cfg: ModelConfig, x: jax.Array, attn: jax.Array) -> jax.Array:
@@ -236,8 +255,26 @@ def layer_finish(layer_params: dict, cfg: ModelConfig, x: jax.Array, attn: jax.A
 
     x[B,T,D] (the layer's input), attn[B,T,H,Dh] (attention output) -> x[B,T,D].
     """
-    return layer_module(cfg, layer_params).apply({"params": layer_params}, x, attn,
-                                                 method="finish")
+    return precision.layer_module(DecoderLayer, cfg, layer_params).apply(
+        {"params": layer_params}, x, attn, method="finish")
+
+
+def layer_finish_routed(layer_params: dict, cfg: ModelConfig, x: jax.Array, attn: jax.Array,
+                        routing: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """``layer_finish`` of a mixture-of-experts model (cfg.is_moe) that also returns the
+    experts each token went to, and optionally takes them (routing replay, models/moe.py).
+
+    x[B,T,D], attn[B,T,H,Dh], routing int[B,T,K] or None -> (x[B,T,D], ids int32[B,T,K]).
+    """
+    if not cfg.is_moe:
+        raise ValueError(f"layer_finish_routed: model_type={cfg.model_type!r} has no experts")
+    return DecoderLayer(cfg).apply({"params": layer_params}, x, attn, routing,
+                                   method="finish_routed")
+
+
+def quantize_layers(layers, cfg: ModelConfig) -> tuple:
+    """The rollout's fp8 (int8 on TPU) layers: models.precision.quantize_layers of DecoderLayer."""
+    return precision.quantize_layers(DecoderLayer, layers, cfg)
 
 
 def final_norm(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
@@ -360,7 +397,9 @@ def forward(
     segment_ids: jax.Array | None = None,
     return_hidden: bool = False,
     remat: bool = False,
-) -> jax.Array:
+    routing: jax.Array | None = None,
+    return_routing: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Full-sequence forward pass.
 
     tokens int32[B,T]; positions int[B,T] (default: derived from attention_mask, see
@@ -372,7 +411,11 @@ def forward(
     attention_mask. Layers run as ``lax.scan`` over the stacked layer params; ``remat=True``
     (or a REMAT_POLICIES name) wraps each layer in ``jax.checkpoint`` (recompute activations
     in the backward pass; see remat_layer).
-    -> logits f32[B,T,V], or the final-normed hidden h[B,T,D] with ``return_hidden=True``.
+    Mixture-of-experts models only (models/moe.py): routing int[L,B,T,K] replaces each layer's
+    own top-k experts (gates recomputed from the router); ``return_routing=True`` also returns
+    the experts each layer used, int32[L,B,T,K].
+    -> logits f32[B,T,V], or the final-normed hidden h[B,T,D] with ``return_hidden=True``
+    (with ``return_routing``: the pair (that, routing)).
     """
     _check_tokens(tokens)
     b, t = tokens.shape
@@ -409,9 +452,31 @@ def forward(
         attend = lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, implementation=cfg.attention_impl, **kwargs)
 
-    def layer(x: jax.Array, layer_params: dict) -> tuple[jax.Array, None]:
-        q, k, v = layer_qkv(layer_params, cfg, x, positions)
-        return layer_finish(layer_params, cfg, x, attend(q, k, v)), None
+    x, chosen = _run_layers(params, cfg, embed(params, cfg, tokens), positions, attend, remat,
+                            routing, return_routing)
+    h = final_norm(params, cfg, x)
+    out = h if return_hidden else lm_logits(params, cfg, h)
+    return (out, chosen) if return_routing else out
+
+
+def _run_layers(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, attend,
+                remat: bool | str, routing: jax.Array | None,
+                return_routing: bool) -> tuple[jax.Array, jax.Array | None]:
+    """forward()'s layers over the embedded x[B,T,D] -> (x, the experts each layer used
+    int32[L,B,T,K], or None for a dense model)."""
+    if not cfg.is_moe:
+        if routing is not None or return_routing:
+            raise ValueError(f"forward: routing is for mixture-of-experts models; "
+                             f"model_type={cfg.model_type!r} has no experts")
+
+        def layer(x: jax.Array, layer_params: dict) -> tuple[jax.Array, None]:
+            q, k, v = layer_qkv(layer_params, cfg, x, positions)
+            return layer_finish(layer_params, cfg, x, attend(q, k, v)), None
+    else:
+        def layer(x: jax.Array, xs: tuple) -> tuple[jax.Array, jax.Array]:
+            layer_params, layer_routing = xs
+            q, k, v = layer_qkv(layer_params, cfg, x, positions)
+            return layer_finish_routed(layer_params, cfg, x, attend(q, k, v), layer_routing)
 
     # The layers cast their float params to the compute dtype anyway; doing it once for the
     # stacked layer params (one fusion per leaf) instead of per layer inside the scan lets each
@@ -419,16 +484,19 @@ def forward(
     # weight gradients are compute-dtype matmul results either way). The embedding is gathered
     # before its cast, as before, so its gradient still accumulates in its own dtype.
     step = remat_layer(layer, remat)
-    x = embed(params, cfg, tokens)
     if layer_loop_form() == "scan" and not isinstance(params["layers"], (tuple, list)):
-        x, _ = jax.lax.scan(step, x, compute_dtype_params(params["layers"], cfg))
-    else:
-        # one buffer per layer: each layer's slice is cast on its own (the slice and the cast
-        # are one fusion, the bytes of the stacked cast) and its GEMMs read it in place
-        for layer_params in unstack_layers(params["layers"], cfg.num_hidden_layers):
-            x, _ = step(x, compute_dtype_params(layer_params, cfg))
-    h = final_norm(params, cfg, x)
-    return h if return_hidden else lm_logits(params, cfg, h)
+        layers = compute_dtype_params(params["layers"], cfg)
+        return jax.lax.scan(step, x, (layers, routing) if cfg.is_moe else layers)
+    # one buffer per layer: each layer's slice is cast on its own (the slice and the cast
+    # are one fusion, the bytes of the stacked cast) and its GEMMs read it in place
+    per_layer = []
+    for i, layer_params in enumerate(unstack_layers(params["layers"], cfg.num_hidden_layers)):
+        xs = compute_dtype_params(layer_params, cfg)
+        if cfg.is_moe:  # a MoE layer's input: its params and its routing
+            xs = (xs, None if routing is None else routing[i])
+        x, ids = step(x, xs)
+        per_layer.append(ids)
+    return x, jnp.stack(per_layer) if cfg.is_moe else None
 
 
 def layer_loop_form() -> str:

@@ -53,11 +53,18 @@ LOGICAL_AXES: dict[str, dict[str, MeshAxes]] = {
         "mlp": "tensor",               # intermediate size I
         "vocab": "tensor",             # V of the embedding / lm_head
         "norm": None,                  # RMSNorm scales (tiny)
+        # Mixture of experts (qwen3_moe): whole experts over fsdp (ZeRO-3 along the expert
+        # axis: a device keeps E/fsdp experts and XLA gathers a layer's experts for its grouped
+        # GEMM, as it gathers every FSDP weight; the token exchange of expert parallelism is
+        # not used), each expert's width over tensor, as the dense MLP's.
+        "experts": "fsdp",             # E of the router and the stacked experts
+        "expert_mlp": "tensor",        # moe_intermediate_size
     },
     # Everything replicated except the batch (pure data parallelism).
     "replicated": {
         "batch": ("data", "fsdp"), "seq": None, "layers": None, "embed": None, "heads": None,
         "kv_heads": None, "head_dim": None, "mlp": None, "vocab": None, "norm": None,
+        "experts": None, "expert_mlp": None,
     },
 }
 
@@ -76,6 +83,10 @@ _TRANSFORMER_PARAMS: list[tuple[str, Any]] = [
     (r"^layers/(k_proj|v_proj)/bias$", ("layers", "kv_heads")),
     (r"^layers/o_proj/bias$", ("layers", "norm")),
     (r"^layers/(input_norm|post_attn_norm|q_norm|k_norm)/scale$", ("layers", "norm")),
+    # mixture of experts: router [L, D, E], experts [L, E, D, I] and [L, E, I, D]
+    (r"^layers/moe/router$", ("layers", "embed", "experts")),
+    (r"^layers/moe/(gate_proj|up_proj)$", ("layers", "experts", "embed", "expert_mlp")),
+    (r"^layers/moe/down_proj$", ("layers", "experts", "expert_mlp", "embed")),
     (r"^final_norm/scale$", ("norm",)),
     (r"^lm_head/kernel$", ("embed", "vocab")),
 ]

@@ -97,8 +97,10 @@ def slot_bytes(cfg: ModelConfig, max_new_tokens: int, page_size: int | None = No
     """Device memory of one decode slot besides its KV pages: its logits row and the sampling
     temporaries (~4 f32 rows of V), activations, attention temporaries, its page-table row."""
     page_size = page_size or default_page_size()
-    activations = 4 * (4 * cfg.hidden_size + 3 * cfg.intermediate_size
+    activations = 4 * (4 * cfg.hidden_size + 3 * cfg.mlp_width
                        + 4 * cfg.num_attention_heads * cfg.head_dim)
+    if cfg.is_moe:  # the router's probabilities and the token's rows sorted by expert
+        activations += 4 * (cfg.num_experts + cfg.num_experts_per_tok * cfg.hidden_size)
     pages = cache_len(max_new_tokens, page_size) // page_size
     return 4 * 4 * cfg.vocab_size + activations + 4 * pages + 64
 

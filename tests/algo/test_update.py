@@ -214,15 +214,24 @@ def test_bad_batch_gives_clear_error():
         update(state, bad, None)
 
 
-def test_real_transformer_logprobs_and_update():
+# A mixture-of-experts model's fields (qwen3_moe: q/k norms, no biases, 4 experts, top-2).
+_MOE = dict(model_type="qwen3_moe", attention_bias=False, qk_norm=True, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_real_transformer_logprobs_and_update(family):
     """With brorl_jax.models: the fused log-probs equal log_softmax of forward()'s logits, and one
-    update step runs with finite metrics and zero KL against an identical reference."""
+    update step runs with finite metrics and zero KL against an identical reference; a
+    mixture-of-experts policy's update moves its router (the gates carry its gradient) and its
+    experts."""
     from brorl_jax.models import ModelConfig, forward, init_params
-    mc = ModelConfig(model_type="qwen2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                     rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-6, attention_bias=True,
-                     qk_norm=False, tie_word_embeddings=True, max_position_embeddings=64,
-                     bos_token_id=None, eos_token_ids=(1,))
+    fields = dict(model_type="qwen2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-6, attention_bias=True,
+                  qk_norm=False, tie_word_embeddings=True, max_position_embeddings=64,
+                  bos_token_id=None, eos_token_ids=(1,))
+    mc = ModelConfig(**dict(fields, **(_MOE if family == "qwen3_moe" else {})))
     params = init_params(mc, jax.random.PRNGKey(0))
     cfg = _cfg(ppo_mini_batches=2)
     batch = random_batch(rows=8, seq=6)
@@ -240,6 +249,8 @@ def test_real_transformer_logprobs_and_update():
     assert np.isfinite(float(m["kl"])) and float(m["entropy"]) > 0
     moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), new_state.params, params)
     assert max(jax.tree.leaves(moved)) > 0
+    if mc.is_moe:
+        assert all(v > 0 for v in jax.tree.leaves(moved["layers"]["moe"])), moved["layers"]["moe"]
 
 
 def test_grad_var_matches_brute_force_micro_batch_gradients():
@@ -435,34 +446,39 @@ def test_remat_policy_from_the_memory_plan():
     assert plan_remat_policy(qwen, 4096, n, None) == "full"          # unknown memory (CPU)
 
 
-@pytest.mark.parametrize("mlp_impl", ["auto", "reference"])
+@pytest.mark.parametrize("mlp_impl", ["auto", "reference", "qwen3_moe"])
 def test_no_remat_estimate_is_what_autodiff_keeps_on_the_gpu_path(mlp_impl):
     """remat_saved_bytes(..., "none") per token and layer equals the activations jax's saved
     residuals list for an un-rematerialised forward traced for cuda (flash attention; the fused
-    MLP kernels or the XLA MLP): the slope over layers and tokens, so per-layer constants
-    (weights, norm scales) drop out."""
+    MLP kernels or the XLA MLP; a mixture of experts with q/k norms): the slope over layers and
+    tokens, so per-layer constants (weights, norm scales) drop out; for the mixture of experts
+    "dots" too."""
     from jax._src.ad_checkpoint import saved_residuals
 
     import pallas_kernels as pk
     from brorl_jax.algo.update import remat_saved_bytes
     from brorl_jax.models import ModelConfig, forward, init_params
 
-    def cfg_for(layers):
-        return ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=64,
-                           intermediate_size=128, num_hidden_layers=layers,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                           rope_theta=1e4, rope_scaling=None, rms_norm_eps=1e-6,
-                           attention_bias=True, qk_norm=False, tie_word_embeddings=False,
-                           max_position_embeddings=128, bos_token_id=None, eos_token_ids=(0,),
-                           dtype="bfloat16", param_dtype="bfloat16", attention_impl="flash",
-                           mlp_impl=mlp_impl)
+    moe = dict(model_type="qwen3_moe", attention_bias=False, qk_norm=True, num_experts=4,
+               num_experts_per_tok=2, moe_intermediate_size=32) if mlp_impl == "qwen3_moe" else {}
 
-    def kept(layers, seq):
+    def cfg_for(layers):
+        fields = dict(model_type="qwen2", vocab_size=64, hidden_size=64,
+                      intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      rope_theta=1e4, rope_scaling=None, rms_norm_eps=1e-6,
+                      attention_bias=True, qk_norm=False, tie_word_embeddings=False,
+                      max_position_embeddings=128, bos_token_id=None, eos_token_ids=(0,),
+                      dtype="bfloat16", param_dtype="bfloat16", attention_impl="flash",
+                      mlp_impl="auto" if moe else mlp_impl)
+        return ModelConfig(**dict(fields, **moe))
+
+    def kept(layers, seq, remat="none"):
         cfg = cfg_for(layers)
         params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
         tokens, seg = jnp.zeros((2, seq), jnp.int32), jnp.ones((2, seq), jnp.int32)
         loss = lambda p: forward(p, cfg, tokens, segment_ids=seg, return_hidden=True,
-                                 remat="none").astype(jnp.float32).sum()
+                                 remat=remat).astype(jnp.float32).sum()
         with pk.compile_target("cuda"):
             res = saved_residuals(loss, params)
         return sum(a.size * a.dtype.itemsize for a, why in res if "argument" not in why)
@@ -470,6 +486,10 @@ def test_no_remat_estimate_is_what_autodiff_keeps_on_the_gpu_path(mlp_impl):
     slope = (kept(2, 64) - kept(1, 64)) - (kept(2, 32) - kept(1, 32))    # 1 layer, 64 tokens
     with pk.compile_target("cuda"):
         assert remat_saved_bytes(cfg_for(1), 64, "none") == slope
+    if moe:
+        slope = (kept(2, 64, "dots") - kept(1, 64, "dots")) - (kept(2, 32, "dots")
+                                                                - kept(1, 32, "dots"))
+        assert remat_saved_bytes(cfg_for(1), 64, "dots") == slope
     with pytest.raises(ValueError, match="flash"):
         remat_saved_bytes(cfg_for(1).replace(attention_impl="reference"), 64, "none")
 

@@ -35,6 +35,11 @@ def hf_config(kind: str, *, heads: int = 4, kv_heads: int = 2, tie: bool = False
         return transformers.Qwen2Config(rope_theta=10000.0, **common)
     if kind == "qwen3":
         return transformers.Qwen3Config(head_dim=16, rope_theta=1_000_000.0, **common)
+    if kind == "qwen3_moe":  # 8 experts of width 32, top-2 (Qwen3-30B-A3B: 128, top-8)
+        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                   norm_topk_prob=True)
+        return transformers.Qwen3MoeConfig(head_dim=16, rope_theta=1_000_000.0,
+                                           **dict(moe, **common))
     if kind == "llama":
         return transformers.LlamaConfig(
             rope_theta=500_000.0,
@@ -51,12 +56,17 @@ def hf_config(kind: str, *, heads: int = 4, kv_heads: int = 2, tie: bool = False
     raise ValueError(kind)
 
 
-_CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+_CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM"}
+# A MoE router's weights are scaled by this: N(0, 0.02) logits are nearly uniform, and float
+# noise could flip a near-tie between the k-th and the next expert.
+ROUTER_SCALE = 10.0
 
 
 def make_hf_model(kind: str, path: Path, seed: int = 0, **config_kwargs):
     """Build a random tiny HF model, perturb its norms/biases (so they are not trivially 1/0),
-    save it with save_pretrained to ``path`` and return the eager-attention torch model."""
+    scale a MoE router (ROUTER_SCALE), save it with save_pretrained to ``path`` and return the
+    eager-attention torch model."""
     torch.manual_seed(seed)
     cfg = hf_config(kind, **config_kwargs)
     cfg._attn_implementation = "eager"
@@ -65,6 +75,8 @@ def make_hf_model(kind: str, path: Path, seed: int = 0, **config_kwargs):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
                 p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):
+                p.mul_(ROUTER_SCALE)
     model.save_pretrained(path)
     return model
 

@@ -23,6 +23,8 @@ ALL_FAMILIES = {
     "qwen2_tied": _cfg(tie_word_embeddings=True),
     "qwen3": _cfg(model_type="qwen3", qk_norm=True, attention_bias=False),
     "llama_bias": _cfg(model_type="llama", attention_bias=True),
+    "qwen3_moe": _cfg(model_type="qwen3_moe", qk_norm=True, attention_bias=False, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32),
 }
 
 
@@ -51,6 +53,12 @@ def test_logical_names_map_to_mesh_axes():
     assert specs["layers"]["q_proj"]["kernel"] == P(None, "fsdp", "tensor")
     assert specs["layers"]["down_proj"]["kernel"] == P(None, "tensor", "fsdp")
     assert specs["lm_head"]["kernel"] == P("fsdp", "tensor")
+    # a mixture of experts: whole experts over fsdp, each expert's width over tensor
+    moe = R.param_specs(jax.eval_shape(
+        lambda: init_params(ALL_FAMILIES["qwen3_moe"], jax.random.PRNGKey(0))))["layers"]["moe"]
+    assert moe["gate_proj"] == moe["up_proj"] == P(None, "fsdp", None, "tensor")
+    assert moe["down_proj"] == P(None, "fsdp", "tensor", None)
+    assert moe["router"] == P(None, "fsdp", None)
     replicated = R.param_specs(params, "replicated")
     assert all(s == P() for s in jax.tree.leaves(replicated, is_leaf=lambda x: isinstance(x, P)))
     # the update batch: rows over data and fsdp, the sequence whole

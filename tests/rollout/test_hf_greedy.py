@@ -23,6 +23,10 @@ def _tiny_hf_model(kind: str, path, seed: int):
     if kind == "qwen2":
         cfg = transformers.Qwen2Config(rope_theta=10000.0, **common)
         cls = transformers.Qwen2ForCausalLM
+    elif kind == "qwen3_moe":  # every layer sparse: 8 experts, top-2, gates renormalised
+        cfg = transformers.Qwen3MoeConfig(rope_theta=1e6, num_experts=8, num_experts_per_tok=2,
+                                          moe_intermediate_size=32, norm_topk_prob=True, **common)
+        cls = transformers.Qwen3MoeForCausalLM
     else:
         cfg = transformers.LlamaConfig(rope_theta=500000.0, **common)
         cls = transformers.LlamaForCausalLM
@@ -30,17 +34,18 @@ def _tiny_hf_model(kind: str, path, seed: int):
     model = cls(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
-            if p.ndim == 2:
-                p.mul_(6.0)  # peaked distributions: no near-ties for float noise to flip
+            if p.ndim >= 2:
+                # peaked distributions (and decided routers): no near-ties for float noise to flip
+                p.mul_(6.0)
             else:
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(path)
     return model
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3_moe"])
 def test_greedy_matches_transformers_generate(kind, tmp_path):
-    hf = _tiny_hf_model(kind, tmp_path, seed=1 if kind == "qwen2" else 2)
+    hf = _tiny_hf_model(kind, tmp_path, seed={"qwen2": 1, "llama": 2, "qwen3_moe": 3}[kind])
     model = from_pretrained(tmp_path)
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(3, 211, n)] for n in (3, 17, 9)]

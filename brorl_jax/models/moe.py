@@ -1,0 +1,117 @@
+"""The sparse mixture-of-experts MLP of Qwen3-MoE: router, top-k experts, grouped GEMM.
+
+One MoE layer (transformers' ``Qwen3MoeSparseMoeBlock``; Shazeer et al. 2017, Switch/GShard):
+    p = softmax(h @ W_router)                      f32[N, E], from float32 router logits
+    ids, w = top_k(p, K)                           ids int32[N, K], gates w f32[N, K]
+    w = w / sum(w)                                 when norm_topk_prob
+    out_n = sum_k w[n,k] * down_e(silu(gate_e(h_n)) * up_e(h_n))     with e = ids[n, k]
+Qwen3-MoE has no shared expert. Params of one layer (the ``moe`` submodule of DecoderLayer):
+    router [D, E], gate_proj [E, D, I], up_proj [E, D, I], down_proj [E, I, D]   (I = moe width)
+
+The experts run as a grouped GEMM: the N*K (token, choice) rows sorted by expert and
+``jax.lax.ragged_dot`` over the groups (``experts_ragged``; XLA lowers it to a grouped GEMM on
+GPU/TPU and to a masked dense dot on CPU). ``experts_dense`` is the plain reference: every
+expert on every token, combined with a [N, E] gate matrix that is zero off the chosen experts.
+
+Routing hook (rollout routing replay, R3): ``SparseMoeBlock(h, routing)`` takes optional
+``routing`` int32[N, K], expert ids chosen elsewhere (the rollout). Given, they replace the
+block's own top-k, and the gates are still the router's probabilities at those experts
+(renormalised as usual), so the router keeps its gradient. The block returns the ids it used
+(its own top-k, or ``routing``) beside its output; transformer.forward(return_routing=True)
+and transformer.layer_finish_routed hand them out per layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from .config import ModelConfig
+
+
+def route(logits: jax.Array, top_k: int, norm_topk_prob: bool,
+          routing: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Router logits f32[N, E] -> (expert ids int32[N, K], gates f32[N, K]).
+
+    Without ``routing`` the ids are the top-k of softmax(logits) (ties to the lower id); with it
+    (int[N, K]) they are ``routing`` and the gates are the probabilities at those experts."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    if routing is None:
+        gates, ids = jax.lax.top_k(probs, top_k)
+    else:
+        if routing.shape != (*logits.shape[:-1], top_k):
+            raise ValueError(f"routing shape {routing.shape}; expected "
+                             f"{(*logits.shape[:-1], top_k)} (tokens, num_experts_per_tok)")
+        ids = routing.astype(jnp.int32)
+        gates = jnp.take_along_axis(probs, ids, axis=-1)
+    if norm_topk_prob:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    return ids, gates
+
+
+def experts_dense(x: jax.Array, ids: jax.Array, gates: jax.Array, gate_proj: jax.Array,
+                  up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
+    """Reference: every expert on every token, masked by the gates.
+
+    x[N, D], ids int[N, K], gates f32[N, K], gate_proj/up_proj [E, D, I], down_proj [E, I, D]
+    -> out[N, D] in x's dtype (the weighted sum over experts in float32)."""
+    n, e = x.shape[0], gate_proj.shape[0]
+    combine = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], ids].add(gates)
+    g = jnp.einsum("nd,edi->eni", x, gate_proj)
+    u = jnp.einsum("nd,edi->eni", x, up_proj)
+    y = jnp.einsum("eni,eid->end", nn.silu(g) * u, down_proj)
+    return jnp.einsum("end,ne->nd", y.astype(jnp.float32), combine).astype(x.dtype)
+
+
+def experts_ragged(x: jax.Array, ids: jax.Array, gates: jax.Array, gate_proj: jax.Array,
+                   up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
+    """The grouped GEMM: same arguments and result as ``experts_dense``.
+
+    The N*K (token, choice) rows are sorted by expert (stably), each expert's contiguous group
+    multiplied by its weights with ``jax.lax.ragged_dot``, the rows put back in token order and
+    summed over the K choices with their gates."""
+    n, k = ids.shape
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)                       # rows grouped by expert
+    sizes = jnp.bincount(flat, length=gate_proj.shape[0]).astype(jnp.int32)
+    rows = jnp.take(x, order // k, axis=0)                       # [N*K, D]
+    g = jax.lax.ragged_dot(rows, gate_proj, sizes)
+    u = jax.lax.ragged_dot(rows, up_proj, sizes)
+    y = jax.lax.ragged_dot(nn.silu(g) * u, down_proj, sizes)     # [N*K, D], expert order
+    y = jnp.take(y, jnp.argsort(order), axis=0).reshape(n, k, -1)  # token order
+    return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), gates).astype(x.dtype)
+
+
+EXPERT_FNS: dict[str, Callable[..., jax.Array]] = {"ragged": experts_ragged,
+                                                   "dense": experts_dense}
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts of one layer (module docstring). ``__call__(h[N, D], routing=None)``
+    -> (out[N, D], expert ids int32[N, K])."""
+
+    cfg: ModelConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    kernel_init: Callable = nn.initializers.normal(stddev=0.02)
+
+    @nn.compact
+    def __call__(self, h: jax.Array,
+                 routing: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        cfg = self.cfg
+        d, e, i = h.shape[-1], cfg.num_experts, cfg.moe_intermediate_size
+        param = lambda name, shape: self.param(name, self.kernel_init, shape, self.param_dtype)
+        router = param("router", (d, e))
+        weights = [param("gate_proj", (e, d, i)).astype(self.dtype),
+                   param("up_proj", (e, d, i)).astype(self.dtype),
+                   param("down_proj", (e, i, d)).astype(self.dtype)]
+        if self.is_initializing():   # the params are made: no need to compile the experts
+            return jnp.zeros_like(h), jnp.zeros((h.shape[0], cfg.num_experts_per_tok), jnp.int32)
+        h = h.astype(self.dtype)
+        logits = jnp.einsum("nd,de->ne", h, router.astype(self.dtype),
+                            preferred_element_type=jnp.float32)
+        ids, gates = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, routing)
+        return EXPERT_FNS[cfg.moe_impl](h, ids, gates, *weights), ids
