@@ -75,6 +75,12 @@ class ModelConfig:
     # "pallas" (the kernels; interpreted on CPU), "reference" (always the XLA expression).
     # Not part of the checkpoint, like attention_impl.
     mlp_impl: str = "auto"
+    # LoRA adapters (models/lora.py; the run config's model.lora_*): rank 0 = off; alpha / rank
+    # scales A @ B; the targeted projections' short names (lora.TARGETS). Not part of the
+    # checkpoint, like attention_impl.
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_targets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -87,6 +93,11 @@ class ModelConfig:
                              f"{ATTENTION_IMPLS}")
         if self.mlp_impl not in MLP_IMPLS:
             raise ValueError(f"ModelConfig.mlp_impl={self.mlp_impl!r}; use one of {MLP_IMPLS}")
+        if self.lora_rank < 0 or (self.lora_rank > 0 and not (self.lora_alpha > 0
+                                                              and self.lora_targets)):
+            raise ValueError(f"ModelConfig.lora_rank={self.lora_rank} needs rank >= 0, and with "
+                             f"rank > 0 lora_alpha > 0 (got {self.lora_alpha}) and lora_targets "
+                             f"(got {self.lora_targets})")
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in SUPPORTED_DTYPES:
                 raise ValueError(

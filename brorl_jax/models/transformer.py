@@ -34,6 +34,7 @@ import numpy as np
 from brorl_jax.parallel.attention import packed_attention_on_mesh
 from pallas_kernels import _backend, swiglu_mlp
 
+from . import lora
 from .config import ModelConfig
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -404,26 +405,43 @@ def forward(
         attend = lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, implementation=cfg.attention_impl, **kwargs)
 
-    def layer(x: jax.Array, layer_params: dict) -> tuple[jax.Array, None]:
-        q, k, v = layer_qkv(layer_params, cfg, x, positions)
-        return layer_finish(layer_params, cfg, x, attend(q, k, v)), None
+    # LoRA adapters (models/lora.py): each layer gets (its params, its adapters' slice)
+    adapters, base = lora.split(params)
+    layer_cfg = cfg if adapters is None else lora.layer_config(cfg)
 
-    # The layers cast their float params to the compute dtype anyway; doing it once for the
-    # stacked layer params (one fusion per leaf) instead of per layer inside the scan lets each
-    # layer read its compute-dtype slice: the same values and the same gradients (a layer's
-    # weight gradients are compute-dtype matmul results either way). The embedding is gathered
-    # before its cast, as before, so its gradient still accumulates in its own dtype.
-    step = remat_layer(layer, remat)
-    x = embed(params, cfg, tokens)
-    if layer_loop_form() == "scan" and not isinstance(params["layers"], (tuple, list)):
-        x, _ = jax.lax.scan(step, x, compute_dtype_params(params["layers"], cfg))
-    else:
-        # one buffer per layer: each layer's slice is cast on its own (the slice and the cast
-        # are one fusion, the bytes of the stacked cast) and its GEMMs read it in place
-        for layer_params in unstack_layers(params["layers"], cfg.num_hidden_layers):
-            x, _ = step(x, compute_dtype_params(layer_params, cfg))
+    def layer(x: jax.Array, layer_params: dict) -> tuple[jax.Array, None]:
+        q, k, v = layer_qkv(layer_params, layer_cfg, x, positions)
+        return layer_finish(layer_params, layer_cfg, x, attend(q, k, v)), None
+
+    if adapters is not None:
+        layer = lora.adapted_layer(layer, cfg)
+
+    x = _run_layers(remat_layer(layer, remat), embed(params, cfg, tokens), base["layers"],
+                    adapters, cfg)
     h = final_norm(params, cfg, x)
     return h if return_hidden else lm_logits(params, cfg, h)
+
+
+def _run_layers(step, x: jax.Array, layers, adapters, cfg: ModelConfig) -> jax.Array:
+    """forward()'s layer loop: `step` over the layers (with each layer's adapters under LoRA).
+
+    The layers cast their float params to the compute dtype anyway; doing it once for the
+    stacked layer params (one fusion per leaf) instead of per layer inside the scan lets each
+    layer read its compute-dtype slice: the same values and the same gradients (a layer's
+    weight gradients are compute-dtype matmul results either way). The embedding is gathered
+    before its cast, as before, so its gradient still accumulates in its own dtype."""
+    stack = layers if adapters is None else (layers, adapters)
+    if layer_loop_form() == "scan" and not isinstance(layers, (tuple, list)):
+        x, _ = jax.lax.scan(step, x, compute_dtype_params(stack, cfg))
+        return x
+    # one buffer per layer: each layer's slice is cast on its own (the slice and the cast
+    # are one fusion, the bytes of the stacked cast) and its GEMMs read it in place
+    per_layer = unstack_layers(layers, cfg.num_hidden_layers)
+    if adapters is not None:
+        per_layer = tuple(zip(per_layer, unstack_layers(adapters, cfg.num_hidden_layers)))
+    for layer_params in per_layer:
+        x, _ = step(x, compute_dtype_params(layer_params, cfg))
+    return x
 
 
 def layer_loop_form() -> str:

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from brorl_jax.models import ModelConfig, embed, final_norm, layer_finish, layer_qkv, lm_logits
+from brorl_jax.models.lora import merge_lora
 from brorl_jax.models.transformer import dtype_of
 from brorl_jax.rollout.plan import FIRST_TOKEN_ROWS, slot_buckets
 from pallas_kernels import _backend
@@ -70,6 +71,7 @@ def rollout_layout(params: dict, cfg: ModelConfig) -> dict:
     is a copy of every layer's weights on every step. Already in this layout: unchanged.
     Run it under jit (``Runtime.rollout_params``, ``Engine.stream``): the outputs are separate
     buffers."""
+    params = merge_lora(params, cfg)   # LoRA: W + (alpha / r) A B, no adapters left
     dt = dtype_of(cfg.dtype)
     cast = lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x
     params = jax.tree.map(cast, params)

@@ -50,9 +50,19 @@ def with_config_impls(mcfg: models.ModelConfig, cfg) -> models.ModelConfig:
     """``mcfg`` with the config's model implementations (model.attention_impl, model.mlp_impl):
     implementations of the same model, not part of the checkpoint."""
     want = dict(attention_impl=cfg.model.get("attention_impl", mcfg.attention_impl),
-                mlp_impl=cfg.model.get("mlp_impl", mcfg.mlp_impl))
+                mlp_impl=cfg.model.get("mlp_impl", mcfg.mlp_impl), **lora_settings(cfg))
     changes = {f: v for f, v in want.items() if getattr(mcfg, f) != v}
     return dataclasses.replace(mcfg, **changes) if changes else mcfg
+
+
+def lora_settings(cfg) -> dict:
+    """ModelConfig's LoRA fields from model.lora_* (none when lora_rank is 0: the model's
+    config stays as it was)."""
+    rank = cfg.model.get("lora_rank", 0)
+    if not rank:
+        return {}
+    return dict(lora_rank=rank, lora_alpha=float(cfg.model.lora_alpha),
+                lora_targets=models.lora.parse_targets(cfg.model.lora_targets))
 
 
 def base_model_dir(cfg) -> str:
@@ -270,6 +280,9 @@ class RunContext:
         return health
 
     def new_train_state(self, params) -> algo.TrainState:
+        if models.lora.enabled(self.mcfg):      # adapters train; the base is the reference
+            return algo.adapters.lora_train_state(params, self.mcfg, self.optimizer,
+                                                  self.cfg.train.seed)
         return algo.create_train_state(params, self.optimizer,
                                        with_reference=self.cfg.algo.kl_coef > 0)
 

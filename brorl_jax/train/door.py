@@ -122,9 +122,23 @@ def check_loaded_model(cfg, model_cfg: models.ModelConfig | None, *, update: boo
     the runtime takes from them; called again once a .gguf model has loaded (model_cfg None
     before: its config comes out of the conversion)."""
     cfg = as_run_config(cfg)
+    check_lora_rank(cfg, model_cfg)
     check_at_door(cfg, model_cfg, update=update)
     return DoorFacts(cfg, model_cfg, paused_engine_bytes(
         cfg, model_cfg, num_devices=rollout_device_count(cfg), num_processes=jax.process_count()))
+
+
+def check_lora_rank(cfg, model_cfg) -> None:
+    """model.lora_rank at most the smallest dimension of the targeted projections' kernels."""
+    rank = cfg.model.lora_rank
+    if model_cfg is None or rank == 0:
+        return
+    targets = models.lora.parse_targets(cfg.model.lora_targets)
+    most = models.lora.max_rank(model_cfg, targets)
+    if rank > most:
+        raise ConfigError(f"config key 'model.lora_rank' = {rank} exceeds {most}, the smallest "
+                          f"dimension of the targeted projections ({cfg.model.lora_targets}) of "
+                          "this model; set model.lora_rank <= " + str(most) + ".")
 
 
 def read_model_config(cfg) -> models.ModelConfig | None:

@@ -242,7 +242,7 @@ class LocalRuntime(Runtime):
         steps = self._compiled(algo_cfg)
         batch = jax.tree.map(jnp.asarray, batch)
         if algo_cfg.kl_coef > 0:
-            ref_logprobs, _, _ = steps.logprob(state.ref_params, batch)
+            ref_logprobs, _, _ = steps.logprob(algo.adapters.reference_params(state), batch)
             batch = batch.replace(ref_logprobs=ref_logprobs)
         return steps.update(state, batch, rng)
 
@@ -380,7 +380,8 @@ class MeshRuntime(Runtime):
         else:
             batch = sharded.place(local_batch, shard)
         if steps.logprob is not None:
-            ref_logprobs, _, _ = steps.logprob(state.ref_params, batch.replace(ref_logprobs=None))
+            ref_logprobs, _, _ = steps.logprob(algo.adapters.reference_params(state),
+                                               batch.replace(ref_logprobs=None))
             batch = batch.replace(ref_logprobs=ref_logprobs)
         rng = np.asarray(jax.random.key_data(rng))      # a host value: replicated everywhere
         return steps.update(state, batch, rng)
