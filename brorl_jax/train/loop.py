@@ -370,7 +370,17 @@ def restore_params(cfg, workdir: str, step: int | None = None, *,
                    model: models.Model | None = None):
     """(model, params, step) of checkpoint `step` (default: the newest that restores) in
     `workdir`; `model` (e.g. a run context's) is the template, loaded from the config when not
-    given. Reads only: never creates the directory, never moves or cleans anything."""
+    given. Reads only: never creates the directory, never moves or cleans anything. Under LoRA
+    the params are the base (model.path's, its merges merged again) and the adapters."""
+    model, saved, step = restore_checkpoint(cfg, workdir, step, model=model)
+    return model, algo.adapters.from_checkpoint(saved, model.params, model.config).params, step
+
+
+def restore_checkpoint(cfg, workdir: str, step: int | None = None, *,
+                       model: models.Model | None = None):
+    """(model, the train state as the checkpoint holds it, step): restore_params before the base
+    goes back in (algo.adapters.checkpoint_view: under LoRA the adapters, their optimizer state
+    and the merged adapters, no base)."""
     layout.require_existing(workdir)
     ckpt_dir = os.path.join(workdir, layout.CHECKPOINTS)
     if not layout.has_checkpoints(workdir):
@@ -378,7 +388,7 @@ def restore_params(cfg, workdir: str, step: int | None = None, *,
     saved_config.check_base_model(workdir, base_model_dir(cfg))
     model = load_model(cfg) if model is None else model
     try:
-        return _restore_params(cfg, ckpt_dir, step, model)
+        return _restore_state(cfg, ckpt_dir, step, model)
     except CheckpointError as e:
         differs = saved_config.differences(cfg, workdir)
         if not differs:
@@ -388,7 +398,7 @@ def restore_params(cfg, workdir: str, step: int | None = None, *,
                               "--config, evaluate and export read the run's own.") from e
 
 
-def _restore_params(cfg, ckpt_dir: str, step: int | None, model: models.Model):
+def _restore_state(cfg, ckpt_dir: str, step: int | None, model: models.Model):
     ckpt = Checkpointer(ckpt_dir, read_only=True, log=_log)
     try:
         optimizer = algo.make_optimizer(optimizer_config(cfg))
@@ -413,4 +423,4 @@ def _restore_params(cfg, ckpt_dir: str, step: int | None, model: models.Model):
                                       "another --step or none (the newest that restores).") from e
     finally:
         ckpt.close()
-    return model, algo.adapters.from_checkpoint(state, model.params, model.config).params, step
+    return model, state, step
