@@ -34,7 +34,7 @@ from typing import Any
 import jax
 
 from brorl_jax import algo, data, models
-from brorl_jax.config import derived_learning_rate, optimizer_config
+from brorl_jax.config import as_run_config, derived_learning_rate, optimizer_config
 from brorl_jax.errors import CheckpointError, DataError, TrainingStopped
 from brorl_jax.train import door, evaluation
 from brorl_jax.train.context import (
@@ -407,7 +407,7 @@ def _restore_state(cfg, ckpt_dir: str, step: int | None, model: models.Model):
         else:
             state = algo.create_train_state(model.params, optimizer,
                                             with_reference=cfg.algo.kl_coef > 0)
-        template = algo.adapters.checkpoint_template(state, cfg.update)
+        template = algo.adapters.checkpoint_template(state, as_run_config(cfg).update)
         if step is None:
             step, state, _ = ckpt.restore_latest(template, move_broken=False)
         elif step not in ckpt.all_steps():
