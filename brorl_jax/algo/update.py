@@ -208,9 +208,13 @@ _REMAT_HEADROOM = 0.25
 
 def train_state_bytes(model_cfg, n_params: int) -> int:
     """Device memory of the update's state besides activations (one device): _STATE_F32_COPIES
-    parameter-sized float32 buffers and a compute-dtype copy of the parameters."""
+    parameter-sized float32 buffers and a compute-dtype copy of the parameters; under LoRA
+    (n_params: the base's) the base in the compute dtype and those buffers for the adapters."""
     from brorl_jax.models.transformer import dtype_of
-    return n_params * (4 * _STATE_F32_COPIES + jnp.dtype(dtype_of(model_cfg.dtype)).itemsize)
+    item = jnp.dtype(dtype_of(model_cfg.dtype)).itemsize
+    if lora.enabled(model_cfg):
+        return n_params * item + lora.adapter_count(model_cfg) * (4 * _STATE_F32_COPIES + item)
+    return n_params * (4 * _STATE_F32_COPIES + item)
 
 
 def plan_remat_policy(model_cfg, tokens: int, n_params: int, device_bytes: int | None) -> str:

@@ -65,6 +65,13 @@ def lora_settings(cfg) -> dict:
                 lora_targets=models.lora.parse_targets(cfg.model.lora_targets))
 
 
+def stored_param_dtype(cfg) -> str:
+    """The dtype the weights load in: model.param_dtype, or under LoRA the compute dtype (the
+    frozen base needs no float32 master copy, and the loaded weights are then the train
+    state's base itself, not a second copy)."""
+    return cfg.model.dtype if cfg.model.get("lora_rank", 0) else cfg.model.param_dtype
+
+
 def base_model_dir(cfg) -> str:
     """Where the config's base model is: model.path, or the embedded demo model's directory."""
     return cfg.model.path or models.ensure_demo_model()
@@ -77,7 +84,7 @@ def load_model(cfg) -> models.Model:
     check_model_path(cfg.model.path)
     try:
         model = models.from_pretrained(path, dtype=cfg.model.dtype,
-                                       param_dtype=cfg.model.param_dtype)
+                                       param_dtype=stored_param_dtype(cfg))
     except (OSError, ValueError) as e:
         raise ModelError(f"config key 'model.path' = {path!r} does not hold a usable model: "
                          f"{e}") from e

@@ -54,6 +54,7 @@ from brorl_jax.train.context import (
     base_model_dir,
     check_model_path,
     eval_sampling,
+    stored_param_dtype,
     with_config_impls,
 )
 from brorl_jax.train.evaluation import prompts_per_call
@@ -145,7 +146,7 @@ def read_model_config(cfg) -> models.ModelConfig | None:
     """The ModelConfig load_model(cfg) will have, read from the model's config.json without its
     weights; None for a .gguf file or a path load_model will refuse."""
     mcfg = models.read_config(base_model_dir(cfg),
-                              dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+                              dtype=cfg.model.dtype, param_dtype=stored_param_dtype(cfg))
     return None if mcfg is None else with_config_impls(mcfg, cfg)
 
 
