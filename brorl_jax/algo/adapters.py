@@ -13,10 +13,11 @@ ref_params is None: the KL reference is the base, evaluated with the adapters of
 A reference reset (algo.ref_reset_every, ProRLv2) merges the adapters into the base, so the
 reference becomes the merged policy, and starts fresh adapters (B = 0, a new A drawn from
 (train.seed, merge count)) with a fresh optimizer state: the policy is unchanged by the reset.
-The merged adapters are kept (TrainState.lora_merged, oldest first; the merge count is their
-number): a checkpoint holds the adapters, their optimizer state and that list, not the base; a
-resume reloads the base from model.path and merges the list into it again in order, with the
-same jitted merge, so the base is bit-identical to the one the run had.
+The merged adapters are kept on the host (TrainState.lora_merged, oldest first, numpy; the
+merge count is their number; the jitted update does not see them: detach_merged). A checkpoint
+holds the adapters, their optimizer state and that list, not the base; a resume reloads the
+base from model.path and merges the list into it again in order, with the same jitted merge,
+so the base is bit-identical to the one the run had.
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def maybe_merge(state: TrainState, cfg: UpdateConfig, optimizer, model_cfg, seed
         return state, False
     adapters = state.params[lora.KEY]
     base = _merge(state.params, model_cfg)
-    merged = tuple(state.lora_merged) + (adapters,)
+    merged = tuple(state.lora_merged) + (jax.device_get(adapters),)     # kept on the host
     fresh = lora.init_lora(model_cfg, adapter_rng(seed, len(merged)))
     return state.replace(params=lora.with_adapters(base, fresh), opt_state=optimizer.init(fresh),
                          lora_merged=merged), True
@@ -118,4 +119,16 @@ def from_checkpoint(saved: TrainState, base_params, model_cfg) -> TrainState:
     for adapters in saved.lora_merged:
         base = _merge(lora.with_adapters(base, adapters), model_cfg)
     return saved.replace(params=lora.with_adapters(base, saved.params[lora.KEY]),
-                         lora_merged=tuple(saved.lora_merged))
+                         lora_merged=tuple(jax.device_get(saved.lora_merged)))
+
+
+def detach_merged(state: TrainState):
+    """(the merged adapters, the state without them): the jitted update never sees them (they
+    change length at every merge, which would recompile it, and stay on the host)."""
+    if state.lora_merged is None:
+        return None, state
+    return state.lora_merged, state.replace(lora_merged=None)
+
+
+def attach_merged(state: TrainState, merged) -> TrainState:
+    return state if merged is None else state.replace(lora_merged=merged)
