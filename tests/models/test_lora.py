@@ -35,13 +35,18 @@ def test_fresh_adapters_give_the_base_models_logits(model):
                                   base)
 
 
-@pytest.mark.parametrize("targets", [tuple(lora.TARGETS), ("v", "down")])
-def test_merged_kernels_equal_the_adapter_forward(model, targets):
+@pytest.mark.parametrize("targets,loop", [(tuple(lora.TARGETS), "scan"),
+                                          (("v", "down"), "unrolled")])
+def test_merged_kernels_equal_the_adapter_forward(model, targets, loop, monkeypatch):
+    """The adapter forward (the layers as a scan on CPU, unrolled on GPU/TPU: each layer reads
+    its own adapters' slice either way) equals the forward of the merged kernels."""
     cfg, params = model
     cfg = cfg.replace(lora_targets=targets)
     ad = {t: ab for t, ab in _trained(cfg).items() if t in targets}
     with_ad = lora.with_adapters(params, ad)
-    adapted = transformer.forward(with_ad, cfg, TOKENS)
+    with monkeypatch.context() as m:
+        m.setattr(transformer, "layer_loop_form", lambda: loop)
+        adapted = transformer.forward(with_ad, cfg, TOKENS)
     merged = lora.merge_lora(with_ad, cfg)
     assert lora.KEY not in merged
     assert float(jnp.abs(adapted - transformer.forward(params, cfg, TOKENS)).max()) > 1e-2
@@ -68,3 +73,4 @@ def test_targets_parse_and_refuse_unknown_names():
         lora.parse_targets("")
     cfg = tiny_model_config()
     assert lora.max_rank(cfg, ("q", "k")) == 16 and lora.max_rank(cfg, ("up",)) == 32
+
