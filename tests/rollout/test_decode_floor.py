@@ -249,3 +249,30 @@ def test_the_walker_groups_traffic_by_the_operation_that_made_it():
     assert any(k.startswith("backward ") for k in keys), keys
     assert any(k.startswith("forward ") for k in keys), keys
     assert [b for b, _, _ in groups] == sorted((b for b, _, _ in groups), reverse=True)
+
+
+def test_the_fp8_floor_counts_the_fp8_rollout_copy_and_a_byte_per_kv_element():
+    """bench/roofline.py's floor under fp8 weights and KV (issue 41): the weights term is the
+    bytes of the rollout's quantized copy as rollout_layout builds it (e4m3 projections + their
+    scales, the rest in the compute dtype), the KV a byte per element + a float32 scale per
+    position and KV head; the walker counts e4m3 buffers at a byte per element."""
+    import roofline
+
+    from brorl_jax.models.precision import with_precision
+    cfg = tiny_config(**GPU_TINY)
+    fp8 = with_precision(cfg, "fp8", "fp8")
+    master = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
+    n = sum(x.size for x in jax.tree.leaves(master))
+    copy = jax.eval_shape(lambda p: programs.rollout_layout(p, fp8), master)
+    held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(copy))
+    assert {x.dtype for x in jax.tree.leaves(copy)} == {jnp.dtype(jnp.bfloat16),
+                                                        jnp.dtype(jnp.float8_e4m3fn)}
+    shape = dict(slots=8, prompts=2, prompt_len=64, own_len=96, n_params=n)
+    lo, hi = roofline.floor_bytes(fp8, **shape), roofline.floor_bytes(cfg, **shape)
+    assert lo["weights"] == held < hi["weights"] == 2 * n
+    per_position = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads
+    assert hi["kv"] == per_position * (2 * 64 + 8 * 96) * cfg.head_dim * 2
+    assert lo["kv"] == per_position * (2 * 64 + 8 * 96) * (cfg.head_dim + 4)
+    assert lo["new_kv"] == per_position * 8 * (cfg.head_dim + 4)
+    assert lo["logits"] == hi["logits"] == 2 * 8 * cfg.vocab_size * 4
+    assert hw.nbytes("f8e4m3fn[16,1536]{1,0}") == 16 * 1536
