@@ -23,13 +23,18 @@ The floor of a decode step (bytes that any implementation must move):
   KV        the live KV once: each live prompt's KV (shared by its slots) + every live slot's own
   new K/V   one position per slot per layer, written
   logits    [slots, V] float32, written once and read once
+With the rollout's weights and KV in fp8 (the ``_fp8`` cases, issue 41): the 7 projections of
+each layer at one byte + their per-output-channel scales (the embedding / LM head, the norms and
+the biases stay in the compute dtype; models.precision.rollout_weight_bytes), the KV at one byte
+per element + a float32 scale per position and KV head (rollout.plan.kv_bytes); the rest as bf16.
 Predicted step time = max(bytes / HBM bandwidth, flops / peak bf16 tensor flops); tokens/s =
 live slots / step time. A deviceless compile has no GEMM autotuning: its default split-K float32
 partial sums are reported beside the bytes, not counted (issue 25's definition).
 
 Cases (per device): ``slots256_ctx4k`` (256 slots of one 1024-token prompt, 3072 own positions
 on average: a 4k context), ``tail32_ctx8k`` (a 32-slot tail, 8k context), ``mesh64_plan``
-(configs/brorl_64gpu.py on 64 devices: the plan's slots per device, 4k context).
+(configs/brorl_64gpu.py on 64 devices: the plan's slots per device, 4k context);
+``slots256_ctx4k_fp8`` and ``tail32_ctx8k_fp8``: the same shapes, fp8 weights and KV.
 """
 from __future__ import annotations
 
@@ -213,6 +218,20 @@ def floor_bytes(mc, *, slots: int, prompts: int, prompt_len: int, own_len: float
                 logits=2 * slots * mc.vocab_size * 4)
 
 
+def gemm_forms(module) -> list[dict]:
+    """Each distinct GEMM of the program (bench/_hlo_walk.gemms): its form ("triton" fusion or
+    a cuBLAS(Lt) custom call target), the types its operands are read as ("a->b": converted on
+    the way, e.g. a weight dequantized before a plain GEMM), its result type, the JAX operation
+    (the last two op_name components) and how many there are."""
+    import _hlo_walk as hw
+    counts: dict[tuple, int] = {}
+    for form, lhs, rhs, result, op in hw.gemms(module):
+        key = (form, lhs, rhs, result, "/".join(op.split("/")[-2:]))
+        counts[key] = counts.get(key, 0) + 1
+    return [dict(form=f, lhs=a, rhs=b, result=r, op=o, count=n)
+            for (f, a, b, r, o), n in sorted(counts.items(), key=lambda x: -x[1])]
+
+
 def decode_report(target: str, model: str, case: str, built: dict) -> dict:
     import _hlo_walk as hw
 
@@ -279,7 +298,7 @@ def decode_report(target: str, model: str, case: str, built: dict) -> dict:
                         for x, s, o in it.largest_copies(5)],
         largest_kernels=[dict(bytes=per_step(x), name=n, type=t, op=o[-90:])
                          for x, n, t, o in it.largest(8)],
-        undeclared_custom_calls=sorted(set(it.undeclared)),
+        undeclared_custom_calls=sorted(set(it.undeclared)), gemms=gemm_forms(module),
         compile_s=built["compile_s"], temp_bytes=built["temp_bytes"])
 
 
@@ -456,6 +475,9 @@ def main(argv=None) -> int:
                   for k in r["largest_kernels"][:4]) + "; largest copies: " + (
                   "; ".join(f"{x['bytes'] / GB:.3f} GB {x['shape']}"
                             for x in r["largest_copies"][:3]) or "none"), flush=True)
+        print("  GEMMs: " + "; ".join(f"{g['count']}x {g['form']} {g['lhs']} x {g['rhs']} -> "
+                                       f"{g['result']} ({g['op'].split('/')[0]})"
+                                       for g in r["gemms"]), flush=True)
         if r["undeclared_custom_calls"]:
             print(f"  undeclared custom calls (operands + outputs counted): "
                   f"{r['undeclared_custom_calls']}", flush=True)

@@ -276,3 +276,54 @@ def test_the_fp8_floor_counts_the_fp8_rollout_copy_and_a_byte_per_kv_element():
     assert lo["new_kv"] == per_position * 8 * (cfg.head_dim + 4)
     assert lo["logits"] == hi["logits"] == 2 * 8 * cfg.vocab_size * 4
     assert hw.nbytes("f8e4m3fn[16,1536]{1,0}") == 16 * 1536
+
+
+_GEMM_HLO = """HloModule m
+
+%q8 (p0: bf16[16,64]) -> f8e4m3fn[16,64] {
+  %p0 = bf16[16,64]{1,0} parameter(0)
+  %c = f32[16,64]{1,0} convert(%p0)
+  ROOT %q = f8e4m3fn[16,64]{1,0} convert(%c)
+}
+
+%deq (p0: f8e4m3fn[64,32], p1: bf16[32]) -> bf16[64,32] {
+  %p0 = f8e4m3fn[64,32]{1,0} parameter(0)
+  %p1 = bf16[32]{0} parameter(1)
+  %c = bf16[64,32]{1,0} convert(%p0)
+  %b = bf16[64,32]{1,0} broadcast(%p1), dimensions={1}
+  ROOT %m = bf16[64,32]{1,0} multiply(%c, %b)
+}
+
+%g8 (x: f8e4m3fn[16,64], w: f8e4m3fn[64,32]) -> f32[16,32] {
+  %x = f8e4m3fn[16,64]{1,0} parameter(0)
+  %w = f8e4m3fn[64,32]{1,0} parameter(1)
+  %wt = f8e4m3fn[32,64]{0,1} bitcast(%w)
+  ROOT %d = f32[16,32]{1,0} dot(%x, %wt), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+
+%g16 (x: bf16[16,64], w: bf16[64,32]) -> f32[16,32] {
+  %x = bf16[16,64]{1,0} parameter(0)
+  %w = bf16[64,32]{1,0} parameter(1)
+  ROOT %d = f32[16,32]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: bf16[16,64], w: f8e4m3fn[64,32], s: bf16[32]) -> (f32[16,32], f32[16,32]) {
+  %x = bf16[16,64]{1,0} parameter(0)
+  %w = f8e4m3fn[64,32]{1,0} parameter(1)
+  %s = bf16[32]{0} parameter(2)
+  %xq = f8e4m3fn[16,64]{1,0} fusion(%x), kind=kLoop, calls=%q8
+  %a = f32[16,32]{1,0} fusion(%xq, %w), kind=kCustom, calls=%g8, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %wd = bf16[64,32]{1,0} fusion(%w, %s), kind=kLoop, calls=%deq
+  %b = f32[16,32]{1,0} fusion(%x, %wd), kind=kCustom, calls=%g16, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  ROOT %t = (f32[16,32]{1,0}, f32[16,32]{1,0}) tuple(%a, %b)
+}
+"""
+
+
+def test_the_walker_names_each_gemms_operand_types():
+    """bench/_hlo_walk.gemms (which GEMM an fp8 projection became, issue 41): an fp8 x fp8 GEMM
+    fusion reads e4m3 on both sides (the activation quantized in a kernel before it); a weight
+    dequantized to bf16 in a kernel of its own before a plain GEMM shows as f8e4m3fn->bf16."""
+    got = sorted(hw.gemms(hw.parse(_GEMM_HLO)))
+    assert got == [("triton", "bf16", "f8e4m3fn->bf16", "f32", ""),
+                   ("triton", "bf16->f32->f8e4m3fn", "f8e4m3fn", "f32", "")], got
