@@ -91,7 +91,12 @@ def missing_extra(target: str) -> str | None:
     """Why the compile extra for ``target`` is missing (None: present)."""
     cuda = ("jax_cuda12_plugin", "jax_plugins.xla_cuda12")
     need = cuda if TARGETS[target]["platform"] == "cuda" else ("libtpu",)
-    gone = [m for m in need if importlib.util.find_spec(m) is None]
+    def absent(name):     # find_spec of "a.b" raises when "a" itself is missing
+        try:
+            return importlib.util.find_spec(name) is None
+        except ModuleNotFoundError:
+            return True
+    gone = [m for m in need if absent(m)]
     if gone:
         return (f"bench/roofline.py needs the 'compile' extra for --target {target} (missing: "
                 f"{', '.join(gone)}): pip install -e '.[compile]' (or pip install --target DIR "
