@@ -46,7 +46,7 @@ import time
 import jax
 
 from brorl_jax import algo
-from brorl_jax.algo.routing_replay import routing_metrics
+from brorl_jax.algo.routing_metrics import routing_metrics
 from brorl_jax.errors import TrainingStopped
 from brorl_jax.train import collect
 from brorl_jax.train.context import RunContext

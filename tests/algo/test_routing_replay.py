@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from testutil import tiny_model_config  # noqa: E402
 
 from brorl_jax import algo  # noqa: E402
-from brorl_jax.algo import routing_replay  # noqa: E402
+from brorl_jax.algo import routing_metrics, routing_replay  # noqa: E402
 from brorl_jax.algo.batch import assemble_groups  # noqa: E402
 from brorl_jax.config import ConfigError, default_config, update_config, validate  # noqa: E402
 from brorl_jax.models import forward, init_params  # noqa: E402
@@ -107,12 +107,12 @@ def test_replay_brings_the_f32_update_to_the_bf16_rollouts_logprobs():
                             pack=True, mini_batches=1)
     batch = routing_replay.attach_routing(batch, groups, 2 * N)
     acfg = update_config(default_config())
-    m = routing_replay.routing_metrics(cfg, acfg, params, batch)
+    m = routing_metrics.routing_metrics(cfg, acfg, params, batch)
     assert m["moe/routing_mismatch_frac"] > 0          # bf16 and f32 do route differently here
     assert m["moe/logprob_gap_mean"] < 0.7 * m["moe/logprob_gap_mean_noreplay"]
-    off = routing_replay.routing_metrics(cfg, acfg, params, batch.replace(routing=None))
+    off = routing_metrics.routing_metrics(cfg, acfg, params, batch.replace(routing=None))
     assert off["moe/logprob_gap_mean"] == off["moe/logprob_gap_mean_noreplay"]
-    assert routing_replay.routing_metrics(tiny_model_config(), acfg, params, batch) == {}
+    assert routing_metrics.routing_metrics(tiny_model_config(), acfg, params, batch) == {}
 
 
 def test_routing_replay_is_refused_on_a_dense_model():
