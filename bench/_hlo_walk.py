@@ -35,6 +35,7 @@ API (stable: bench/roofline.py and bench/_roofline_update.py use it):
       [(bytes, name, shape, op_name)], custom [(name, bytes, flops)], undeclared [names],
       kernels (count of kernels launched), loops.
   ``custom``: {kernel-name substring: fn(instr: Instr) -> (bytes, flops)}.
+  gemms(module) -> [(form, lhs type, rhs type, result type, op_name)]: each GEMM's form.
 """
 from __future__ import annotations
 
@@ -534,6 +535,47 @@ def by_operation(cost: Cost, depth: int = 2) -> list[tuple[float, int, str]]:
         g[0] += b
         g[1] += 1
     return sorted(((b, n, k) for k, (b, n) in groups.items()), key=lambda x: -x[0])
+
+
+def _read_type(module: Module, comp: Computation, name: str, caller=None) -> str:
+    """The element type a dot reads through ``name``: traced back through layout ops, nested
+    fusions and (``caller``: (computation, fusion instr)) the GEMM fusion's parameters to where
+    it is made; converts on the way show as "from->to" (a weight dequantized before a plain GEMM,
+    in the fusion or in a kernel of its own: "f8e4m3fn->bf16")."""
+    node, seen = comp.by_name.get(name), []
+    while node is not None and node.shapes:
+        seen += [node.shapes[0][0]] if not seen or seen[-1] != node.shapes[0][0] else []
+        if node.opcode == "fusion" and node.attr("calls") in module.computations:
+            comp = module.computations[node.attr("calls")]
+            node = comp.root
+        elif node.opcode == "parameter" and caller:
+            (comp, ins), caller = caller, None
+            node = comp.by_name.get(ins.operands[int(node.operand_text)])
+        elif node.opcode in TRANSPARENT + ("transpose", "concatenate", "multiply") and node.operands:
+            node = comp.by_name.get(node.operands[0])
+        else:
+            break
+    return "->".join(reversed(seen))
+
+
+def gemms(module: Module) -> list[tuple[str, str, str, str, str]]:
+    """Every GEMM of the program: (form, lhs type, rhs type, result type, op_name); form is
+    "triton" (a GEMM fusion's dot) or a cuBLAS / cuBLASLt custom call's target (e.g.
+    ``__cublas$lt$matmul$f8``). How the roofline says which GEMM an fp8 projection became."""
+    out = []
+    for comp in module.computations.values():
+        for ins in comp.instrs:
+            target = re.search(r'custom_call_target="([^"]*)"', ins.attrs)
+            kind = ins.backend_config().get("fusion_backend_config", {}).get("kind", "")
+            if ins.opcode == "custom-call" and target and re.search("gemm|matmul", target[1]):
+                out.append((target[1], *(_read_type(module, comp, o) for o in ins.operands[:2]),
+                            ins.shapes[0][0], ins.op_name))
+            elif ins.opcode == "fusion" and "gemm" in kind:
+                fused = module.computations[ins.attr("calls")]
+                out += [("triton", *(_read_type(module, fused, o, (comp, ins))
+                                     for o in d.operands[:2]), d.shapes[0][0], ins.op_name)
+                        for d in fused.instrs if d.opcode == "dot"]
+    return out
 
 
 def main(argv=None) -> int:

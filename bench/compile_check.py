@@ -43,7 +43,7 @@ TARGETS = {
 KERNELS = ("sample_tokens", "sample_tokens_greedy", "sample_tokens_top_k_top_p",
            "sample_tokens_triton", "fused_logprob_fwd", "fused_logprob_fwd_bwd",
            "decode_attention", "decode_attention_slots", "decode_attention_slots_fp8",
-           "rollout_decode", "swiglu_mlp_fwd_bwd")
+           "rollout_decode", "rollout_decode_fp8", "swiglu_mlp_fwd_bwd")
 JAX_TRITON = ("sample_tokens_triton",)   # the jax_triton kernel
 # GPU kernels only: jax_triton's; the fused SwiGLU MLP (TPU runs XLA's own MLP fusions)
 GPU_ONLY = JAX_TRITON + ("swiglu_mlp_fwd_bwd",)
@@ -155,11 +155,13 @@ def _build(kernel: str, model: str, dtype: str, sharding):
             kv_scales=sc[0] if sc else None)
         shape = (f"slots {b} H{m.heads}/{m.kv_heads} pool {k}x{p} own {s} in "
                  f"{n_pages} pages of {page}" + (" (e4m3 KV)" if fp8 else ""))
-    elif kernel == "rollout_decode":
+    elif kernel in ("rollout_decode", "rollout_decode_fp8"):
         # the rollout's whole decode program (brorl_jax.rollout.Engine: refill, pages, layers
         # with the slot attention kernels, the sampling kernel) for a 2-layer model of these
-        # widths at the shapes of tg.SLOT_DECODE_ATTENTION
+        # widths at the shapes of tg.SLOT_DECODE_ATTENTION; _fp8: its weights and KV in fp8
+        # (issue 41: e4m3 projections, int8 on TPU; e4m3 KV with its scales)
         from brorl_jax.models import ModelConfig, init_params
+        from brorl_jax.models.precision import with_precision
         from brorl_jax.rollout import Engine
         c = tg.SLOT_DECODE_ATTENTION
         cfg = ModelConfig(
@@ -170,13 +172,16 @@ def _build(kernel: str, model: str, dtype: str, sharding):
             attention_bias=m.model_type == "qwen2", qk_norm=m.model_type == "qwen3",
             tie_word_embeddings=m.tie_word_embeddings, max_position_embeddings=2 * c["own"],
             bos_token_id=None, eos_token_ids=(2,), param_dtype=dtype, dtype=dtype)
+        fp8 = kernel.endswith("_fp8")
+        if fp8:
+            cfg = with_precision(cfg, "fp8", "fp8")
         engine = Engine(cfg, impl="pallas", kv_fraction=c["page_fraction"])
         fn, args = engine.decode_program(
             jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0))),
             prompt_len=c["prompt"], rollouts_per_prompt=512, max_new_tokens=c["own"],
             num_prompts=c["pool"], slots=c["slots"], sharding=sharding)
         shape = (f"{c['layers']} layers, {c['slots']} slots, pool {c['pool']}x{c['prompt']}, "
-                 f"S {c['own']}")
+                 f"S {c['own']}" + (" (fp8 weights + KV)" if fp8 else ""))
     else:
         raise ValueError(f"unknown kernel {kernel!r}; choose from {KERNELS}")
     return fn, args, shape

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One prepared GPU check (issues 19, 25): the decode loop and the packed update against their
-# rooflines and the compiled kernels against their references, in one short run (< 8 min on an
+# One prepared GPU check (issues 19, 25, 41): the decode loop (bf16 and fp8) and the packed update
+# against their rooflines and the compiled kernels against their references, in one short run (< 10 min on an
 # H100/H200); FULL=1 adds the kernels' speed against the XLA paths and the CPU benches' GPU runs. Run it on a lent GPU
 # through the device tool:
-#   run(command="bash bench/device_check.sh", timeout_s=480)
+#   run(command="bash bench/device_check.sh", timeout_s=600)
 # It uses the device image's python3 (jax with CUDA, triton, flax, optax, ...). Packages the
 # image lacks are installed from wheels carried in .wheels/ when present (no network there):
 #   here: pip download --no-deps -d .wheels jax-triton==0.3.1 grain ml-collections math-verify \
@@ -48,19 +48,22 @@ fi
 log "devices: $($PY -c 'import jax; print(jax.devices())' 2>&1 | tail -n 1)"
 
 # 0. The decode loop at the floor (issue 25): 256 slots of one 1024-token prompt on Qwen2.5-1.5B
-#    shapes (random bf16 weights, no stop token, 3072 new tokens: mean context 2560), timed, next
+#    shapes (random weights, no stop token, 3072 new tokens: mean context 2560), timed, next
 #    to the bytes per step bench/roofline.py's walker predicts for the same program compiled for
 #    this GPU: achieved bytes/s against the HBM bandwidth, tokens/s against the roofline's.
-#    (two compiles + ~1 min of decoding; first.)
-step decode_roofline 240 decode_roofline.txt $PY bench/roofline.py --measure-device --slots 256 \
-  --json "$OUT/decode_roofline.json"
+#    Issue 41: once with bf16 weights and KV, then with fp8 (e4m3) weights and KV, in the same
+#    process; the last line is the fp8 / bf16 ratio of step time and tokens/s, measured side by
+#    side (bf16: two compiles + ~1 min of decoding; fp8: the same at about half the bytes).
+step decode_roofline 330 decode_roofline.txt $PY bench/roofline.py --measure-device --slots 256 \
+  --precisions ${DECODE_PRECISIONS:-bf16 fp8} --json "$OUT/decode_roofline.json"
 # 0b. The update at the floor (issue 25): 8 packed rows x 2048 tokens on Qwen2.5-1.5B shapes
 #    (random weights, float32 master weights, bf16 compute), timed, achieved MFU next to the
 #    ceiling bench/_roofline_update.py predicts for the same compiled program.
 step update_roofline 150 update_roofline.txt $PY bench/device_update_check.py
 # 1. The kernel tests, now compiled for the GPU (interpret mode follows the backend; the Mosaic
 #    family's tests skip there; the jax_triton numerics test runs if jax_triton imports).
-#    Steps 0, 0b and 1 are the default run: their timeouts add up to 7 min 50 s.
+#    Steps 0, 0b and 1 are the default run: their timeouts add up to 9 min 20 s
+#    (DECODE_PRECISIONS=bf16: 7 min 50 s, step 0 without the fp8 timing).
 step kernel_tests 80 kernel_tests.txt $PY -m pytest -q -o addopts="" -rs tests/kernels
 if [ "${FULL:-0}" = "1" ]; then
   # 2. Numerics and speed at the paper's shapes: sampling [512, 151936] (reference / pallas /

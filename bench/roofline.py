@@ -23,13 +23,18 @@ The floor of a decode step (bytes that any implementation must move):
   KV        the live KV once: each live prompt's KV (shared by its slots) + every live slot's own
   new K/V   one position per slot per layer, written
   logits    [slots, V] float32, written once and read once
+With the rollout's weights and KV in fp8 (the ``_fp8`` cases, issue 41): the 7 projections of
+each layer at one byte + their per-output-channel scales (the embedding / LM head, the norms and
+the biases stay in the compute dtype; models.precision.rollout_weight_bytes), the KV at one byte
+per element + a float32 scale per position and KV head (rollout.plan.kv_bytes); the rest as bf16.
 Predicted step time = max(bytes / HBM bandwidth, flops / peak bf16 tensor flops); tokens/s =
 live slots / step time. A deviceless compile has no GEMM autotuning: its default split-K float32
 partial sums are reported beside the bytes, not counted (issue 25's definition).
 
 Cases (per device): ``slots256_ctx4k`` (256 slots of one 1024-token prompt, 3072 own positions
 on average: a 4k context), ``tail32_ctx8k`` (a 32-slot tail, 8k context), ``mesh64_plan``
-(configs/brorl_64gpu.py on 64 devices: the plan's slots per device, 4k context).
+(configs/brorl_64gpu.py on 64 devices: the plan's slots per device, 4k context);
+``slots256_ctx4k_fp8`` and ``tail32_ctx8k_fp8``: the same shapes, fp8 weights and KV.
 """
 from __future__ import annotations
 
@@ -61,6 +66,11 @@ CASES = {
     "slots256_ctx4k": dict(slots=256, prompts=1, prompt_len=1024, own_len=3072),
     "tail32_ctx8k": dict(slots=32, prompts=1, prompt_len=1024, own_len=7168),
     "mesh64_plan": dict(slots=None, prompts=None, prompt_len=1024, own_len=3072),
+    # issue 41: the same shapes with the rollout's weights and KV cache in fp8
+    "slots256_ctx4k_fp8": dict(slots=256, prompts=1, prompt_len=1024, own_len=3072,
+                               precision=("fp8", "fp8")),
+    "tail32_ctx8k_fp8": dict(slots=32, prompts=1, prompt_len=1024, own_len=7168,
+                             precision=("fp8", "fp8")),
 }
 MODELS = ("qwen2.5-1.5b",)
 GB = 1e9
@@ -81,7 +91,12 @@ def missing_extra(target: str) -> str | None:
     """Why the compile extra for ``target`` is missing (None: present)."""
     cuda = ("jax_cuda12_plugin", "jax_plugins.xla_cuda12")
     need = cuda if TARGETS[target]["platform"] == "cuda" else ("libtpu",)
-    gone = [m for m in need if importlib.util.find_spec(m) is None]
+    def absent(name):     # find_spec of "a.b" raises when "a" itself is missing
+        try:
+            return importlib.util.find_spec(name) is None
+        except ModuleNotFoundError:
+            return True
+    gone = [m for m in need if absent(m)]
     if gone:
         return (f"bench/roofline.py needs the 'compile' extra for --target {target} (missing: "
                 f"{', '.join(gone)}): pip install -e '.[compile]' (or pip install --target DIR "
@@ -103,13 +118,14 @@ def model_config(model: str):
 # one case (in a subprocess): build, compile, save the optimized HLO
 # ------------------------------------------------------------------------------------------------
 
-def _rollout_params(cfg, mc, abstract):
-    """What the trainer hands the rollout: Runtime.rollout_params of the master weights."""
+def _rollout_params(cfg, mc, abstract, precision=None):
+    """What the trainer hands the rollout: Runtime.rollout_params of the master weights (at
+    ``precision``, (weights, kv); None: the config's)."""
     import jax
 
     from brorl_jax.train.runtime import LocalRuntime
     runtime = LocalRuntime(cfg, mc, None, diagnostics_n=None)
-    return jax.eval_shape(runtime.rollout_params, abstract), runtime
+    return jax.eval_shape(lambda p: runtime.rollout_params(p, precision), abstract), runtime
 
 
 def compile_case(target: str, model: str, case: str) -> dict:
@@ -135,7 +151,8 @@ def compile_case(target: str, model: str, case: str) -> dict:
     t0 = time.perf_counter()
     abstract = jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0)))
     with pk.compile_target(platform):
-        rparams, runtime = _rollout_params(cfg, mc, abstract)
+        precision = c.get("precision")
+        rparams, runtime = _rollout_params(cfg, mc, abstract, precision)
         n = cfg.rollout.rollouts_per_prompt
         call = dict(prompt_len=c["prompt_len"], max_new_tokens=cfg.rollout.max_new_tokens,
                     temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
@@ -163,7 +180,7 @@ def compile_case(target: str, model: str, case: str) -> dict:
                 for i, x in enumerate(leaves)])
         else:
             mesh = jax.sharding.Mesh(topo.devices[:1], ("x",))
-            engine = runtime.rollout_engine(mc)
+            engine = runtime.rollout_engine(mc, precision)
             fn, args = engine.decode_program(rparams, rollouts_per_prompt=n,
                                              num_prompts=c["prompts"], slots=c["slots"],
                                              sharding=NamedSharding(mesh, P()), **call)
@@ -179,8 +196,10 @@ def compile_case(target: str, model: str, case: str) -> dict:
         hlo=compiled.as_text(), lower_s=round(t1 - t0, 1), compile_s=round(t2 - t1, 1),
         slots=c["slots"], prompts=c["prompts"], devices=n_dev,
         check_every=int(check_every),
+        precision=[engine.cfg.weight_precision, engine.cfg.kv_precision],
         param_dtypes=sorted({str(x.dtype) for x in leaves}),
-        n_params=int(sum(math.prod(x.shape) for x in leaves)),
+        # the model's parameters (the master tree: an fp8 copy also holds its scales)
+        n_params=int(sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))),
         temp_bytes=int(getattr(mem, "temp_size_in_bytes", 0) or 0),
         argument_bytes=int(getattr(mem, "argument_size_in_bytes", 0) or 0))
 
@@ -191,24 +210,42 @@ def compile_case(target: str, model: str, case: str) -> dict:
 
 def floor_bytes(mc, *, slots: int, prompts: int, prompt_len: int, own_len: float,
                 n_params: int) -> dict:
-    """The floor of one decode step (module docstring), term by term."""
-    import jax.numpy as jnp
-    item = jnp.dtype(mc.dtype).itemsize
-    kv_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * item
-    return dict(weights=n_params * item,
-                kv=prompts * prompt_len * kv_token + slots * own_len * kv_token,
-                new_kv=slots * kv_token,
+    """The floor of one decode step (module docstring), term by term, at ``mc``'s rollout
+    precision: under fp8 weights the projections at one byte + their per-channel scales
+    (models.precision.rollout_weight_bytes; embedding / LM head, norms and biases stay in the
+    compute dtype), under an fp8 KV cache a byte per element + a float32 scale per position and
+    KV head (rollout.plan.kv_bytes)."""
+    from brorl_jax.models.precision import rollout_weight_bytes
+    from brorl_jax.rollout.plan import kv_bytes
+    return dict(weights=rollout_weight_bytes(mc, n_params),
+                kv=kv_bytes(mc, prompts, prompt_len) + kv_bytes(mc, slots, own_len),
+                new_kv=kv_bytes(mc, slots, 1),
                 logits=2 * slots * mc.vocab_size * 4)
+
+
+def gemm_forms(module) -> list[dict]:
+    """Each distinct GEMM of the program (bench/_hlo_walk.gemms): its form ("triton" fusion or
+    a cuBLAS(Lt) custom call target), the types its operands are read as ("a->b": converted on
+    the way, e.g. a weight dequantized before a plain GEMM), its result type, the JAX operation
+    (the last two op_name components) and how many there are."""
+    import _hlo_walk as hw
+    counts: dict[tuple, int] = {}
+    for form, lhs, rhs, result, op in hw.gemms(module):
+        key = (form, lhs, rhs, result, "/".join(op.split("/")[-2:]))
+        counts[key] = counts.get(key, 0) + 1
+    return [dict(form=f, lhs=a, rhs=b, result=r, op=o, count=n)
+            for (f, a, b, r, o), n in sorted(counts.items(), key=lambda x: -x[1])]
 
 
 def decode_report(target: str, model: str, case: str, built: dict) -> dict:
     import _hlo_walk as hw
 
+    from brorl_jax.models.precision import with_precision
     from pallas_kernels.decode_attention import slot_decode_attention_traffic
     from pallas_kernels.sampling import sample_tokens_traffic
     from pallas_kernels.swiglu_mlp import KERNEL_NAMES as MLP_KERNELS, swiglu_mlp_kernel_cost
-
     cfg, mc = model_config(model)
+    mc = with_precision(mc, *built.get("precision", ("bf16", "bf16")))
     c = dict(CASES[case], slots=built["slots"], prompts=built["prompts"])
     family = "triton" if TARGETS[target]["platform"] == "cuda" else "mosaic"
     per_prompt = [c["slots"] // c["prompts"]] * c["prompts"]
@@ -261,31 +298,36 @@ def decode_report(target: str, model: str, case: str, built: dict) -> dict:
         predicted_step_ms=1e3 * step_s, predicted_tokens_per_s=c["slots"] / step_s,
         floor_tokens_per_s=c["slots"] / (fl / tgt["bandwidth"]),
         devices=built["devices"], param_dtypes=built["param_dtypes"],
+        weight_precision=mc.weight_precision, kv_precision=mc.kv_precision,
         largest_copies=[dict(bytes=per_step(x), shape=s, op=o[-90:])
                         for x, s, o in it.largest_copies(5)],
         largest_kernels=[dict(bytes=per_step(x), name=n, type=t, op=o[-90:])
                          for x, n, t, o in it.largest(8)],
-        undeclared_custom_calls=sorted(set(it.undeclared)),
+        undeclared_custom_calls=sorted(set(it.undeclared)), gemms=gemm_forms(module),
         compile_s=built["compile_s"], temp_bytes=built["temp_bytes"])
 
 
-def measure_device(model: str, slots: int, prompt_len: int, own_len: int) -> dict:
+def measure_device(model: str, slots: int, prompt_len: int, own_len: int,
+                   precision: str = "bf16") -> dict:
     """On a real GPU (bench/device_check.sh): the decode loop at ``slots`` slots on the model's
-    shapes (random bf16 weights, one random prompt, no stop token, max_new_tokens = 2 x own_len,
-    so the mean own length over the run is ``own_len``), run once to compile and once timed; next
-    to the bytes per step this walker predicts for the same program compiled for this device at
-    the same lengths."""
+    shapes (random weights, one random prompt, no stop token, max_new_tokens = 2 x own_len,
+    so the mean own length over the run is ``own_len``), its weights and KV cache at
+    ``precision`` ("bf16" | "fp8": both, models.precision.with_precision), run once to compile and
+    once timed; next to the bytes per step this walker predicts for the same program compiled
+    for this device at the same lengths."""
     import jax
     import numpy as np
 
     from brorl_jax.models import init_params
+    from brorl_jax.models.precision import with_precision
     from brorl_jax.rollout import Engine
 
     cfg, mc = model_config(model)
     if jax.default_backend() != "gpu":
-        raise SystemExit(f"--measure-device needs a GPU backend, not {jax.default_backend()!r}")
+        raise SystemExit(f"--measure-device needs a GPU backend, not {jax.default_backend()!r} "
+                         "(bench/device_check.sh runs it on a lent GPU)")
     new = 2 * own_len
-    engine = Engine(mc, impl="auto")
+    engine = Engine(with_precision(mc, precision, precision), impl="auto")
     params = engine.rollout_params(init_params(mc, jax.random.PRNGKey(0)))
     prompt = [int(t) for t in np.random.default_rng(0).integers(10, mc.vocab_size, prompt_len)]
     call = dict(rollouts_per_prompt=slots, max_new_tokens=new, temperature=1.0, eos_ids=())
@@ -297,20 +339,50 @@ def measure_device(model: str, slots: int, prompt_len: int, own_len: int) -> dic
     fn, args = engine.decode_program(params, prompt_len=prompt_len, num_prompts=1, slots=slots,
                                      rollouts_per_prompt=slots, max_new_tokens=new)
     text = fn.trace(*args).lower().compile().as_text()
+    master = jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0)))
     built = dict(hlo=text, slots=slots, prompts=1, devices=1, check_every=engine.check_every,
+                 precision=[precision, precision],
                  param_dtypes=sorted({str(x.dtype) for x in jax.tree.leaves(params)}),
-                 n_params=int(sum(x.size for x in jax.tree.leaves(params))), compile_s=None,
+                 n_params=int(sum(x.size for x in jax.tree.leaves(master))), compile_s=None,
                  temp_bytes=0)
     CASES["device"] = dict(slots=slots, prompts=1, prompt_len=prompt_len, own_len=own_len)
     pred = decode_report("h100", model, "device", built)
     steps, secs = st["decode_steps"], st["decode_seconds"]
-    return dict(slots=slots, context=prompt_len + own_len, decode_steps=steps,
+    return dict(precision=precision, slots=slots, context=prompt_len + own_len,
+                decode_steps=steps,
                 decode_seconds=secs, tokens_per_s=st["useful_tokens"] / max(secs, 1e-9),
                 step_ms=1e3 * secs / max(steps, 1),
                 predicted_bytes_per_step=pred["bytes_per_step"],
                 floor_bytes_per_step=pred["floor_bytes_per_step"],
                 achieved_bytes_per_s=pred["bytes_per_step"] * steps / max(secs, 1e-9),
                 compile_and_warm_s=t_compile, device=str(jax.devices()[0]))
+
+
+def _measure_main(args) -> int:
+    """--measure-device: each of --precisions timed in turn in this process; with bf16 and fp8
+    both, the fp8 / bf16 ratios measured side by side (the last line printed)."""
+    runs = {}
+    for prec in args.precisions:
+        r = runs[prec] = measure_device(args.model, args.slots, 1024, args.own_len, prec)
+        print(json.dumps(r, indent=1))
+        print(f"decode ({prec} weights + KV) on {r['device']}: {r['slots']} slots, mean context "
+              f"{r['context']}: {r['step_ms']:.2f} ms/step, {r['tokens_per_s']:,.0f} tokens/s; "
+              f"achieved {r['achieved_bytes_per_s'] / 1e12:.2f} TB/s of the walker's "
+              f"{r['predicted_bytes_per_step'] / GB:.2f} GB/step (floor "
+              f"{r['floor_bytes_per_step'] / GB:.2f} GB/step)", flush=True)
+    out = runs if len(runs) > 1 else next(iter(runs.values()))
+    if {"bf16", "fp8"} <= set(runs):
+        b, f = runs["bf16"], runs["fp8"]
+        out = dict(runs, fp8_over_bf16=dict(
+            step_ms=f["step_ms"] / b["step_ms"], tokens_per_s=f["tokens_per_s"] / b["tokens_per_s"],
+            predicted_bytes=f["predicted_bytes_per_step"] / b["predicted_bytes_per_step"]))
+        x = out["fp8_over_bf16"]
+        print(f"fp8 / bf16 decode, measured side by side: step time x{x['step_ms']:.2f}, "
+              f"tokens/s x{x['tokens_per_s']:.2f} (walker's bytes/step x{x['predicted_bytes']:.2f})")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+    return 0
 
 
 def update_section(target: str, model: str):
@@ -351,23 +423,15 @@ def main(argv=None) -> int:
                     help="on a GPU: time the decode loop (random weights) next to the walk of "
                          "the same program compiled for that GPU (bench/device_check.sh)")
     ap.add_argument("--slots", type=int, default=256, help="--measure-device: decode slots")
+    ap.add_argument("--precisions", nargs="+", default=["bf16"], choices=["bf16", "fp8"],
+                    help="--measure-device: the weights' and KV cache's precision, each timed")
     ap.add_argument("--own-len", type=int, default=1536,
                     help="--measure-device: mean own positions (2x new tokens, run twice)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args.measure_device:      # on the GPU itself: no compile extra, no topology
-        r = measure_device(args.model, args.slots, 1024, args.own_len)
-        print(json.dumps(r, indent=1))
-        print(f"decode on {r['device']}: {r['slots']} slots, mean context {r['context']}: "
-              f"{r['step_ms']:.2f} ms/step, {r['tokens_per_s']:,.0f} tokens/s; achieved "
-              f"{r['achieved_bytes_per_s'] / 1e12:.2f} TB/s of the walker's "
-              f"{r['predicted_bytes_per_step'] / GB:.2f} GB/step (floor "
-              f"{r['floor_bytes_per_step'] / GB:.2f} GB/step)")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(r, f, indent=1)
-        return 0
+        return _measure_main(args)
     why = missing_extra(args.target)
     if why:
         print(why, file=sys.stderr)
@@ -416,6 +480,9 @@ def main(argv=None) -> int:
                   for k in r["largest_kernels"][:4]) + "; largest copies: " + (
                   "; ".join(f"{x['bytes'] / GB:.3f} GB {x['shape']}"
                             for x in r["largest_copies"][:3]) or "none"), flush=True)
+        print("  GEMMs: " + "; ".join(f"{g['count']}x {g['form']} {g['lhs']} x {g['rhs']} -> "
+                                       f"{g['result']} ({g['op'].split('/')[0]})"
+                                       for g in r["gemms"]), flush=True)
         if r["undeclared_custom_calls"]:
             print(f"  undeclared custom calls (operands + outputs counted): "
                   f"{r['undeclared_custom_calls']}", flush=True)

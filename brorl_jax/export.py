@@ -1,6 +1,11 @@
 """Export a training checkpoint to a Hugging Face directory (config, safetensors, tokenizer).
 
-  python -m brorl_jax.export --workdir=DIR [--step=S] --out=HF_DIR [--overwrite]
+  python -m brorl_jax.export --workdir=DIR [--step=S] --out=HF_DIR [--overwrite] [--format=hf]
+
+--format=hf (default): the model, a LoRA run's adapters merged into it. --format=peft (LoRA runs,
+model.lora_rank > 0): a PEFT adapter directory (adapter_config.json, adapter_model.safetensors)
+for peft.PeftModel.from_pretrained on the base model (model.path); adapters merged at reference
+resets are part of it (models/peft_io.py).
 
 The run's own config (DIR/brorl_config.json) builds the model unless --config is given
 (cli.run_config); --config.KEY overrides apply on top.
@@ -22,11 +27,14 @@ import tempfile
 from brorl_jax import cli
 from brorl_jax.errors import WorkdirError
 
+FORMATS = ("hf", "peft")
 FLAGS = [cli.Flag("string", "workdir", None, "The run's work directory.", required=True),
          cli.Flag("integer", "step", None, "Checkpoint step (default: the latest)."),
          cli.Flag("string", "out", None, "Output Hugging Face directory (new or empty).",
                   required=True),
-         cli.Flag("bool", "overwrite", False, "Replace a non-empty --out directory.")]
+         cli.Flag("bool", "overwrite", False, "Replace a non-empty --out directory."),
+         cli.Flag("string", "format", "hf", "hf: the (merged) model; peft: a LoRA run's "
+                  "adapters as a PEFT adapter directory.")]
 
 # What marks a directory as a run's work directory (any of these): its records.
 RUN_MARKERS = ("checkpoints", "metrics.jsonl", "brorl_config.json", ".brorl_lock",
@@ -101,21 +109,36 @@ def write_atomically(out: str, write, overwrite: bool = False) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def export(cfg, workdir: str, out: str, step: int | None = None, overwrite: bool = False) -> int:
-    """Writes checkpoint `step` (default: the newest that restores) of `workdir` to `out`; the
-    work directory is only read (a missing one is an error, never created)."""
+def export(cfg, workdir: str, out: str, step: int | None = None, overwrite: bool = False,
+           format: str = "hf") -> int:
+    """Writes checkpoint `step` (default: the newest that restores) of `workdir` to `out` as a
+    Hugging Face model (format "hf") or a PEFT adapter directory ("peft"); the work directory is
+    only read (a missing one is an error, never created)."""
     from brorl_jax import models
     from brorl_jax.config import validate
     from brorl_jax.train.context import base_model_dir
-    from brorl_jax.train.loop import restore_params
+    from brorl_jax.train.loop import restore_checkpoint, restore_params
     from brorl_jax.workdir.layout import require_existing
     cfg = validate(cfg)
+    if format not in FORMATS:
+        raise WorkdirError(f"--format={format!r}; use one of {', '.join(FORMATS)}.")
+    if format == "peft" and cfg.model.lora_rank == 0:
+        raise WorkdirError("--format=peft exports LoRA adapters, and this run has none "
+                           "(model.lora_rank = 0); use --format=hf.")
     require_existing(workdir)
     check_out(out, workdir, overwrite, base_model=base_model_dir(cfg))
-    model, params, step = restore_params(cfg, workdir, step)
+    if format == "peft":
+        model, saved, step = restore_checkpoint(cfg, workdir, step)
+        sets = [*saved.lora_merged, saved.params[models.lora.KEY]]
+    else:
+        model, params, step = restore_params(cfg, workdir, step)
 
     def write(tmp: str) -> None:
-        models.save_pretrained(model.with_params(params), tmp)
+        if format == "peft":
+            models.peft_io.save_peft(sets, model.config, tmp, os.path.abspath(base_model_dir(cfg)))
+        else:
+            merged = models.lora.merge_lora(params, model.config)
+            models.save_pretrained(model.with_params(merged), tmp)
         cli.raise_if_signalled()        # a SIGTERM whose raise was lost: nothing is put in place
 
     write_atomically(out, write, overwrite)
@@ -124,7 +147,7 @@ def export(cfg, workdir: str, out: str, step: int | None = None, overwrite: bool
 
 def main(values: dict) -> int:
     step = export(cli.run_config(values, values["workdir"]), values["workdir"], values["out"],
-                  values["step"], values["overwrite"])
+                  values["step"], values["overwrite"], values["format"])
     print(f"exported step {step} of {values['workdir']} to {values['out']}")
     return 0
 

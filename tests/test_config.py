@@ -240,6 +240,10 @@ def test_wrong_type_is_named():
     ("mesh.fsdp", 0, r"'mesh.fsdp' must be a positive size or -1"),
     ("algo.max_staleness", -1, r"'algo.max_staleness' must be >= 0"),
     ("algo.max_staleness", 1, r"'algo.max_staleness'=1 .* set algo.stream_rounds=True"),
+    ("model.lora_rank", -1, r"'model.lora_rank' must be >= 0"),
+    ("model.lora_alpha", 0.0, r"'model.lora_alpha' must be > 0"),
+    ("model.lora_targets", "q,qkv", r"'model.lora_targets' = 'q,qkv': unknown LoRA target\(s\) "
+                                    r"\['qkv'\]; use comma-separated names from q,k,v,o,gate"),
 ])
 def test_bad_values_are_named(key, value, pattern):
     c = default_config()

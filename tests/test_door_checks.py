@@ -256,3 +256,16 @@ def test_the_engine_paused_across_the_update_is_counted_beside_it(monkeypatch):
         assert LocalRuntime(cfg, MODEL, None, diagnostics_n=None,
                             paused_engine_bytes=facts.paused_engine_bytes
                             ).update_device_bytes() == device - less
+
+
+def test_a_lora_rank_above_the_smallest_targeted_dimension_is_refused():
+    from testutil import tiny_model_config
+
+    from brorl_jax.train.door import check_lora_rank
+    cfg = default_config()
+    cfg.model.lora_rank, cfg.model.lora_targets = 17, "q,k"     # k's kernel is [32, 16]
+    with pytest.raises(ConfigError, match=r"'model.lora_rank' = 17 exceeds 16, .*; set "
+                                          r"model.lora_rank <= 16"):
+        check_lora_rank(validate(cfg), tiny_model_config())
+    cfg.model.lora_targets = "q,up"
+    check_lora_rank(validate(cfg), tiny_model_config())

@@ -6,7 +6,7 @@ docs/algo.md for the design and the choices made where the papers are silent. Th
 (ADVANTAGES, GROUP_FILTERS, KL_ESTIMATORS, LOSS_AGG, TIS_MODES, policies.ADVANTAGE_NORMALIZERS)
 are the lists of choices that config validation and --help read.
 """
-from brorl_jax.algo import host  # noqa: E402 - after the modules it builds on
+from brorl_jax.algo import adapters, host  # noqa: E402 - after the modules it builds on
 from brorl_jax.algo.advantages import ADVANTAGES, compute_advantages, get_advantage_fn
 from brorl_jax.algo.batch import (
                                   TokenRows,
@@ -77,5 +77,5 @@ __all__ = [
     "learning_rate_schedule", "make_optimizer", "scaled_learning_rate", "PolicyFns", "TrainState",
     "create_train_state", "make_logprob_fn", "make_update_step", "maybe_reset_reference",
     "micro_batch_rows",
-    "model_policy_fns", "reset_reference", "host", "CollectState",
+    "model_policy_fns", "reset_reference", "host", "CollectState", "adapters",
 ]

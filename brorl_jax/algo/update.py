@@ -34,23 +34,27 @@ from brorl_jax.algo.batch import TokenRows, UpdateBatch
 from brorl_jax.algo.losses import METRIC_SUMS, get_loss_agg, policy_loss, step_metrics
 from brorl_jax.algo.routing_replay import replay_args, routed
 from brorl_jax.config.schema import UpdateConfig
+from brorl_jax.models import lora
 from pallas_kernels import fused_logprob, fused_logprob_stats
 
 
 @flax.struct.dataclass
 class TrainState:
     """step: int32 scalar (RL steps done); params / ref_params: model param trees (ref_params None
-    when no KL is used); opt_state: the optax state."""
+    when no KL is used, and under LoRA, where the reference is the base); opt_state: the optax
+    state (of the adapters alone under LoRA); lora_merged: under LoRA, the adapters merged into
+    the base so far, oldest first (algo/adapters.py), else None."""
     step: jax.Array
     params: Any
     opt_state: Any
     ref_params: Any
+    lora_merged: Any = None
 
 
 def create_train_state(params, optimizer: optax.GradientTransformation, *, with_reference: bool = True) -> TrainState:
     ref = jax.tree.map(jnp.copy, params) if with_reference else None
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
-                      ref_params=ref)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=optimizer.init(lora.trainable(params)), ref_params=ref)
 
 
 def reset_reference(state: TrainState, optimizer: optax.GradientTransformation | None = None, *,
@@ -68,7 +72,8 @@ def reset_reference(state: TrainState, optimizer: optax.GradientTransformation |
 def maybe_reset_reference(state: TrainState, cfg: UpdateConfig,
                           optimizer: optax.GradientTransformation | None = None) -> tuple[TrainState, bool]:
     """After an update: reset pi_ref every cfg.ref_reset_every RL steps (host-side check on
-    state.step, the RL steps done). Without a KL term there is no reference to reset."""
+    state.step, the RL steps done). Without a KL term there is no reference to reset. (Under
+    LoRA there is no ref_params: algo.adapters.maybe_reset merges instead.)"""
     step = int(state.step)
     if (cfg.ref_reset_every > 0 and cfg.kl_coef > 0 and state.ref_params is not None
             and step > 0 and step % cfg.ref_reset_every == 0):
@@ -225,9 +230,13 @@ _REMAT_HEADROOM = 0.25
 
 def train_state_bytes(model_cfg, n_params: int) -> int:
     """Device memory of the update's state besides activations (one device): _STATE_F32_COPIES
-    parameter-sized float32 buffers and a compute-dtype copy of the parameters."""
+    parameter-sized float32 buffers and a compute-dtype copy of the parameters; under LoRA
+    (n_params: the base's) the base in the compute dtype and those buffers for the adapters."""
     from brorl_jax.models.transformer import dtype_of
-    return n_params * (4 * _STATE_F32_COPIES + jnp.dtype(dtype_of(model_cfg.dtype)).itemsize)
+    item = jnp.dtype(dtype_of(model_cfg.dtype)).itemsize
+    if lora.enabled(model_cfg):
+        return n_params * item + lora.adapter_count(model_cfg) * (4 * _STATE_F32_COPIES + item)
+    return n_params * (4 * _STATE_F32_COPIES + item)
 
 
 def plan_remat_policy(model_cfg, tokens: int, n_params: int, device_bytes: int | None) -> str:
@@ -440,7 +449,7 @@ def make_update_step(model_cfg, algo_cfg: UpdateConfig, optimizer: optax.Gradien
                            agg_weights=rows.agg_weights, cfg=cfg)
 
     minibatch_step = functools.partial(
-        _minibatch_step, jax.value_and_grad(micro_loss, has_aux=True), optimizer,
+        _minibatch_step, lora.value_and_grad(micro_loss), optimizer,
         get_loss_agg(cfg.loss_agg), shard_rows)
 
     def update(state: TrainState, batch: UpdateBatch, rng: jax.Array | None = None):
@@ -528,6 +537,7 @@ def _minibatch_step(grad_fn, optimizer, agg, shard_rows, micro_rows, remat, carr
     """One PPO mini-batch (a lax.scan step): the gradient summed over its micro-batches, then the
     optax step, dropped when the loss or the gradient is not finite."""
     params, opt_state = carry
+    train = lora.trainable(params)      # the gradients' tree: the adapters alone under LoRA
     mb, index = xs
     first = index == 0
     mb = mb.replace(agg_weights=agg(mb.batch.loss_mask, mb.batch.segment_ids))
@@ -538,7 +548,7 @@ def _minibatch_step(grad_fn, optimizer, agg, shard_rows, micro_rows, remat, carr
         # one micro-batch: its gradient is the mini-batch's (no float32 accumulator to
         # zero, add and re-read; one norm below)
         (loss, sums), grads = grad_fn(params, jax.tree.map(lambda x: x[0], micro), remat, first)
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, train)
         grad_norm = optax.tree.norm(grads)
         grad_var = jnp.float32(jnp.nan)
     else:
@@ -549,13 +559,13 @@ def _minibatch_step(grad_fn, optimizer, agg, shard_rows, micro_rows, remat, carr
                     {k: s_acc[k] + sums[k] for k in s_acc},
                     sq_acc + jnp.square(optax.tree.norm(g))), None
 
-        zeros_g = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        zeros_g = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), train)
         zeros_s = {k: jnp.zeros((), jnp.float32) for k in METRIC_SUMS}
         zero = jnp.zeros((), jnp.float32)
         (grads, loss, sums, sq), _ = lax.scan(accumulate, (zeros_g, zero, zeros_s, zero), micro)
         total_sq = jnp.square(optax.tree.norm(grads))
         grad_var = (n_micro ** 2 * sq - n_micro * total_sq) / (n_micro * (n_micro - 1))
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, train)
         grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     # A non-finite step's update is computed and then dropped by `keep` (params and
@@ -563,10 +573,11 @@ def _minibatch_step(grad_fn, optimizer, agg, shard_rows, micro_rows, remat, carr
     # norm that optax's clip takes is then `grad_norm` itself (XLA computes it once), where
     # zeroing them first made it a second pass over a second tree (2 % of the update's
     # memory traffic at 8 x 2048 on an H100: bench/_roofline_update.py).
-    updates, new_opt = optimizer.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
+    updates, new_opt = optimizer.update(grads, opt_state, train)
+    new_train = optax.apply_updates(train, updates)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-    params, opt_state = keep(new_params, params), keep(new_opt, opt_state)
+    params = lora.with_trainable(params, keep(new_train, train))
+    opt_state = keep(new_opt, opt_state)
     metrics = dict(sums, loss=loss, grad_norm=grad_norm, grad_var=grad_var,
                    finite=finite.astype(jnp.float32))
     return (params, opt_state), metrics

@@ -226,6 +226,7 @@ def _validate_rules(cfg: RunConfig) -> list[str]:
         errors.append("config key 'model.attention_impl'='cudnn' needs a 16-bit compute dtype "
                       "(cuDNN flash attention takes fp16/bf16 only); set model.dtype='bfloat16' "
                       "or use attention_impl='xla'.")
+    errors += _lora_errors(cfg)
     if cfg.eval.max_new_tokens != -1 and cfg.eval.max_new_tokens <= 0:
         errors.append("config key 'eval.max_new_tokens' must be > 0 or -1 (= "
                       f"rollout.max_new_tokens), got {cfg.eval.max_new_tokens}.")
@@ -241,6 +242,21 @@ def _validate_rules(cfg: RunConfig) -> list[str]:
                       "runs/ (runs/<name>); give a non-empty name without '/' (not '.' or '..'), "
                       "or choose the directory with --workdir=PATH.")
     return errors
+
+
+def _lora_errors(cfg: RunConfig) -> list[str]:
+    """model.lora_targets names known projections (the rank against the model's dimensions is
+    checked once its config.json is read: train/door.py)."""
+    from brorl_jax.models.lora import parse_targets
+    try:
+        parse_targets(cfg.model.lora_targets)
+    except ValueError as e:
+        return [f"config key 'model.lora_targets' = {cfg.model.lora_targets!r}: {e}."]
+    if cfg.model.lora_rank > 0 and cfg.sft.steps > 0:
+        return ["config key 'model.lora_rank' > 0 with 'sft.steps' > 0: the supervised warm "
+                "start trains every weight, and a LoRA run reloads its base from model.path; "
+                "warm-start and save a model first, or set sft.steps=0."]
+    return []
 
 
 def _in_range(value, spec: str) -> bool:

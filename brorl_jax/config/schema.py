@@ -57,6 +57,14 @@ class Model(Section):
     attention_impl: str = setting("flash")
     # auto (fused SwiGLU Triton kernels on GPU, XLA on CPU/TPU) | reference | pallas
     mlp_impl: str = setting("auto")
+    # LoRA (models/lora.py; docs/algo.md "LoRA"): adapters of this rank train, the base is frozen
+    # in the compute dtype and is the KL reference; 0 = off (full fine-tuning)
+    lora_rank: int = setting(0, ">= 0", note=" (0 = off)")
+    # A @ B is scaled by alpha / rank; a fixed alpha keeps the best learning rate about the same
+    # across ranks (Thinking Machines, "LoRA without regret", 2025, uses 32)
+    lora_alpha: float = setting(32.0, "> 0")
+    # the adapted projections, comma-separated from q,k,v,o,gate,up,down
+    lora_targets: str = setting("q,k,v,o,gate,up,down")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,7 @@ demo model.
 See docs/INTERFACES.md ("models") for the contract; the pure functions live in ``transformer``.
 """
 
+from . import lora, peft_io
 from .config import ModelConfig
 from .demo_model import ensure_demo_model
 from .gguf import convert_gguf
@@ -43,6 +44,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "ModelConfig",
+    "lora",
+    "peft_io",
     "Model",
     "from_pretrained",
     "load_directory",

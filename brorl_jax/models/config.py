@@ -103,6 +103,12 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.0
     # The experts' grouped GEMM, one of MOE_IMPLS; not part of the checkpoint, like mlp_impl.
     moe_impl: str = "ragged"
+    # LoRA adapters (models/lora.py; the run config's model.lora_*): rank 0 = off; alpha / rank
+    # scales A @ B; the targeted projections' short names (lora.TARGETS). Not part of the
+    # checkpoint, like attention_impl.
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_targets: tuple[str, ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -133,6 +139,11 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; use one of "
                                  f"{ROLLOUT_PRECISIONS}")
         self._check_moe()
+        if self.lora_rank < 0 or (self.lora_rank > 0 and not (self.lora_alpha > 0
+                                                              and self.lora_targets)):
+            raise ValueError(f"ModelConfig.lora_rank={self.lora_rank} needs rank >= 0, and with "
+                             f"rank > 0 lora_alpha > 0 (got {self.lora_alpha}) and lora_targets "
+                             f"(got {self.lora_targets})")
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in SUPPORTED_DTYPES:
                 raise ValueError(

@@ -36,7 +36,7 @@ import numpy as np
 from brorl_jax.parallel.attention import packed_attention_on_mesh
 from pallas_kernels import _backend, swiglu_mlp
 
-from . import precision
+from . import lora, precision
 from .config import ModelConfig
 from .moe import SparseMoeBlock
 
@@ -452,51 +452,65 @@ def forward(
         attend = lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, implementation=cfg.attention_impl, **kwargs)
 
-    x, chosen = _run_layers(params, cfg, embed(params, cfg, tokens), positions, attend, remat,
-                            routing, return_routing)
+    adapters, base = lora.split(params)
+    x, chosen = _run_layers(base, cfg, embed(params, cfg, tokens), positions, attend, remat,
+                            routing, return_routing, adapters)
     h = final_norm(params, cfg, x)
     out = h if return_hidden else lm_logits(params, cfg, h)
     return (out, chosen) if return_routing else out
 
 
 def _run_layers(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, attend,
-                remat: bool | str, routing: jax.Array | None,
-                return_routing: bool) -> tuple[jax.Array, jax.Array | None]:
+                remat: bool | str, routing: jax.Array | None, return_routing: bool,
+                adapters: dict | None = None) -> tuple[jax.Array, jax.Array | None]:
     """forward()'s layers over the embedded x[B,T,D] -> (x, the experts each layer used
-    int32[L,B,T,K], or None for a dense model)."""
+    int32[L,B,T,K], or None for a dense model). Under LoRA (models/lora.py) each layer also
+    takes its adapters' slice."""
+    layer_cfg = cfg if adapters is None else lora.layer_config(cfg)
     if not cfg.is_moe:
         if routing is not None or return_routing:
             raise ValueError(f"forward: routing is for mixture-of-experts models; "
                              f"model_type={cfg.model_type!r} has no experts")
 
         def layer(x: jax.Array, layer_params: dict) -> tuple[jax.Array, None]:
-            q, k, v = layer_qkv(layer_params, cfg, x, positions)
-            return layer_finish(layer_params, cfg, x, attend(q, k, v)), None
+            q, k, v = layer_qkv(layer_params, layer_cfg, x, positions)
+            return layer_finish(layer_params, layer_cfg, x, attend(q, k, v)), None
     else:
+        if adapters is not None:
+            raise ValueError("LoRA adapters on a mixture-of-experts model are not supported")
+
         def layer(x: jax.Array, xs: tuple) -> tuple[jax.Array, jax.Array]:
             layer_params, layer_routing = xs
             q, k, v = layer_qkv(layer_params, cfg, x, positions)
             return layer_finish_routed(layer_params, cfg, x, attend(q, k, v), layer_routing)
 
+    if adapters is not None:
+        layer = lora.adapted_layer(layer, cfg)
     # The layers cast their float params to the compute dtype anyway; doing it once for the
     # stacked layer params (one fusion per leaf) instead of per layer inside the scan lets each
     # layer read its compute-dtype slice: the same values and the same gradients (a layer's
     # weight gradients are compute-dtype matmul results either way). The embedding is gathered
     # before its cast, as before, so its gradient still accumulates in its own dtype.
     step = remat_layer(layer, remat)
-    if layer_loop_form() == "scan" and not isinstance(params["layers"], (tuple, list)):
-        layers = compute_dtype_params(params["layers"], cfg)
-        return jax.lax.scan(step, x, (layers, routing) if cfg.is_moe else layers)
+    layers = params["layers"]
+    if layer_loop_form() == "scan" and not isinstance(layers, (tuple, list)):
+        if cfg.is_moe:
+            return jax.lax.scan(step, x, (compute_dtype_params(layers, cfg), routing))
+        stack = layers if adapters is None else (layers, adapters)
+        return jax.lax.scan(step, x, compute_dtype_params(stack, cfg))
     # one buffer per layer: each layer's slice is cast on its own (the slice and the cast
     # are one fusion, the bytes of the stacked cast) and its GEMMs read it in place
-    per_layer = []
-    for i, layer_params in enumerate(unstack_layers(params["layers"], cfg.num_hidden_layers)):
+    per_layer = unstack_layers(layers, cfg.num_hidden_layers)
+    if adapters is not None:
+        per_layer = tuple(zip(per_layer, unstack_layers(adapters, cfg.num_hidden_layers)))
+    chosen = []
+    for i, layer_params in enumerate(per_layer):
         xs = compute_dtype_params(layer_params, cfg)
         if cfg.is_moe:  # a MoE layer's input: its params and its routing
             xs = (xs, None if routing is None else routing[i])
         x, ids = step(x, xs)
-        per_layer.append(ids)
-    return x, jnp.stack(per_layer) if cfg.is_moe else None
+        chosen.append(ids)
+    return x, jnp.stack(chosen) if cfg.is_moe else None
 
 
 def layer_loop_form() -> str:

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from brorl_jax.models import ModelConfig
+from brorl_jax.models.lora import merge_lora
 from brorl_jax.models.precision import is_quantized
 from brorl_jax.models.transformer import dtype_of, quantize_layers
 from pallas_kernels import _backend
@@ -30,6 +31,7 @@ def rollout_layout(params: dict, cfg: ModelConfig) -> dict:
     buffers."""
     if in_rollout_layout(params, cfg):
         return params
+    params = merge_lora(params, cfg)   # LoRA: W + (alpha / r) A B, no adapters left
     dt = dtype_of(cfg.dtype)
     cast = lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x
     params = jax.tree.map(cast, params)

@@ -51,9 +51,26 @@ def with_config_impls(mcfg: models.ModelConfig, cfg) -> models.ModelConfig:
     """``mcfg`` with the config's model implementations (model.attention_impl, model.mlp_impl):
     implementations of the same model, not part of the checkpoint."""
     want = dict(attention_impl=cfg.model.get("attention_impl", mcfg.attention_impl),
-                mlp_impl=cfg.model.get("mlp_impl", mcfg.mlp_impl))
+                mlp_impl=cfg.model.get("mlp_impl", mcfg.mlp_impl), **lora_settings(cfg))
     changes = {f: v for f, v in want.items() if getattr(mcfg, f) != v}
     return dataclasses.replace(mcfg, **changes) if changes else mcfg
+
+
+def lora_settings(cfg) -> dict:
+    """ModelConfig's LoRA fields from model.lora_* (none when lora_rank is 0: the model's
+    config stays as it was)."""
+    rank = cfg.model.get("lora_rank", 0)
+    if not rank:
+        return {}
+    return dict(lora_rank=rank, lora_alpha=float(cfg.model.lora_alpha),
+                lora_targets=models.lora.parse_targets(cfg.model.lora_targets))
+
+
+def stored_param_dtype(cfg) -> str:
+    """The dtype the weights load in: model.param_dtype, or under LoRA the compute dtype (the
+    frozen base needs no float32 master copy, and the loaded weights are then the train
+    state's base itself, not a second copy)."""
+    return cfg.model.dtype if cfg.model.get("lora_rank", 0) else cfg.model.param_dtype
 
 
 def base_model_dir(cfg) -> str:
@@ -68,7 +85,7 @@ def load_model(cfg) -> models.Model:
     check_model_path(cfg.model.path)
     try:
         model = models.from_pretrained(path, dtype=cfg.model.dtype,
-                                       param_dtype=cfg.model.param_dtype)
+                                       param_dtype=stored_param_dtype(cfg))
     except (OSError, ValueError) as e:
         raise ModelError(f"config key 'model.path' = {path!r} does not hold a usable model: "
                          f"{e}") from e
@@ -276,6 +293,9 @@ class RunContext:
         return health
 
     def new_train_state(self, params) -> algo.TrainState:
+        if models.lora.enabled(self.mcfg):      # adapters train; the base is the reference
+            return algo.adapters.lora_train_state(params, self.mcfg, self.optimizer,
+                                                  self.cfg.train.seed)
         return algo.create_train_state(params, self.optimizer,
                                        with_reference=self.cfg.algo.kl_coef > 0)
 

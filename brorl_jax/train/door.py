@@ -54,6 +54,7 @@ from brorl_jax.train.context import (
     base_model_dir,
     check_model_path,
     eval_sampling,
+    stored_param_dtype,
     with_config_impls,
 )
 from brorl_jax.train.evaluation import prompts_per_call
@@ -122,6 +123,7 @@ def check_loaded_model(cfg, model_cfg: models.ModelConfig | None, *, update: boo
     the runtime takes from them; called again once a .gguf model has loaded (model_cfg None
     before: its config comes out of the conversion)."""
     cfg = as_run_config(cfg)
+    check_lora_rank(cfg, model_cfg)
     check_routing_replay(cfg, model_cfg)
     check_at_door(cfg, model_cfg, update=update)
     return DoorFacts(cfg, model_cfg, paused_engine_bytes(
@@ -138,11 +140,24 @@ def check_routing_replay(cfg, model_cfg: models.ModelConfig | None) -> None:
             " has no experts. Set algo.routing_replay='off'.")
 
 
+def check_lora_rank(cfg, model_cfg) -> None:
+    """model.lora_rank at most the smallest dimension of the targeted projections' kernels."""
+    rank = cfg.model.lora_rank
+    if model_cfg is None or rank == 0:
+        return
+    targets = models.lora.parse_targets(cfg.model.lora_targets)
+    most = models.lora.max_rank(model_cfg, targets)
+    if rank > most:
+        raise ConfigError(f"config key 'model.lora_rank' = {rank} exceeds {most}, the smallest "
+                          f"dimension of the targeted projections ({cfg.model.lora_targets}) of "
+                          "this model; set model.lora_rank <= " + str(most) + ".")
+
+
 def read_model_config(cfg) -> models.ModelConfig | None:
     """The ModelConfig load_model(cfg) will have, read from the model's config.json without its
     weights; None for a .gguf file or a path load_model will refuse."""
     mcfg = models.read_config(base_model_dir(cfg),
-                              dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+                              dtype=cfg.model.dtype, param_dtype=stored_param_dtype(cfg))
     return None if mcfg is None else with_config_impls(mcfg, cfg)
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import jax
 
 from brorl_jax import algo, data, models
-from brorl_jax.config import derived_learning_rate, optimizer_config
+from brorl_jax.config import as_run_config, derived_learning_rate, optimizer_config
 from brorl_jax.errors import CheckpointError, DataError, TrainingStopped
 from brorl_jax.train import door, evaluation
 from brorl_jax.train.context import (
@@ -167,9 +167,12 @@ class Trainer:
         enabled = self.runtime.process_index == 0
         index = self.runtime.process_index
         restored = self.checkpointer.restore_latest(
-            self.runtime.place_state(state), check_meta=self._check_meta, move_broken=enabled)
+            algo.adapters.checkpoint_template(self.runtime.place_state(state), cfg.update),
+            check_meta=self._check_meta, move_broken=enabled)
         if restored is not None:
             ckpt_step, state, meta = restored
+            # under LoRA: the base from model.path, the saved merges merged into it again
+            state = algo.adapters.from_checkpoint(state, ctx.model.params, ctx.mcfg)
             try:
                 data_iter.set_state(meta["data_per_process"][index])
             except ValueError as e:
@@ -324,7 +327,7 @@ class Trainer:
         meta = {"data_per_process": self.runtime.allgather_json(data_iter.get_state()),
                 "collect_per_process": self.runtime.allgather_json(collect_state.to_json()),
                 "counters": counters}
-        self.checkpointer.save(step, state, meta)
+        self.checkpointer.save(step, algo.adapters.checkpoint_view(state), meta)
 
     def finish(self, logger: MetricsLogger, last: dict, first_eval: dict | None) -> None:
         if "eval/pass@1" in last:
@@ -367,7 +370,17 @@ def restore_params(cfg, workdir: str, step: int | None = None, *,
                    model: models.Model | None = None):
     """(model, params, step) of checkpoint `step` (default: the newest that restores) in
     `workdir`; `model` (e.g. a run context's) is the template, loaded from the config when not
-    given. Reads only: never creates the directory, never moves or cleans anything."""
+    given. Reads only: never creates the directory, never moves or cleans anything. Under LoRA
+    the params are the base (model.path's, its merges merged again) and the adapters."""
+    model, saved, step = restore_checkpoint(cfg, workdir, step, model=model)
+    return model, algo.adapters.from_checkpoint(saved, model.params, model.config).params, step
+
+
+def restore_checkpoint(cfg, workdir: str, step: int | None = None, *,
+                       model: models.Model | None = None):
+    """(model, the train state as the checkpoint holds it, step): restore_params before the base
+    goes back in (algo.adapters.checkpoint_view: under LoRA the adapters, their optimizer state
+    and the merged adapters, no base)."""
     layout.require_existing(workdir)
     ckpt_dir = os.path.join(workdir, layout.CHECKPOINTS)
     if not layout.has_checkpoints(workdir):
@@ -375,7 +388,7 @@ def restore_params(cfg, workdir: str, step: int | None = None, *,
     saved_config.check_base_model(workdir, base_model_dir(cfg))
     model = load_model(cfg) if model is None else model
     try:
-        return _restore_params(cfg, ckpt_dir, step, model)
+        return _restore_state(cfg, ckpt_dir, step, model)
     except CheckpointError as e:
         differs = saved_config.differences(cfg, workdir)
         if not differs:
@@ -385,12 +398,16 @@ def restore_params(cfg, workdir: str, step: int | None = None, *,
                               "--config, evaluate and export read the run's own.") from e
 
 
-def _restore_params(cfg, ckpt_dir: str, step: int | None, model: models.Model):
+def _restore_state(cfg, ckpt_dir: str, step: int | None, model: models.Model):
     ckpt = Checkpointer(ckpt_dir, read_only=True, log=_log)
     try:
         optimizer = algo.make_optimizer(optimizer_config(cfg))
-        template = algo.create_train_state(model.params, optimizer,
-                                           with_reference=cfg.algo.kl_coef > 0)
+        if models.lora.enabled(model.config):
+            state = algo.adapters.lora_train_state(model.params, model.config, optimizer, 0)
+        else:
+            state = algo.create_train_state(model.params, optimizer,
+                                            with_reference=cfg.algo.kl_coef > 0)
+        template = algo.adapters.checkpoint_template(state, as_run_config(cfg).update)
         if step is None:
             step, state, _ = ckpt.restore_latest(template, move_broken=False)
         elif step not in ckpt.all_steps():
@@ -398,7 +415,7 @@ def _restore_params(cfg, ckpt_dir: str, step: int | None, model: models.Model):
                                   f"{ckpt.all_steps()}.")
         else:
             try:
-                state, _ = ckpt.restore(step, template)
+                state, _ = ckpt.restore(step, template(step) if callable(template) else template)
             except Exception as e:  # noqa: BLE001 - name the step and the cause
                 from brorl_jax.workdir.checkpoint import first_line
                 raise CheckpointError(f"checkpoint step {step} in {ckpt_dir} cannot be restored: "
@@ -406,4 +423,4 @@ def _restore_params(cfg, ckpt_dir: str, step: int | None, model: models.Model):
                                       "another --step or none (the newest that restores).") from e
     finally:
         ckpt.close()
-    return model, state.params, step
+    return model, state, step

@@ -61,7 +61,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from brorl_jax import algo, rollout
+from brorl_jax import algo, models, rollout
 from brorl_jax.algo import sharded_steps as algo_sharded
 from brorl_jax.config import ConfigError, as_run_config, check_update_split
 from brorl_jax.models.precision import with_precision
@@ -258,9 +258,11 @@ class LocalRuntime(Runtime):
         steps = self._compiled(algo_cfg)
         batch = jax.tree.map(jnp.asarray, batch)
         if algo_cfg.kl_coef > 0:
-            ref_logprobs, _, _ = steps.logprob(state.ref_params, batch)
+            ref_logprobs, _, _ = steps.logprob(algo.adapters.reference_params(state), batch)
             batch = batch.replace(ref_logprobs=ref_logprobs)
-        return steps.update(state, batch, rng)
+        merged, state = algo.adapters.detach_merged(state)     # LoRA: host-side, not updated
+        state, metrics = steps.update(state, batch, rng)
+        return algo.adapters.attach_merged(state, merged), metrics
 
 
 def disaggregated_devices(rollout_devices: int) -> tuple[list, list]:
@@ -304,6 +306,10 @@ class MeshRuntime(Runtime):
                  paused_engine_bytes: int | None = None):
         super().__init__(cfg, model_cfg, optimizer, diagnostics_n=diagnostics_n,
                          paused_engine_bytes=paused_engine_bytes)
+        if models.lora.enabled(model_cfg):
+            raise ConfigError("config key 'model.lora_rank' > 0 runs on one device for now: the "
+                              "adapters have no sharding rules yet; set model.lora_rank=0 or run "
+                              "on one device.")
         self.rules = cfg.mesh.rules
         self.rollout_devices = int(cfg.mesh.rollout_devices)
         self.num_processes = jax.process_count()
@@ -397,7 +403,8 @@ class MeshRuntime(Runtime):
         else:
             batch = sharded.place(local_batch, shard)
         if steps.logprob is not None:
-            ref_logprobs, _, _ = steps.logprob(state.ref_params, batch.replace(ref_logprobs=None))
+            ref_logprobs, _, _ = steps.logprob(algo.adapters.reference_params(state),
+                                               batch.replace(ref_logprobs=None))
             batch = batch.replace(ref_logprobs=ref_logprobs)
         rng = np.asarray(jax.random.key_data(rng))      # a host value: replicated everywhere
         return steps.update(state, batch, rng)

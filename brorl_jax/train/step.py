@@ -94,7 +94,8 @@ def rl_step(ctx: RunContext, train_state: algo.TrainState, collect_state: algo.C
     metrics["time/update_s"] = time.perf_counter() - t0
     metrics.update(ahead)
     # 8. the reference reset
-    train_state, reset = algo.maybe_reset_reference(train_state, ctx.cfg.update, ctx.optimizer)
+    train_state, reset = algo.adapters.maybe_reset(train_state, ctx.cfg.update, ctx.optimizer,
+                                                   ctx.mcfg, ctx.cfg.train.seed)
     if reset:
         train_state = ctx.runtime.relayout(train_state)
         metrics["ref_reset"] = 1

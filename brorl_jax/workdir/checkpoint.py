@@ -245,6 +245,7 @@ class Checkpointer:
     def restore_latest(self, abstract_state: Any, *, check_meta: Callable[[dict], None] = None,
                        move_broken: bool = True) -> tuple[int, Any, dict] | None:
         """(step, state, meta) of the newest checkpoint that restores; None when there is none.
+        abstract_state: the template, or a function of the step giving it.
 
         A checkpoint that fails (or whose meta `check_meta` rejects) is logged with the reason;
         the ones newer than the restored step are moved to checkpoints/broken/ when move_broken
@@ -256,7 +257,8 @@ class Checkpointer:
         for step in steps:
             error = None
             try:
-                state, meta = self.restore(step, abstract_state)
+                template = abstract_state(step) if callable(abstract_state) else abstract_state
+                state, meta = self.restore(step, template)
                 if check_meta is not None:
                     check_meta(meta)
             except Exception as e:  # noqa: BLE001 - any failure means: try the previous one

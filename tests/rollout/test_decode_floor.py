@@ -249,3 +249,81 @@ def test_the_walker_groups_traffic_by_the_operation_that_made_it():
     assert any(k.startswith("backward ") for k in keys), keys
     assert any(k.startswith("forward ") for k in keys), keys
     assert [b for b, _, _ in groups] == sorted((b for b, _, _ in groups), reverse=True)
+
+
+def test_the_fp8_floor_counts_the_fp8_rollout_copy_and_a_byte_per_kv_element():
+    """bench/roofline.py's floor under fp8 weights and KV (issue 41): the weights term is the
+    bytes of the rollout's quantized copy as rollout_layout builds it (e4m3 projections + their
+    scales, the rest in the compute dtype), the KV a byte per element + a float32 scale per
+    position and KV head; the walker counts e4m3 buffers at a byte per element."""
+    import roofline
+
+    from brorl_jax.models.precision import with_precision
+    cfg = tiny_config(**GPU_TINY)
+    fp8 = with_precision(cfg, "fp8", "fp8")
+    master = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
+    n = sum(x.size for x in jax.tree.leaves(master))
+    copy = jax.eval_shape(lambda p: programs.rollout_layout(p, fp8), master)
+    held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(copy))
+    assert {x.dtype for x in jax.tree.leaves(copy)} == {jnp.dtype(jnp.bfloat16),
+                                                        jnp.dtype(jnp.float8_e4m3fn)}
+    shape = dict(slots=8, prompts=2, prompt_len=64, own_len=96, n_params=n)
+    lo, hi = roofline.floor_bytes(fp8, **shape), roofline.floor_bytes(cfg, **shape)
+    assert lo["weights"] == held < hi["weights"] == 2 * n
+    per_position = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads
+    assert hi["kv"] == per_position * (2 * 64 + 8 * 96) * cfg.head_dim * 2
+    assert lo["kv"] == per_position * (2 * 64 + 8 * 96) * (cfg.head_dim + 4)
+    assert lo["new_kv"] == per_position * 8 * (cfg.head_dim + 4)
+    assert lo["logits"] == hi["logits"] == 2 * 8 * cfg.vocab_size * 4
+    assert hw.nbytes("f8e4m3fn[16,1536]{1,0}") == 16 * 1536
+
+
+_GEMM_HLO = """HloModule m
+
+%q8 (p0: bf16[16,64]) -> f8e4m3fn[16,64] {
+  %p0 = bf16[16,64]{1,0} parameter(0)
+  %c = f32[16,64]{1,0} convert(%p0)
+  ROOT %q = f8e4m3fn[16,64]{1,0} convert(%c)
+}
+
+%deq (p0: f8e4m3fn[64,32], p1: bf16[32]) -> bf16[64,32] {
+  %p0 = f8e4m3fn[64,32]{1,0} parameter(0)
+  %p1 = bf16[32]{0} parameter(1)
+  %c = bf16[64,32]{1,0} convert(%p0)
+  %b = bf16[64,32]{1,0} broadcast(%p1), dimensions={1}
+  ROOT %m = bf16[64,32]{1,0} multiply(%c, %b)
+}
+
+%g8 (x: f8e4m3fn[16,64], w: f8e4m3fn[64,32]) -> f32[16,32] {
+  %x = f8e4m3fn[16,64]{1,0} parameter(0)
+  %w = f8e4m3fn[64,32]{1,0} parameter(1)
+  %wt = f8e4m3fn[32,64]{0,1} bitcast(%w)
+  ROOT %d = f32[16,32]{1,0} dot(%x, %wt), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+
+%g16 (x: bf16[16,64], w: bf16[64,32]) -> f32[16,32] {
+  %x = bf16[16,64]{1,0} parameter(0)
+  %w = bf16[64,32]{1,0} parameter(1)
+  ROOT %d = f32[16,32]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: bf16[16,64], w: f8e4m3fn[64,32], s: bf16[32]) -> (f32[16,32], f32[16,32]) {
+  %x = bf16[16,64]{1,0} parameter(0)
+  %w = f8e4m3fn[64,32]{1,0} parameter(1)
+  %s = bf16[32]{0} parameter(2)
+  %xq = f8e4m3fn[16,64]{1,0} fusion(%x), kind=kLoop, calls=%q8
+  %a = f32[16,32]{1,0} fusion(%xq, %w), kind=kCustom, calls=%g8, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %wd = bf16[64,32]{1,0} fusion(%w, %s), kind=kLoop, calls=%deq
+  %b = f32[16,32]{1,0} fusion(%x, %wd), kind=kCustom, calls=%g16, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  ROOT %t = (f32[16,32]{1,0}, f32[16,32]{1,0}) tuple(%a, %b)
+}
+"""
+
+
+def test_the_walker_names_each_gemms_operand_types():
+    """bench/_hlo_walk.gemms (which GEMM an fp8 projection became, issue 41): an fp8 x fp8 GEMM
+    fusion reads e4m3 on both sides (the activation quantized in a kernel before it); a weight
+    dequantized to bf16 in a kernel of its own before a plain GEMM shows as f8e4m3fn->bf16."""
+    got = sorted(hw.gemms(hw.parse(_GEMM_HLO)))
+    assert got == [("triton", "bf16", "f8e4m3fn->bf16", "f32", ""),
+                   ("triton", "bf16->f32->f8e4m3fn", "f8e4m3fn", "f32", "")], got
