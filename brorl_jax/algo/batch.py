@@ -44,12 +44,14 @@ class TokenRows:
     segment_ids: int32[R, T] | None    packed rows: 1, 2, ... per sequence, 0 = padding
     attention_mask: bool[R, T] | None  padded rows: an optional padding mask (never with
                                        segment_ids)
+    routing: int[R, T, L, K] | None    the experts to replay (UpdateBatch.routing)
     """
     input_tokens: Array
     positions: Array
     targets: Array
     segment_ids: Array | None = None
     attention_mask: Array | None = None
+    routing: Array | None = None
 
     def token_rows(self) -> "TokenRows":
         return self
@@ -80,6 +82,10 @@ class UpdateBatch:
     pack_units: int32[U] | None   packed rows: sequences per packing unit (U units, a multiple
                                   of algo.ppo_mini_batches)
     attention_mask: bool[R, T] | None    padded rows: an optional padding mask
+    routing: int8/int16[R, T, L, K] | None   a mixture-of-experts model under
+                                  algo.routing_replay="rollout": the experts each token went to
+                                  in the rollout (algo/routing_replay.py), replayed by every
+                                  forward of the update (pi_old, reference, policy)
     """
     input_tokens: Array
     positions: Array
@@ -92,6 +98,7 @@ class UpdateBatch:
     sequence_index: Array | None = None
     pack_units: Array | None = None
     attention_mask: Array | None = None
+    routing: Array | None = None
 
     @property
     def packed(self) -> bool:
@@ -102,7 +109,7 @@ class UpdateBatch:
         """The fields a forward pass reads."""
         return TokenRows(input_tokens=self.input_tokens, positions=self.positions,
                          targets=self.targets, segment_ids=self.segment_ids,
-                         attention_mask=self.attention_mask)
+                         attention_mask=self.attention_mask, routing=self.routing)
 
     def attention_arg(self):
         """What PolicyFns.hidden gets as attention_mask: segment ids for packed rows."""
@@ -118,6 +125,8 @@ class UpdateBatch:
             x = getattr(self, field.name)
             if field.name in ("advantages", "pack_units") or x is None:
                 continue
+            if field.name == "routing" and x.ndim == 4 and x.shape[:2] == (rows, seq):
+                continue       # [R, T, L, K]
             if x.shape != (rows, seq):
                 raise ValueError(f"batch.{field.name} has shape {x.shape}, expected {(rows, seq)}")
         want = (rows, seq) if self.packed else (rows,)
@@ -368,7 +377,8 @@ def pad_packed_rows(batch: UpdateBatch, rows_per_unit: int, pad_id: int = 0) -> 
         targets=pad(batch.targets, pad_id), loss_mask=pad(batch.loss_mask),
         old_logprobs=pad(batch.old_logprobs), advantages=pad(batch.advantages),
         ref_logprobs=pad(batch.ref_logprobs), segment_ids=pad(batch.segment_ids),
-        sequence_index=pad(batch.sequence_index, -1), attention_mask=pad(batch.attention_mask))
+        sequence_index=pad(batch.sequence_index, -1), attention_mask=pad(batch.attention_mask),
+        routing=pad(batch.routing))
 
 
 def assemble_groups(groups, advantages, *, rows: int, seq_len: int, pad_id: int = 0,

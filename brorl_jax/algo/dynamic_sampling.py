@@ -95,6 +95,9 @@ class Group:
     rewards: np.ndarray
     shaped: np.ndarray
     index: int = -1
+    # a MoE rollout recorded for routing replay (rollout.GroupResult): [n, S, L, K], [P, L, K]
+    routing: np.ndarray | None = None
+    prompt_routing: np.ndarray | None = None
 
     @property
     def n(self) -> int:

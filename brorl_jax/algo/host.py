@@ -32,7 +32,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from brorl_jax.algo import policies
+from brorl_jax.algo import policies, routing_replay
 from brorl_jax.algo.batch import assemble_groups
 from brorl_jax.algo.dynamic_sampling import Group
 from brorl_jax.algo.length_penalty import apply_length_penalty
@@ -163,6 +163,8 @@ def make_group(cfg: RunConfig, candidates, rewards: np.ndarray, *, n: int,
         n_checked = clipped.size
     group = Group(prompt_ids=list(prompt_ids), tokens=tok, logprobs=lp, mask=msk, lengths=lens,
                   rewards=rew, shaped=np.asarray(clipped, np.float32), index=int(index))
+    if getattr(candidates, "routing", None) is not None:    # algo.routing_replay="rollout"
+        group.routing, group.prompt_routing = candidates.routing[keep], candidates.prompt_routing
     # every candidate counts for the prompt's difficulty estimate
     rate = float(np.mean(rewards >= cfg.algo.correct_threshold))
     return group, GroupInfo(candidates=m, kept=n, unique=unique, duplicates_kept=dup,
@@ -261,5 +263,7 @@ def update_batch(cfg: RunConfig, groups: Sequence[Group], advs: Sequence[np.ndar
                  rows: int, seq_len: int, pad_id: int, units: int, row_multiple: int = 1) -> dict:
     """This process's rows of the update batch (host numpy): packed (docs/algo.md "Sequence
     packing") unless algo.pack_sequences is off."""
-    return assemble_groups(groups, advs, rows=rows, seq_len=seq_len, pad_id=pad_id,
-                           pack=cfg.algo.pack_sequences, mini_batches=units, row_multiple=row_multiple)
+    batch = assemble_groups(groups, advs, rows=rows, seq_len=seq_len, pad_id=pad_id,
+                            pack=cfg.algo.pack_sequences, mini_batches=units,
+                            row_multiple=row_multiple)
+    return routing_replay.attach_routing(batch, groups, rows)   # None without a recording

@@ -19,6 +19,7 @@ import jax
 from jax.sharding import Mesh
 
 from brorl_jax.algo.batch import TokenRows, UpdateBatch
+from brorl_jax.algo.routing_replay import routed
 from brorl_jax.algo.update import (
     PolicyFns,
     TrainState,
@@ -47,8 +48,11 @@ def sharded_policy_fns(model_cfg, mesh: Mesh, axes: str | dict = "default", *,
     base = model_policy_fns(model_cfg)
     fix = functools.partial(constrain_rows, mesh=mesh, axes=axes)
 
-    def hidden(params, tokens, positions, attention_mask, remat):
-        # attention_mask: a padding mask, or segment ids for packed rows (PolicyFns)
+    def hidden(params, tokens, positions, attention_mask, remat, **routing):
+        # attention_mask: a padding mask, or segment ids for packed rows (PolicyFns); routing:
+        # a MoE batch's replayed experts (algo/routing_replay.py), plain attention only
+        if routing and attention == "chunked":
+            raise ValueError("routing replay runs with the plain attention of the sharded step")
         tokens = fix(tokens)
         positions = None if positions is None else fix(positions)
         mask = None if attention_mask is None else fix(attention_mask)
@@ -58,7 +62,7 @@ def sharded_policy_fns(model_cfg, mesh: Mesh, axes: str | dict = "default", *,
                                attention_mask=pad_mask, segment_ids=segments, remat=remat,
                                q_chunk=q_chunk, constrain=fix)
         else:
-            h = base.hidden(params, tokens, positions, mask, remat)
+            h = base.hidden(params, tokens, positions, mask, remat, **routing)
         return fix(h)
 
     return PolicyFns(hidden=hidden, lm_head=base.lm_head)
@@ -173,7 +177,8 @@ def make_vocab_parallel_logprob(model_cfg, mesh: Mesh, params: Any,
         parts = jax.tree.map(lambda x: x.reshape((rows // micro, micro) + x.shape[1:]), inputs)
 
         def one(mb: TokenRows):
-            h = policy.hidden(params, mb.input_tokens, mb.positions, mb.attention_arg(), False)
+            h = policy.hidden(params, mb.input_tokens, mb.positions, mb.attention_arg(), False,
+                              **routed(mb))
             w = policy.lm_head(params).astype(h.dtype)
             logp, ent = vocab_parallel_logprob(
                 h.reshape(micro * t, -1), w, mb.targets.reshape(micro * t), mesh=mesh,

@@ -32,6 +32,7 @@ from jax import lax
 
 from brorl_jax.algo.batch import TokenRows, UpdateBatch
 from brorl_jax.algo.losses import METRIC_SUMS, get_loss_agg, policy_loss, step_metrics
+from brorl_jax.algo.routing_replay import replay_args, routed
 from brorl_jax.config.schema import UpdateConfig
 from brorl_jax.models import lora
 from pallas_kernels import fused_logprob, fused_logprob_stats
@@ -93,11 +94,12 @@ def model_policy_fns(model_cfg) -> PolicyFns:
     """PolicyFns for brorl_jax.models (the transformer's pure functions)."""
     from brorl_jax.models import transformer
 
-    def hidden(params, tokens, positions, attention_mask, remat):
+    def hidden(params, tokens, positions, attention_mask, remat, routing=None):
+        # routing int[B, T, L, K] (a batch's, algo/routing_replay.py) -> forward's [L, B, T, K]
         mask, segments = split_attention_arg(attention_mask)
         return transformer.forward(params, model_cfg, tokens, positions=positions,
                                    attention_mask=mask, segment_ids=segments, return_hidden=True,
-                                   remat=remat)
+                                   remat=remat, **replay_args(routing))
 
     return PolicyFns(hidden=hidden, lm_head=lambda params: transformer.lm_head_matrix(params, model_cfg))
 
@@ -125,7 +127,7 @@ def _token_logprobs(policy: PolicyFns, params, mb: TokenRows | UpdateBatch, cfg:
     pallas_kernels.fused_logprob when given (e.g. the vocab-parallel shard_map version)."""
     tokens = mb.input_tokens
     b, t = tokens.shape
-    h = policy.hidden(params, tokens, mb.positions, mb.attention_arg(), remat)
+    h = policy.hidden(params, tokens, mb.positions, mb.attention_arg(), remat, **routed(mb))
     w = policy.lm_head(params).astype(h.dtype)
     h2, tg = h.reshape(b * t, h.shape[-1]), mb.targets.reshape(b * t)
     if stats:
@@ -366,7 +368,8 @@ def make_logprob_fn(model_cfg=None, algo_cfg: UpdateConfig | None = None, *, pol
             if unsampled_n is not None:
                 tokens = mb.input_tokens
                 b, t = tokens.shape
-                h = pol.hidden(params, tokens, mb.positions, mb.attention_arg(), False)
+                h = pol.hidden(params, tokens, mb.positions, mb.attention_arg(), False,
+                               **routed(mb))
                 w = pol.lm_head(params).astype(h.dtype)
                 out = fused_logprob_stats(h.reshape(b * t, -1), w, mb.targets.reshape(-1),
                                           temperature=cfg.temperature, impl=cfg.logprob_impl,

@@ -32,7 +32,7 @@ def choices() -> dict[str, tuple[str, ...]]:
     """Every key whose value is a name, and the names allowed: read from the registries that
     implement them (adding an estimator, filter or verifier there adds it here)."""
     from brorl_jax import algo
-    from brorl_jax.algo import policies
+    from brorl_jax.algo import policies, routing_replay
     from brorl_jax.models.config import ATTENTION_IMPLS, MLP_IMPLS, ROLLOUT_PRECISIONS
     from brorl_jax.parallel.rules import PARAM_RULES
     from pallas_kernels.fused_logprob import IMPLS as LOGPROB_IMPLS
@@ -54,6 +54,7 @@ def choices() -> dict[str, tuple[str, ...]]:
         "algo.tis_mode": tuple(algo.TIS_MODES),
         "algo.logprob_impl": LOGPROB_IMPLS,
         "algo.advantage_normalizer": tuple(policies.ADVANTAGE_NORMALIZERS),
+        "algo.routing_replay": routing_replay.MODES,
         "optim.name": algo.OPTIMIZERS,
         "optim.schedule": algo.SCHEDULES,
         "mesh.rules": tuple(PARAM_RULES),

@@ -185,6 +185,9 @@ class Algo(Section):
     # algo.ADVANTAGE_NORMALIZERS; ema: EMA of the batch std
     advantage_normalizer: str = setting("batch")
     advantage_ema_decay: float = setting(0.99, "[0, 1)")
+    # mixture-of-experts models: "rollout" replays the rollout's expert choices in the update
+    # (R3, algo/routing_replay.py MODES; docs/algo.md "Routing replay"), "off" routes afresh
+    routing_replay: str = setting("off", source="verl / slime R3")
 
 
 @dataclasses.dataclass(frozen=True)

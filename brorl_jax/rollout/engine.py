@@ -63,6 +63,7 @@ from brorl_jax.rollout.plan import (
     stop_table,
     stream_plan,
 )
+from brorl_jax.rollout.routing import check_recordable
 from brorl_jax.rollout.scheduler import Scheduler
 from brorl_jax.rollout.stream import OpenStream, RolloutStream
 from brorl_jax.rollout.types import GroupResult, RolloutResult, validate_inputs
@@ -93,12 +94,17 @@ class Engine:
       check_every: decode steps between two checks of the loop's stop condition (default
         ``plan.default_check_every()`` of the platform traced for; the samples do not depend
         on it).
+      record_routing: a mixture-of-experts model: record each token's experts (the results'
+        ``routing`` / ``prompt_routing``, rollout/routing.py) for routing replay in the update.
     """
 
     def __init__(self, model_cfg: ModelConfig, *, mesh: Any = None, impl: str = "auto",
                  schedule: str = "continuous", min_slots: int | None = None,
                  page_size: int | None = None, kv_fraction: float = KV_FRACTION,
-                 check_every: int | None = None):
+                 check_every: int | None = None, record_routing: bool = False):
+        if record_routing:
+            check_recordable(model_cfg)
+        self.record_routing = bool(record_routing)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if min_slots is not None and (not isinstance(min_slots, int) or min_slots < 1):
@@ -150,7 +156,7 @@ class Engine:
                 in_shard_map=True),     # a mesh's programs run under shard_map
             sampling_impl=_resolve_sampling_impl(self._kernel_impls()[1]),
             lockstep=self.schedule == "lockstep", min_slots=self.min_slots, axes=self.axes,
-            check_every=self.check_every)
+            check_every=self.check_every, record_routing=self.record_routing)
 
     def _kernel_impls(self) -> tuple[str, str]:
         """(attention impl, sampling impl) from ``impl`` (resolved when a program is built, so

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from brorl_jax.models import ModelConfig, embed, final_norm, layer_finish, layer_qkv, lm_logits
-from brorl_jax.models.transformer import dtype_of
+from brorl_jax.models.transformer import dtype_of, layer_finish_routed
 from brorl_jax.rollout.layout import (  # noqa: F401  (rollout_layout: the engine's, the runtime's)
     _as_store,
     _write_kv,
@@ -37,6 +37,7 @@ from brorl_jax.rollout.layout import (  # noqa: F401  (rollout_layout: the engin
     rollout_layout,
 )
 from brorl_jax.rollout.plan import FIRST_TOKEN_ROWS, slot_buckets
+from brorl_jax.rollout.routing import init_route
 from pallas_kernels.decode_attention import (
     KVScales,
     quantize_kv,
@@ -66,6 +67,7 @@ class Spec:
     min_slots: int
     axes: tuple[str, ...]      # mesh axes the devices span (collectives); () on one device
     check_every: int = 1       # decode steps between two stop checks (plan.default_check_every)
+    record_routing: bool = False   # MoE: record each token's experts (rollout/routing.py)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -74,13 +76,15 @@ class Spec:
 
 
 def prefill_prompts_fn(
-    params: dict, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    params: dict, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
+    record_routing: bool = False,
+) -> tuple[jax.Array, ...]:
     """Prefill right-padded prompts once.
 
     tokens int32[G, P], lengths int32[G] -> (prefix_k, prefix_v [L, G, P, Hkv, Dh] compute dtype,
     last_logits f32[G, V] = logits at position lengths-1). Padding keys are masked; the KV at
-    padding positions is garbage and masked again in decode by ``lengths``.
+    padding positions is garbage and masked again in decode by ``lengths``. ``record_routing``
+    (MoE): a fourth result, the experts each prompt token went to, int32[L, G, P, K].
     """
     g, p = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (g, p))
@@ -92,6 +96,9 @@ def prefill_prompts_fn(
         # XLA's fused attention (GQA-aware, f32 softmax): same math as models.attention, ~1.5x
         # faster on CPU for long prompts because it avoids the explicit head-group reshapes
         attn = jax.nn.dot_product_attention(q, k, v, mask=allowed, implementation="xla")
+        if record_routing:
+            x, ids = layer_finish_routed(layer_params, cfg, x, attn.astype(x.dtype))
+            return x, (k, v, ids)
         return layer_finish(layer_params, cfg, x, attn.astype(x.dtype)), (k, v)
 
     if isinstance(params["layers"], (tuple, list)):   # the rollout layout: layer by layer
@@ -99,13 +106,12 @@ def prefill_prompts_fn(
         for layer_params in params["layers"]:
             x, kv = layer(x, layer_params)
             kvs.append(kv)
-        prefix_k, prefix_v = (jnp.stack([kv[i] for kv in kvs]) for i in (0, 1))
+        stacked = tuple(jnp.stack([kv[i] for kv in kvs]) for i in range(len(kvs[0])))
     else:
-        x, (prefix_k, prefix_v) = jax.lax.scan(layer, embed(params, cfg, tokens),
-                                               params["layers"])
+        x, stacked = jax.lax.scan(layer, embed(params, cfg, tokens), params["layers"])
     x_last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [G, 1, D]
     logits = lm_logits(params, cfg, final_norm(params, cfg, x_last))[:, 0]
-    return prefix_k, prefix_v, logits
+    return (*stacked[:2], logits, *stacked[2:])
 
 
 def sample_step(
@@ -177,6 +183,11 @@ class Pool:
     # an fp8 KV cache (cfg.kv_precision): the float32 scales of prefix_k/v, [L, K, Hkv, P]
     prefix_ks: jax.Array | None = None
     prefix_vs: jax.Array | None = None
+    # Spec.record_routing (rollout/routing.py): the experts of each prompt token [K, P, L, Kx]
+    # and of each response token read by a decode step [K+1, Nd, S, L, Kx] (Kx experts per
+    # token, routing.route_dtype); else None
+    prefix_route: jax.Array | None = None
+    res_route: jax.Array | None = None
 
 
 @struct.dataclass
@@ -242,7 +253,7 @@ def init_pool(spec: Spec) -> Pool:
                 gid=jnp.full((k,), -1, jnp.int32), queue=i32((k, nd)), qlen=i32((k,)),
                 qnext=i32((k,)), done=i32((k,)), res_tok=i32((k + 1, nd, s)),
                 res_logp=jnp.zeros((k + 1, nd, s), jnp.float32), res_len=i32((k + 1, nd)),
-                res_fin=jnp.zeros((k + 1, nd), bool))
+                res_fin=jnp.zeros((k + 1, nd), bool), **init_route(spec))
 
 
 def init_slots(spec: Spec, num_slots: int) -> Slots:
@@ -281,7 +292,8 @@ def admit(params, pool: Pool, tokens, lengths, entries, gids, stop, seed_key, *,
     each prompt's samples; queue the samples that did not stop at token 0."""
     c, nd, n, s = spec.cfg, spec.share, spec.n, spec.max_new_tokens
     ga = tokens.shape[0]
-    pk, pv, logits = prefill_prompts_fn(params, c, tokens, lengths)
+    pk, pv, logits, *prompt_route = prefill_prompts_fn(params, c, tokens, lengths,
+                                                       spec.record_routing)
     real = gids >= 0
     # padding rows repeat row 0 (same entry, same values): every scatter below stays in bounds
     src = jnp.where(real, jnp.arange(ga), 0)
@@ -321,6 +333,9 @@ def admit(params, pool: Pool, tokens, lengths, entries, gids, stop, seed_key, *,
                 sc, mode=inb)
         store = getattr(pool, f"prefix_{name}")
         prompt_kv[f"prefix_{name}"] = store.at[:, dest].set(_as_store(x, store.dtype), mode=inb)
+    if prompt_route:    # [L, Ga, P, Kx] -> the entries' [P, L, Kx]
+        route = prompt_route[0].transpose(1, 2, 0, 3)[src].astype(pool.prefix_route.dtype)
+        prompt_kv["prefix_route"] = pool.prefix_route.at[dest].set(route, mode=inb)
     return pool.replace(
         **prompt_kv,
         plen=put("plen", lengths.astype(jnp.int32)), gid=put("gid", gids.astype(jnp.int32)),
@@ -393,7 +408,8 @@ def _refill(pool: Pool, slots: Slots, spec: Spec, allow, cap):
 
 
 def _forward(params, pool: Pool, slots: Slots, kv: KV, go, spec: Spec):
-    """One decode step of every slot: logits f32[B, V]. Slots in ``go`` write their K/V at their
+    """One decode step of every slot: (logits f32[B, V], kv, the experts of the slots' tokens
+    int32[B, L, Kx] under Spec.record_routing else None). Slots in ``go`` write their K/V at their
     position (the others into the write-off page) and attend; the rest compute unused rows."""
     c = spec.cfg
     b = slots.entry.shape[0]
@@ -410,6 +426,7 @@ def _forward(params, pool: Pool, slots: Slots, kv: KV, go, spec: Spec):
     # Layer by layer, each layer's weights read in place from its own buffers (the rollout
     # layout); the KV pools are one buffer each, updated in place at (layer, page, offset).
     x, gk, gv, ks, vs = embed(params, c, slots.cur[:, None]), kv.pages_k, kv.pages_v, kv.ks, kv.vs
+    routes = []     # Spec.record_routing: each layer's experts of the slots' tokens [B, Kx]
     for li, layer_params in enumerate(layer_list(params, c)):
         q, k_new, v_new = layer_qkv(layer_params, c, x, positions)
         gk, ks = _write_kv(gk, ks, li, page, offset, k_new[:, 0])
@@ -418,9 +435,15 @@ def _forward(params, pool: Pool, slots: Slots, kv: KV, go, spec: Spec):
         attn = slot_decode_attention(q[:, 0], pool.prefix_k, pool.prefix_v, pool.plen,
                                      prefix_index, gk, gv, slots.table, own_len, layer=li,
                                      impl=spec.attention_impl, kv_scales=scales)
-        x = layer_finish(layer_params, c, x, attn.reshape(b, 1, h, dh).astype(x.dtype))
+        attn = attn.reshape(b, 1, h, dh).astype(x.dtype)
+        if spec.record_routing:
+            x, ids = layer_finish_routed(layer_params, c, x, attn)
+            routes.append(ids[:, 0])
+        else:
+            x = layer_finish(layer_params, c, x, attn)
     logits = lm_logits(params, c, final_norm(params, c, x))[:, 0]
-    return logits, kv.replace(pages_k=gk, pages_v=gv, ks=ks, vs=vs)
+    route = jnp.stack(routes, axis=1) if routes else None                   # [B, L, Kx]
+    return logits, kv.replace(pages_k=gk, pages_v=gv, ks=ks, vs=vs), route
 
 
 def _push_pages(kv: KV, table, counts, spec: Spec) -> KV:
@@ -479,7 +502,7 @@ def decode_step(params, pool: Pool, slots: Slots, kv: KV, stats: Stats, stop, se
     go = active & ~stalled
     stuck = jnp.any(active) & ~jnp.any(go)
     slots, kv = _restart_youngest(pool, slots, kv, stuck, spec)
-    logits, kv = _forward(params, pool, slots, kv, go, spec)
+    logits, kv, route = _forward(params, pool, slots, kv, go, spec)
     entry = jnp.maximum(slots.entry, 0)
     sid = jnp.maximum(pool.gid[entry], 0) * n + dev * nd + slots.sample
     tok, logp = _sampler(spec)(logits, sample_keys_for(seed_key, sid), slots.t + 1)
@@ -489,6 +512,9 @@ def decode_step(params, pool: Pool, slots: Slots, kv: KV, stats: Stats, stop, se
     t_at = jnp.minimum(t_out, s - 1)
     res_tok = pool.res_tok.at[at, slots.sample, t_at].set(tok, mode=inb)
     res_logp = pool.res_logp.at[at, slots.sample, t_at].set(logp, mode=inb)
+    if route is not None:   # the experts of the input token t (not the drawn t + 1)
+        pool = pool.replace(res_route=pool.res_route.at[at, slots.sample, slots.t].set(
+            route.astype(pool.res_route.dtype), mode=inb))
     is_stop = stop[tok]
     finish = go & (is_stop | (t_out + 1 >= s))
     fin_at = jnp.where(finish, entry, k)
@@ -553,6 +579,10 @@ def compact(slots: Slots, *, num_slots: int) -> Slots:
 
 
 def fetch(pool: Pool, entry):
-    """One entry's results (this device's share): tokens, log-probs [Nd, S], lengths, finished."""
-    return (pool.res_tok[entry], pool.res_logp[entry], pool.res_len[entry],
-            pool.res_fin[entry])
+    """One entry's results (this device's share): tokens, log-probs [Nd, S], lengths, finished;
+    under Spec.record_routing also the response routing [Nd, S, L, Kx] and the prompt's
+    [P, L, Kx]."""
+    out = (pool.res_tok[entry], pool.res_logp[entry], pool.res_len[entry], pool.res_fin[entry])
+    if pool.res_route is None:
+        return out
+    return (*out, pool.res_route[entry], pool.prefix_route[entry])

@@ -17,7 +17,7 @@ import numpy as np
 
 from brorl_jax.rollout import programs
 from brorl_jax.rollout.plan import PREFILL_SCORE_BYTES, SlotPlan, slot_buckets
-from brorl_jax.rollout.types import GroupResult, group_result, validate_inputs
+from brorl_jax.rollout.types import GroupResult, group_result, validate_inputs, with_routing
 
 
 @dataclasses.dataclass
@@ -362,11 +362,14 @@ class Scheduler:
         ready, self.ready = self.ready, []
         rows = self.engine.num_devices * self.spec.share
         for gid, arrays, step in ready:
-            tok, logp, lens, fin = (np.asarray(a).reshape((rows,) + a.shape[2:])
-                                    [: self.spec.n]
-                                    for a in jax.device_get(arrays))
+            arrays = jax.device_get(arrays)
+            tok, logp, lens, fin, *route = (np.asarray(a).reshape((rows,) + a.shape[2:])
+                                            [: self.spec.n]
+                                            for a in arrays[:5])
             group = group_result(gid, tok, logp, lens, fin, len(self.prompts[gid]), step,
                            time.perf_counter() - self.started_at)
+            if route:   # Spec.record_routing: the response's and the prompt's (device 0's copy)
+                group = with_routing(group, route[0], arrays[5][0])
             n = self.spec.n
             group = dataclasses.replace(group, versions=(
                 (self.admitted_version.pop(gid, 0), np.zeros((n,), np.int32)),

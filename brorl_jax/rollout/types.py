@@ -27,6 +27,10 @@ class RolloutResult:
     stats: per call, for logging and benchmarks (see ``Engine`` and docs/rollout.md): useful_tokens,
       decode_steps, num_slots, pool_size, mean_live_slots, occupancy, refills, compactions,
       round_trips, prefill/decode/host/total seconds, decode_forward_rows, decode_calls, ...
+    routing: a mixture-of-experts rollout recorded for routing replay (Engine(record_routing=
+      True), rollout/routing.py), else None: int8/int16[G, N, S, L, K], the experts response
+      token t went to as an input (0 at and past its last token);
+    prompt_routing: with it, per prompt int[P_g, L, K] (a tuple of G arrays), else None.
     """
 
     tokens: np.ndarray
@@ -37,6 +41,8 @@ class RolloutResult:
     mask: np.ndarray
     prompt_lengths: np.ndarray
     stats: dict = dataclasses.field(default_factory=dict)
+    routing: np.ndarray | None = None
+    prompt_routing: tuple | None = None
 
     @property
     def num_prompts(self) -> int:
@@ -72,6 +78,18 @@ class GroupResult:
     decode_step: int
     seconds: float
     versions: tuple = ()
+    routing: np.ndarray | None = None          # [N, S, L, K], as RolloutResult.routing
+    prompt_routing: np.ndarray | None = None   # [P, L, K]
+
+
+def with_routing(group: GroupResult, response_route, prompt_route) -> GroupResult:
+    """``group`` with its recorded routing: response [N, S, L, K] (rows past each sample's last
+    input zeroed), prompt [P_bucket, L, K] cut to the prompt's length."""
+    s = response_route.shape[1]
+    keep = np.arange(s)[None, :] < (group.lengths[:, None] - 1)   # the last token is no input
+    routing = np.where(keep[:, :, None, None], response_route, 0).astype(response_route.dtype)
+    return dataclasses.replace(group, routing=routing,
+                               prompt_routing=np.asarray(prompt_route)[: group.prompt_length])
 
 
 def group_result(prompt_index, tok, logp, lengths, fin, prompt_length, step,
@@ -96,7 +114,10 @@ def assemble(groups: Sequence[GroupResult], stats: dict | None = None) -> Rollou
                          lengths=stack("lengths"), finished=stack("finished"),
                          truncated=stack("truncated"), mask=stack("mask"),
                          prompt_lengths=np.asarray([gr.prompt_length for gr in groups], np.int32),
-                         stats=dict(stats or {}))
+                         stats=dict(stats or {}),
+                         routing=stack("routing") if groups[0].routing is not None else None,
+                         prompt_routing=(tuple(gr.prompt_routing for gr in groups)
+                                         if groups[0].routing is not None else None))
 
 
 def validate_inputs(

@@ -124,9 +124,20 @@ def check_loaded_model(cfg, model_cfg: models.ModelConfig | None, *, update: boo
     before: its config comes out of the conversion)."""
     cfg = as_run_config(cfg)
     check_lora_rank(cfg, model_cfg)
+    check_routing_replay(cfg, model_cfg)
     check_at_door(cfg, model_cfg, update=update)
     return DoorFacts(cfg, model_cfg, paused_engine_bytes(
         cfg, model_cfg, num_devices=rollout_device_count(cfg), num_processes=jax.process_count()))
+
+
+def check_routing_replay(cfg, model_cfg: models.ModelConfig | None) -> None:
+    """algo.routing_replay="rollout" replays experts: a dense model has none (refused once its
+    config is known)."""
+    if model_cfg is not None and cfg.algo.routing_replay != "off" and not model_cfg.is_moe:
+        raise ConfigError(
+            f"config key 'algo.routing_replay' = {cfg.algo.routing_replay!r} replays a "
+            f"mixture-of-experts model's expert choices, but model_type={model_cfg.model_type!r}"
+            " has no experts. Set algo.routing_replay='off'.")
 
 
 def check_lora_rank(cfg, model_cfg) -> None:

@@ -90,6 +90,8 @@ class Runtime:
         self.optimizer = optimizer
         self.diagnostics_n = diagnostics_n
         self.rollout_impl = cfg.rollout.impl
+        # algo.routing_replay="rollout": the engines record each token's experts (MoE only)
+        self.record_routing = as_run_config(cfg).algo.routing_replay == "rollout"
         # the training rollouts' precision (rollout.weight_dtype / kv_dtype); evaluation passes
         # its own (Sampling.precision)
         self.precision = (cfg.rollout.weight_dtype, cfg.rollout.kv_dtype)
@@ -208,8 +210,9 @@ class Runtime:
         key = (cfg.weight_precision, cfg.kv_precision)
         engine = self._rollout.get(key)
         if engine is None or engine.cfg != cfg:
-            engine = self._rollout[key] = rollout.Engine(cfg, mesh=self.rollout_mesh,
-                                                         impl=self.rollout_impl)
+            engine = self._rollout[key] = rollout.Engine(
+                cfg, mesh=self.rollout_mesh, impl=self.rollout_impl,
+                record_routing=self.record_routing and cfg.is_moe)
         return engine
 
     def update(self, algo_cfg, state, batch: algo.UpdateBatch, rng):

@@ -46,6 +46,7 @@ import time
 import jax
 
 from brorl_jax import algo
+from brorl_jax.algo.routing_metrics import routing_metrics
 from brorl_jax.errors import TrainingStopped
 from brorl_jax.train import collect
 from brorl_jax.train.context import RunContext
@@ -79,6 +80,10 @@ def rl_step(ctx: RunContext, train_state: algo.TrainState, collect_state: algo.C
     metrics.update(health.metrics())
     metrics = ctx.runtime.reduce_metrics(metrics, sums=metrics.reduced_by(SUM),
                                          maxes=metrics.reduced_by(MAX))
+    if ctx.runtime.model_cfg.is_moe and ctx.runtime.num_processes == 1:
+        # moe/: routing disagreement and log-prob gaps on a sample of the batch (before the update)
+        metrics.update(routing_metrics(ctx.runtime.model_cfg, ctx.update_config(step),
+                                       train_state.params, batch))
     # 7. the update
     t0 = time.perf_counter()
     rng = jax.random.fold_in(jax.random.key(ctx.cfg.train.seed), step)
