@@ -312,9 +312,9 @@ ENTRY %main (x: bf16[16,64], w: f8e4m3fn[64,32], s: bf16[32]) -> (f32[16,32], f3
   %w = f8e4m3fn[64,32]{1,0} parameter(1)
   %s = bf16[32]{0} parameter(2)
   %xq = f8e4m3fn[16,64]{1,0} fusion(%x), kind=kLoop, calls=%q8
-  %a = f32[16,32]{1,0} fusion(%xq, %w), kind=kCustom, calls=%g8, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %a = f32[16,32]{1,0} fusion(%xq, %w), kind=kCustom, calls=%g8, backend_config={GEMM8}
   %wd = bf16[64,32]{1,0} fusion(%w, %s), kind=kLoop, calls=%deq
-  %b = f32[16,32]{1,0} fusion(%x, %wd), kind=kCustom, calls=%g16, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %b = f32[16,32]{1,0} fusion(%x, %wd), kind=kCustom, calls=%g16, backend_config={GEMM16}
   ROOT %t = (f32[16,32]{1,0}, f32[16,32]{1,0}) tuple(%a, %b)
 }
 """
@@ -324,6 +324,9 @@ def test_the_walker_names_each_gemms_operand_types():
     """bench/_hlo_walk.gemms (which GEMM an fp8 projection became, issue 41): an fp8 x fp8 GEMM
     fusion reads e4m3 on both sides (the activation quantized in a kernel before it); a weight
     dequantized to bf16 in a kernel of its own before a plain GEMM shows as f8e4m3fn->bf16."""
-    got = sorted(hw.gemms(hw.parse(_GEMM_HLO)))
+    kind = '{"fusion_backend_config":{"kind":"%s"}}'
+    hlo = _GEMM_HLO.replace("{GEMM8}", kind % "__triton_nested_gemm_fusion").replace(
+        "{GEMM16}", kind % "__triton_gemm")
+    got = sorted(hw.gemms(hw.parse(hlo)))
     assert got == [("triton", "bf16", "f8e4m3fn->bf16", "f32", ""),
                    ("triton", "bf16->f32->f8e4m3fn", "f8e4m3fn", "f32", "")], got
