@@ -39,3 +39,18 @@ def run_child(script: str, args: list[str], timeout: float) -> dict:
             return json.loads(line[len("RESULT "):])
     tail = (out.stderr or out.stdout).strip().splitlines()[-3:]
     return {"error": f"exit {out.returncode}: {' | '.join(tail)}"}
+
+
+def write_result(path: str, script: str, fields: dict) -> None:
+    """A bench's JSON at ``path``: the command that made it (``script`` and this process's
+    arguments), the machine (CPU, cores, jax and its backend), then ``fields``."""
+    import platform
+
+    import jax
+    out = {"command": f"python bench/{script} " + " ".join(sys.argv[1:]),
+           "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+                      f"jax {jax.__version__} on {jax.default_backend()}", **fields}
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print("wrote", path)

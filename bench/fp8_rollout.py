@@ -21,9 +21,7 @@ Writes bench/results/fp8_rollout.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -35,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from _measure import write_result  # noqa: E402
 from real_model import smollm2_workload  # noqa: E402
 
 from brorl_jax.config import RunConfig  # noqa: E402
@@ -107,16 +106,10 @@ def main():
         print(f"greedy {arm:15s} tokens equal to bf16's {agree[arm]['token_agreement']:.3f}, "
               f"identical completions {agree[arm]['identical_completions']:.3f}, tokens before "
               f"the first difference {agree[arm]['tokens_before_first_difference']:.3f}")
-    out = {"command": "python bench/fp8_rollout.py " + " ".join(sys.argv[1:]),
-           "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-                      f"jax {jax.__version__} on {jax.default_backend()}",
-           "model": "SmolLM2-135M-Instruct", "prompts": args.prompts, "samples": args.samples,
-           "new_tokens": args.new_tokens, "trainer": "float32 forward", "tis_high": TIS_HIGH,
-           "gap": gap, "greedy_vs_bf16": agree, "seconds": seconds}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print("wrote", args.out)
+    write_result(args.out, "fp8_rollout.py", {
+        "model": "SmolLM2-135M-Instruct", "prompts": args.prompts, "samples": args.samples,
+        "new_tokens": args.new_tokens, "trainer": "float32 forward", "tis_high": TIS_HIGH,
+        "gap": gap, "greedy_vs_bf16": agree, "seconds": seconds})
 
 
 if __name__ == "__main__":

@@ -12,9 +12,7 @@ arm's ratio to full fine-tuning. Writes bench/results/lora_update.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -22,8 +20,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
+from _measure import write_result  # noqa: E402
 
 from brorl_jax.algo import adapters, create_train_state, make_optimizer, make_update_step  # noqa: E402
 from brorl_jax.algo.batch import UpdateBatch  # noqa: E402
@@ -79,16 +79,10 @@ def main():
     for name in arms:
         print(f"{name:8s} median {med[name]:.3f} s per update  ({med[name] / med['full']:.2f}x "
               f"full fine-tuning)  reps {['%.3f' % s for s in seconds[name]]}")
-    out = {"command": "python bench/lora_update.py " + " ".join(sys.argv[1:]),
-           "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-                      f"jax {jax.__version__} on {jax.default_backend()}",
-           "model": "SmolLM2-135M-Instruct (float32)", "rows": args.rows, "seq": args.seq,
-           "seconds": seconds, "median_s": med,
-           "ratio_to_full": {k: v / med["full"] for k, v in med.items()}}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print("wrote", args.out)
+    write_result(args.out, "lora_update.py", {
+        "model": "SmolLM2-135M-Instruct (float32)", "rows": args.rows, "seq": args.seq,
+        "seconds": seconds, "median_s": med,
+        "ratio_to_full": {k: v / med["full"] for k, v in med.items()}})
 
 
 if __name__ == "__main__":
