@@ -265,6 +265,10 @@ class Eval(Section):
 @dataclasses.dataclass(frozen=True)
 class Train(Section):
     steps: int = setting(200, ">= 0")
+    # Generated samples (before filtering) after which the run ends, at the end of the step that
+    # reaches them (evaluated and saved as the last step); 0 = off. Arms compared at equal
+    # samples whose steps differ in size (adaptive N) stop on this; train.steps stays the cap.
+    sample_budget: int = setting(0, ">= 0")
     seed: int = setting(0, ">= 0")
     checkpoint_every: int = setting(10, "> 0")
     keep_checkpoints: int = setting(3, "> 0")

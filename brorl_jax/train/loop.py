@@ -272,7 +272,8 @@ class Trainer:
         schedule = algo.learning_rate_schedule(ctx.optimizer_cfg)
         metrics: dict[str, Any] = {}
         stop = self.stop_requested()            # a signal during the start
-        for step in bar:
+        spent = budget_spent(cfg, counters)     # resumed after the sample budget was spent
+        for step in () if spent else bar:
             if stop:
                 break
             t0 = time.perf_counter()
@@ -294,8 +295,8 @@ class Trainer:
                 "counters/generated_samples": counters["generated_samples"],
                 "optim/lr": float(schedule(done * self.updates_per_step - 1)),
             })
-            evaluated = done == cfg.train.steps or bool(cfg.eval.every and
-                                                        done % cfg.eval.every == 0)
+            last = done == cfg.train.steps or budget_spent(cfg, counters)
+            evaluated = last or bool(cfg.eval.every and done % cfg.eval.every == 0)
             if evaluated:
                 metrics.update(self.evaluate(state.params, done))
             stop = self.stop_requested()        # SIGINT/SIGTERM: save this step, then stop
@@ -303,9 +304,11 @@ class Trainer:
                 logger.write(done, metrics)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
                             pass_rate=f"{metrics['dynamic_sampling/pass_rate']:.2f}")
-            if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps or stop:
+            if done % cfg.train.checkpoint_every == 0 or last or stop:
                 self.save(done, state, collect_state, data_iter, counters)
             self.checkpointer.check()   # a failed asynchronous save stops the run here
+            if last:
+                break
         bar.close()
         self.checkpointer.wait()
         self.finish(logger, metrics, first_eval)
@@ -349,6 +352,12 @@ class Trainer:
             self.checkpointer.close()
         finally:
             self.lock.release()
+
+
+def budget_spent(cfg, counters: dict) -> bool:
+    """train.sample_budget: whether the run has generated the samples it was given."""
+    budget = cfg.train.sample_budget
+    return bool(budget) and counters["generated_samples"] >= budget
 
 
 def should_log(done: int, log_every: int, *, evaluated: bool, stop: bool) -> bool:
