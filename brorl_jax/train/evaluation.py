@@ -26,6 +26,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
+def pass_ks(n: int) -> tuple[int, ...]:
+    """The k of pass@k reported from n samples per prompt: 1, 2, 4, ... below n, and n."""
+    return tuple(sorted({2 ** i for i in range(n.bit_length()) if 2 ** i < n} | {n}))
+
+
 def summarize(rewards: np.ndarray, ks: tuple[int, ...], correct_threshold: float = 1.0) -> dict:
     """Metrics for rewards [G, n]: eval/pass@k (mean over prompts) and eval/mean@n."""
     rewards = np.asarray(rewards, dtype=np.float64)
@@ -83,4 +88,4 @@ def evaluate(ctx, params, step: int) -> dict:
     reals = runtime.allgather_rows(np.asarray([real]))
     every = runtime.allgather_rows(rewards[None])
     rewards = np.concatenate([every[i][:reals[i]] for i in range(procs)])
-    return summarize(rewards, tuple(sorted({1, k})), ctx.cfg.algo.correct_threshold)
+    return summarize(rewards, pass_ks(k), ctx.cfg.algo.correct_threshold)
