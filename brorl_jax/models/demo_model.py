@@ -19,7 +19,7 @@ from .config import ModelConfig
 from .hf import CONFIG_NAME, WEIGHTS_NAME, Model, save_pretrained
 from .transformer import init_params
 
-DEMO_MODEL_NAME = "demo_model_v2"  # bump the suffix whenever the recipe below changes
+DEMO_MODEL_NAME = "demo_model_v3"  # bump the suffix whenever the recipe below changes
 DEMO_SEED = 0
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
@@ -29,6 +29,8 @@ SPECIAL_TOKENS = (PAD, BOS, EOS, UNK) + ROLE_TOKENS
 # completions are "<answer>68</answer></s>", five tokens instead of twenty.
 ANSWER_TOKENS = ("<answer>", "</answer>")
 CHARACTERS = string.digits + string.ascii_letters + string.punctuation + " \n"
+# GPT-2 byte-level names of the two characters above that are not printable ASCII.
+BYTE_LEVEL = {" ": "\u0120", "\n": "\u010a"}
 # Each message is <|role|>content</s> and a newline; the generation prompt opens the assistant
 # turn, so a completion is the answer text followed by </s> (the generation eos).
 CHAT_TEMPLATE = (
@@ -40,20 +42,28 @@ CHAT_TEMPLATE = (
 
 
 def build_demo_tokenizer():
-    """Character-level tokenizer (``tokenizers`` WordLevel over single characters) wrapped as a
-    transformers ``PreTrainedTokenizerFast`` with pad/bos/eos/unk and the chat template.
+    """Character-level tokenizer wrapped as a transformers ``PreTrainedTokenizerFast`` with
+    pad/bos/eos/unk and the chat template.
 
     Ids: 0 <pad>, 1 <s>, 2 </s>, 3 <unk>, 4-6 role tokens, then digits, letters, punctuation,
-    space, newline, then <answer> and </answer> (105 tokens). Characters outside the set map to <unk>.
+    space, newline, then <answer> and </answer> (105 tokens). A run of characters outside the set
+    maps to one <unk>.
+
+    It is written as a byte-level BPE with no merges, the shape of Qwen2's own tokenizer, with
+    space and newline under their byte-level names (BYTE_LEVEL): transformers 5's AutoTokenizer
+    loads any model_type "qwen2" directory as Qwen2Tokenizer, which rebuilds the pipeline as
+    byte-level BPE from tokenizer.json's vocabulary, and with plain " " and "\n" entries it
+    dropped every space and newline. In this shape both loaders give the same ids.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(CHARACTERS))}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
-    # Every character is its own pre-token ([\s\S] also matches newline); decoding concatenates.
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    vocab = {BYTE_LEVEL.get(token, token): i
+             for i, token in enumerate(SPECIAL_TOKENS + tuple(CHARACTERS))}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token=UNK, fuse_unk=True))
+    # Every character is its own token (no merges); decoding maps the byte-level names back.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     tok.add_tokens(list(ANSWER_TOKENS))
     tokenizer = PreTrainedTokenizerFast(
@@ -87,7 +97,7 @@ def demo_model_config(vocab_size: int, bos_token_id: int, eos_token_id: int) -> 
 
 
 def ensure_demo_model(path: str | os.PathLike | None = None) -> str:
-    """Build the demo checkpoint at ``path`` (default ``default_cache_dir()/demo_model_v2``)
+    """Build the demo checkpoint at ``path`` (default ``default_cache_dir()/DEMO_MODEL_NAME``)
     unless it is already there, and return the directory as a string.
 
     Deterministic (fixed seed), idempotent, and atomic: the model is written to a temporary

@@ -74,3 +74,20 @@ def test_demo_model_loads_through_from_pretrained_with_tokenizer(demo_dir):
 
     logits = np.asarray(model(np.asarray([prompt_ids], np.int32)))
     assert logits.shape == (1, len(prompt_ids), cfg.vocab_size) and np.isfinite(logits).all()
+
+
+def test_demo_tokenizer_loads_the_users_way_with_transformers_autotokenizer(demo_dir):
+    """transformers 5 loads a model_type "qwen2" directory as Qwen2Tokenizer whatever it
+    declares; the demo's tokenizer.json is shaped so that this gives the project's own ids."""
+    from transformers import AutoTokenizer
+
+    ours = from_pretrained(demo_dir).tokenizer
+    theirs = AutoTokenizer.from_pretrained(demo_dir)
+    text = "What is 23 + 45?\nGive the answer.  <answer>68</answer></s>\n~`{}"
+    assert theirs.encode(text) == ours.encode(text)
+    assert theirs.decode(theirs.encode(text)) == text
+    messages = [{"role": "user", "content": "What is 23 + 45?"}]
+    assert theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        "<|user|>What is 23 + 45?</s>\n<|assistant|>"
+    assert (theirs.eos_token_id, theirs.pad_token_id) == (ours.eos_token_id, ours.pad_token_id)
+
