@@ -75,6 +75,7 @@ CHANGE_POLICY: dict[str, tuple[bool, str]] = {
                                           "verifier/*/deadline_frac)"),
     "eval.every": (ALLOWED, "evaluation cadence"),
     "train.steps": (ALLOWED, "how far to train; the history so far is unchanged"),
+    "train.sample_budget": (ALLOWED, "how far to train, in generated samples"),
     "train.checkpoint_every": (ALLOWED, "checkpoint cadence"),
     "train.keep_checkpoints": (ALLOWED, "checkpoint retention"),
     "train.log_every": (ALLOWED, "logging"),
