@@ -125,6 +125,12 @@ def run_config(values: dict, workdir: str | None, argv: Sequence[str] | None = N
         dst[name] = src[name]
     print(f"[config] {os.path.join(workdir, saved_config.CONFIG_FILE)}: the run's own config"
           + (f", with {', '.join(keys)} from the command line" if keys else ""), file=sys.stderr)
+    stand_in = saved_config.stand_in_base(workdir, saved.model.path)
+    if stand_in:
+        print(f"[config] model.path {saved.model.path!r} is gone: the run's copy of its config "
+              f"and tokenizer ({stand_in}) stands in; the checkpoint holds the weights",
+              file=sys.stderr)
+        saved.model.path = stand_in
     return saved
 
 

@@ -32,7 +32,7 @@ def evaluate(cfg, workdir: str | None = None, step: int | None = None) -> dict:
     facts = door.check_evaluation(cfg, workdir)     # before anything expensive
     cfg = facts.cfg                                 # the typed RunConfig from here on
     _, eval_records = load_records(cfg)
-    model = load_model(cfg)
+    model = load_model(cfg, weights_from_checkpoint=bool(workdir))
     if facts.model_cfg is None:              # a .gguf model: its config came with it
         facts = door.check_loaded_model(cfg, model.config, update=False)
     ctx = build_context(cfg, eval_records, model=model,

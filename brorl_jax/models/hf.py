@@ -45,6 +45,10 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
+# A directory with a model's config and tokenizer files but no weights (a run's copy of its base
+# model, brorl_jax/workdir/saved_config.py) holds this file; it loads with zero parameters, for
+# restores whose checkpoint holds every weight (has_no_weights()).
+NO_WEIGHTS_MARKER = "brorl_no_weights.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 # (our per-layer leaf path) -> (HF name inside model.layers.{i}., transpose)
@@ -320,7 +324,10 @@ def load_directory(
     """
     path = Path(path).expanduser()
     cfg = read_directory_config(path, dtype=dtype, param_dtype=param_dtype)
-    params = _load_params(path, cfg)
+    if has_no_weights(path):
+        params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), param_shapes(cfg))
+    else:
+        params = _load_params(path, cfg)
     tokenizer = _load_tokenizer(path)
 
     eos: tuple[int, ...] = ()
@@ -332,6 +339,11 @@ def load_directory(
     if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
         eos = (int(tokenizer.eos_token_id),)
     return Model(cfg, params, tokenizer, eos)
+
+
+def has_no_weights(path: str | os.PathLike) -> bool:
+    """Whether `path` is a config-and-tokenizer directory without weights (NO_WEIGHTS_MARKER)."""
+    return os.path.isfile(os.path.join(path, NO_WEIGHTS_MARKER))
 
 
 def save_pretrained(model: Model, path: str | os.PathLike) -> None:

@@ -78,11 +78,18 @@ def base_model_dir(cfg) -> str:
     return cfg.model.path or models.ensure_demo_model()
 
 
-def load_model(cfg) -> models.Model:
+def load_model(cfg, *, weights_from_checkpoint: bool = False) -> models.Model:
     """The config's model (the embedded demo model when model.path is empty), with the config's
-    attention and MLP implementations. A path that does not hold a model raises ModelError."""
+    attention and MLP implementations. A path that does not hold a model raises ModelError; so
+    does a run's copy of its base model (config and tokenizer, no weights) unless the caller
+    restores every weight from a checkpoint."""
     path = base_model_dir(cfg)
     check_model_path(cfg.model.path)
+    if models.hf.has_no_weights(path) and not weights_from_checkpoint:
+        raise ModelError(f"config key 'model.path' = {path!r} is a run's copy of its base "
+                         "model's config and tokenizer files, without weights: it serves "
+                         "evaluate and export of that run's checkpoints (--workdir) only. Point "
+                         "model.path at a model with weights.")
     try:
         model = models.from_pretrained(path, dtype=cfg.model.dtype,
                                        param_dtype=stored_param_dtype(cfg))

@@ -395,7 +395,11 @@ def restore_checkpoint(cfg, workdir: str, step: int | None = None, *,
     if not layout.has_checkpoints(workdir):
         raise CheckpointError(f"no complete checkpoint in {ckpt_dir}; train first.")
     saved_config.check_base_model(workdir, base_model_dir(cfg))
-    model = load_model(cfg) if model is None else model
+    model = load_model(cfg, weights_from_checkpoint=True) if model is None else model
+    if models.lora.enabled(model.config) and models.hf.has_no_weights(base_model_dir(cfg)):
+        raise CheckpointError(f"model.path {base_model_dir(cfg)!r} holds the base model's config "
+                              "and tokenizer without its weights, and a LoRA checkpoint holds "
+                              "only the adapters: point --config.model.path at the base model.")
     try:
         return _restore_state(cfg, ckpt_dir, step, model)
     except CheckpointError as e:

@@ -117,10 +117,19 @@ def _base_hashes(model_dir: str) -> dict[str, str]:
     return out
 
 
+# WORKDIR/base_model/: a copy of the base model's config and tokenizer files (no weights), so
+# that evaluate and export of a full fine-tuning run still work once model.path is gone (its
+# checkpoints hold every weight; cli.run_config puts the copy in model.path's place).
+BASE_COPY_DIR = "base_model"
+BASE_COPY_FILES = BASE_MODEL_FILES + ("tokenizer_config.json", "special_tokens_map.json",
+                                      "added_tokens.json")
+
+
 def record_base_model(workdir: str, model_dir: str) -> None:
     """At a fresh start: the hashes of the base model's files (BASE_MODEL_FILES) in
-    WORKDIR/base_model.json. A model that is not a directory (a .gguf file, a built-in name) is
-    not recorded."""
+    WORKDIR/base_model.json, and a copy of its config and tokenizer files in
+    WORKDIR/base_model/. A model that is not a directory (a .gguf file, a built-in name) is not
+    recorded."""
     if not os.path.isdir(model_dir):
         return
     path = os.path.join(workdir, BASE_MODEL_FILE)
@@ -128,6 +137,35 @@ def record_base_model(workdir: str, model_dir: str) -> None:
         json.dump({"path": os.path.abspath(model_dir), "files": _base_hashes(model_dir)}, f,
                   indent=1)
     os.replace(path + ".tmp", path)
+    _copy_base_files(model_dir, os.path.join(workdir, BASE_COPY_DIR))
+
+
+def _copy_base_files(model_dir: str, dest: str) -> None:
+    import shutil
+
+    from brorl_jax.models.hf import NO_WEIGHTS_MARKER
+    tmp = dest + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    for name in BASE_COPY_FILES:
+        if os.path.isfile(os.path.join(model_dir, name)):
+            shutil.copyfile(os.path.join(model_dir, name), os.path.join(tmp, name))
+    with open(os.path.join(tmp, NO_WEIGHTS_MARKER), "w") as f:
+        json.dump({"copied_from": os.path.abspath(model_dir),
+                   "why": "the config and tokenizer of this run's base model, without weights: "
+                          "evaluate and export of the run read it when model.path is gone"}, f,
+                  indent=1)
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)
+
+
+def stand_in_base(workdir: str, model_path: str) -> str | None:
+    """The run's copy of its base model (BASE_COPY_DIR) when the config's model.path is a
+    directory that is gone and the copy exists; None otherwise."""
+    copy = os.path.join(workdir, BASE_COPY_DIR)
+    gone = bool(model_path) and not model_path.startswith("builtin:") and \
+        not os.path.exists(os.path.expanduser(model_path))
+    return copy if gone and os.path.isdir(copy) else None
 
 
 def check_base_model(workdir: str, model_dir: str) -> None:

@@ -747,6 +747,40 @@ def test_a_checkpoint_that_does_not_fit_the_given_config_names_the_keys(copy, en
     assert "without --config, evaluate and export read the run's own" in err
 
 
+def test_a_finished_run_exports_and_evaluates_after_its_base_model_is_gone(copy, env, tmp_path):
+    """A fresh start copies its base model's config and tokenizer files (base_model/, no
+    weights): once model.path is gone, evaluate and export of the run read the copy and the
+    checkpoint's weights, and give what they gave with the base present; the copy alone is never
+    trained or evaluated as a model."""
+    from brorl_jax.models import ensure_demo_model
+    base = tmp_path / "base"
+    shutil.copytree(ensure_demo_model(), base)
+    saved = os.path.join(copy, "brorl_config.json")
+    with open(saved) as f:
+        config = json.load(f)
+    config["model"]["path"] = str(base)
+    with open(saved, "w") as f:
+        json.dump(config, f)
+    assert sorted(os.listdir(os.path.join(copy, "base_model"))) == [
+        "brorl_no_weights.json", "chat_template.jinja", "config.json", "generation_config.json",
+        "tokenizer.json", "tokenizer_config.json"]
+    with_base = run_all(env, [("brorl_jax.export", f"--workdir={copy}", f"--out={tmp_path / 'a'}"),
+                              ("brorl_jax.evaluate", f"--workdir={copy}")])
+    shutil.rmtree(base)
+    without = run_all(env, [("brorl_jax.export", f"--workdir={copy}", f"--out={tmp_path / 'b'}"),
+                            ("brorl_jax.evaluate", f"--workdir={copy}"),
+                            ("brorl_jax.evaluate", *TINY,
+                             f"--config.model.path={os.path.join(copy, 'base_model')}")])
+    for rc, _, err in with_base + without[:2]:
+        assert rc == 0, err[-3000:]
+    assert "is gone: the run's copy of its config and tokenizer" in without[0][2]
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    scores = [json.loads(out[out.rindex("{\n"):]) for _, out, _ in (with_base[1], without[1])]
+    assert scores[0] == scores[1] and "eval/pass@1" in scores[0]
+    assert "without weights: it serves evaluate and export" in short_error(*without[2][::2])
+
+
 def test_evaluate_and_export_refuse_a_base_model_that_changed(copy, env, tmp_path):
     """A fresh start records the hashes of its base model's config and tokenizer files
     (base_model.json); evaluate and export with a model.path whose files differ are refused
