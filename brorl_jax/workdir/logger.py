@@ -70,7 +70,37 @@ def check_loggers(value: str) -> list[str]:
             fix = (f"pip install 'brorl_jax[{extra}]'" if extra else f"pip install {module}")
             raise LoggerError(f"logger {name!r} needs the {module} package, which is not "
                               f"installed: {fix} (or drop {name!r} from train.loggers)")
+    if "wandb" in names:
+        problem = wandb_login_problem(os.environ)
+        if problem:
+            raise LoggerError(problem)
     return names
+
+
+WANDB_LOCAL_MODES = ("offline", "disabled", "dryrun")
+
+
+def wandb_login_problem(environ) -> str | None:
+    """Why wandb.init would stop for a login (it prompts, then fails, after the data has loaded),
+    or None: WANDB_MODE offline/disabled, WANDB_API_KEY, or a netrc entry for the W&B host
+    (where `wandb login` puts the key; NETRC or ~/.netrc, as wandb reads it)."""
+    import netrc
+    from urllib.parse import urlparse
+    if environ.get("WANDB_MODE", "").lower() in WANDB_LOCAL_MODES or environ.get("WANDB_API_KEY"):
+        return None
+    host = urlparse(environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    home = environ.get("HOME") or os.path.expanduser("~")
+    paths = [environ["NETRC"]] if environ.get("NETRC") else \
+        [os.path.join(home, ".netrc"), os.path.join(home, "_netrc")]
+    for path in paths:
+        try:
+            if netrc.netrc(os.path.expanduser(path)).authenticators(host):
+                return None
+        except (OSError, netrc.NetrcParseError):
+            continue
+    return (f"logger 'wandb' has no W&B login here (no WANDB_API_KEY, no {host} entry in "
+            f"{' or '.join(paths)}): run `wandb login`, set WANDB_API_KEY, or WANDB_MODE=offline "
+            "to write files only (`wandb sync` later), or drop 'wandb' from train.loggers")
 
 
 def check_config(cfg) -> list[str]:

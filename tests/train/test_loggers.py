@@ -86,6 +86,7 @@ def fakes(monkeypatch):
             seen["mlflow_done"].append(run_id)
 
     monkeypatch.setitem(sys.modules, "wandb", _module("wandb", init=init))
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)       # the fake W&B is logged in
     monkeypatch.setitem(sys.modules, "mlflow", _module("mlflow"))
     monkeypatch.setitem(sys.modules, "mlflow.tracking",
                         _module("mlflow.tracking", MlflowClient=MlflowClient))
@@ -160,6 +161,32 @@ def test_unknown_or_missing_logger_is_refused_at_the_door(monkeypatch):
         with pytest.raises(ConfigError, match=rf"train.loggers.*brorl_jax\[{name}\]"):
             logger_lib.check_config(c)
     assert check_loggers("tensorboard") == ["jsonl", "tensorboard"]   # jsonl always
+
+
+def test_wandb_without_a_login_is_refused_at_the_door(tmp_path, monkeypatch):
+    """wandb.init with no key prompts, then fails after the data has loaded: the door says how
+    to log in or go offline instead. A key, a netrc entry for the host or an offline mode pass."""
+    home = {"HOME": str(tmp_path)}
+    problem = logger_lib.wandb_login_problem(home)
+    assert "run `wandb login`, set WANDB_API_KEY, or WANDB_MODE=offline" in problem
+    assert f"{tmp_path}/.netrc" in problem
+    for ok in ({"WANDB_API_KEY": "k" * 40}, {"WANDB_MODE": "offline"}, {"WANDB_MODE": "disabled"}):
+        assert logger_lib.wandb_login_problem({**home, **ok}) is None
+    (tmp_path / ".netrc").write_text("machine example.com login user password x\n")
+    assert logger_lib.wandb_login_problem(home) is not None            # another host's entry
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai login user password " + "k" * 40)
+    assert logger_lib.wandb_login_problem(home) is None
+    assert logger_lib.wandb_login_problem({**home, "WANDB_BASE_URL": "https://wb.corp"})
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "wandb" else real(name, *a))
+    for key in ("WANDB_MODE", "WANDB_API_KEY", "NETRC", "WANDB_BASE_URL"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "nobody"))
+    c = default_config()
+    c.train.loggers = "wandb"
+    with pytest.raises(ConfigError, match="train.loggers.*no W&B login here"):
+        logger_lib.check_config(c)
 
 
 def _head() -> str:
