@@ -54,3 +54,22 @@ def write_result(path: str, script: str, fields: dict) -> None:
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     print("wrote", path)
+
+
+def shape_config(name: str, *, layers: int | None = None, dtype: str = "bfloat16",
+                 max_position_embeddings: int = 32768):
+    """The ModelConfig of pallas_kernels.targets.MODEL_SHAPES[name] (its own layer count unless
+    `layers`), in `dtype`; RoPE and norm settings of the Qwen/Llama families."""
+    from brorl_jax.models import ModelConfig
+    from pallas_kernels.targets import MODEL_SHAPES
+    m = MODEL_SHAPES[name]
+    return ModelConfig(
+        model_type=m.model_type, vocab_size=m.vocab, hidden_size=m.hidden,
+        intermediate_size=m.intermediate, num_hidden_layers=layers or m.layers,
+        num_attention_heads=m.heads, num_key_value_heads=m.kv_heads, head_dim=m.head_dim,
+        rope_theta=1e6, rope_scaling=None, rms_norm_eps=1e-6,
+        attention_bias=m.model_type == "qwen2", qk_norm=m.model_type == "qwen3",
+        tie_word_embeddings=m.tie_word_embeddings,
+        max_position_embeddings=max_position_embeddings, bos_token_id=None, eos_token_ids=(2,),
+        param_dtype=dtype, dtype=dtype)
+

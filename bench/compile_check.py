@@ -160,18 +160,14 @@ def _build(kernel: str, model: str, dtype: str, sharding):
         # with the slot attention kernels, the sampling kernel) for a 2-layer model of these
         # widths at the shapes of tg.SLOT_DECODE_ATTENTION; _fp8: its weights and KV in fp8
         # (issue 41: e4m3 projections, int8 on TPU; e4m3 KV with its scales)
-        from brorl_jax.models import ModelConfig, init_params
+        from _measure import shape_config
+
+        from brorl_jax.models import init_params
         from brorl_jax.models.precision import with_precision
         from brorl_jax.rollout import Engine
         c = tg.SLOT_DECODE_ATTENTION
-        cfg = ModelConfig(
-            model_type=m.model_type, vocab_size=m.vocab, hidden_size=m.hidden,
-            intermediate_size=m.intermediate, num_hidden_layers=c["layers"],
-            num_attention_heads=m.heads, num_key_value_heads=m.kv_heads, head_dim=m.head_dim,
-            rope_theta=1e6, rope_scaling=None, rms_norm_eps=1e-6,
-            attention_bias=m.model_type == "qwen2", qk_norm=m.model_type == "qwen3",
-            tie_word_embeddings=m.tie_word_embeddings, max_position_embeddings=2 * c["own"],
-            bos_token_id=None, eos_token_ids=(2,), param_dtype=dtype, dtype=dtype)
+        cfg = shape_config(model, layers=c["layers"], dtype=dtype,
+                           max_position_embeddings=2 * c["own"])
         fp8 = kernel.endswith("_fp8")
         if fp8:
             cfg = with_precision(cfg, "fp8", "fp8")

@@ -18,13 +18,14 @@ class ModelShape(NamedTuple):
     vocab: int
     intermediate: int
     tie_word_embeddings: bool
+    layers: int               # num_hidden_layers of the model's config.json
 
 
 MODEL_SHAPES: dict[str, ModelShape] = {
-    "qwen2.5-1.5b": ModelShape("qwen2", 1536, 12, 2, 128, 151_936, 8960, True),
-    "qwen2.5-7b": ModelShape("qwen2", 3584, 28, 4, 128, 152_064, 18944, False),
-    "qwen3-8b": ModelShape("qwen3", 4096, 32, 8, 128, 151_936, 12288, False),
-    "llama-3.1-8b": ModelShape("llama", 4096, 32, 8, 128, 128_256, 14336, False),
+    "qwen2.5-1.5b": ModelShape("qwen2", 1536, 12, 2, 128, 151_936, 8960, True, 28),
+    "qwen2.5-7b": ModelShape("qwen2", 3584, 28, 4, 128, 152_064, 18944, False, 28),
+    "qwen3-8b": ModelShape("qwen3", 4096, 32, 8, 128, 151_936, 12288, False, 36),
+    "llama-3.1-8b": ModelShape("llama", 4096, 32, 8, 128, 128_256, 14336, False, 32),
 }
 
 DTYPES = ("bfloat16", "float32")
