@@ -24,7 +24,9 @@ equal generated samples, over seeds.
    (the table), plateau.png (the plateau and the arms against generated samples).
 
 samples_per_s is an arm's generated samples over its training steps' wall time, the first step
-(compilation) left out; wall_s is the whole run, evaluations and compilation included.
+(compilation) left out; samples_per_s_median_step the median step's rate (later steps still
+compile: each new slot bucket of the rollout and each new packed shape of the update is a program
+of its own); wall_s is the whole run, evaluations and compilation included.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import math
 import os
 import platform
 import shutil
+import sys
 import time
 
 import numpy as np
@@ -41,6 +44,9 @@ import numpy as np
 from brorl_jax import cli
 
 ARMS = ("prorl", "brorl", "adaptive")
+# The options the plateau phase depends on (the arms depend on every option).
+PLATEAU_KEYS = ("n_prorl", "prompts", "plateau_steps", "plateau_eval_every", "plateau_window",
+                "eval_prompts", "eval_k")
 BOOTSTRAP_DRAWS = 10_000
 
 FLAGS = [cli.Flag("string", "out", "runs/plateau", "Output directory."),
@@ -53,7 +59,7 @@ FLAGS = [cli.Flag("string", "out", "runs/plateau", "Output directory."),
          cli.Flag("integer", "plateau_steps", 300, "ProRL steps to the plateau."),
          cli.Flag("integer", "plateau_eval_every", 20, "Steps between the plateau's evals."),
          cli.Flag("integer", "plateau_window", 6, "Last evaluations the plateau slope spans."),
-         cli.Flag("integer", "budget", 65_536, "Generated samples per arm run."),
+         cli.Flag("integer", "budget", 32_768, "Generated samples per arm run."),
          cli.Flag("integer", "eval_prompts", 200, "Held-out prompts of every evaluation."),
          cli.Flag("integer", "eval_k", 16, "Samples per held-out prompt (pass@k up to k).")]
 
@@ -166,6 +172,8 @@ def summarize_run(records: list[dict], wall_s: float) -> dict:
             "steps": len(steps),
             "samples_per_s": sum(r["perf/generated_samples"] for r in timed)
             / sum(r["time/step_s"] for r in timed),
+            "samples_per_s_median_step": float(np.median([r["perf/samples_per_s"]
+                                                          for r in timed])),
             "wall_s": wall_s,
             "dynamic_sampling_pass_rate": float(np.mean(rates)) if rates else float("nan")}
 
@@ -251,10 +259,15 @@ def _run(base, out: str, opts: dict, command: str) -> dict:
     path = os.path.join(out, "plateau.json")
     seeds = [int(s) for s in opts["seeds"]]
     result = json.load(open(path)) if os.path.exists(path) else {}
-    if result.get("options") not in (None, opts):
-        from brorl_jax.errors import WorkdirError
-        raise WorkdirError(f"{path} was written with other options ({result['options']}); "
-                           "give another --out or delete it.")
+    old = result.get("options")
+    if old not in (None, opts):
+        if any(old.get(k) != opts[k] for k in PLATEAU_KEYS):
+            from brorl_jax.errors import WorkdirError
+            raise WorkdirError(f"{path} holds a plateau made with other options ({old}); "
+                               "give another --out or delete it.")
+        print(f"[plateau] options changed since {path}: the plateau is kept, every arm runs "
+              "again", file=sys.stderr)
+        result = {k: v for k, v in result.items() if k == "plateau"}
     result.update({"command": command, "machine": machine(), "options": opts, "seeds": seeds})
     result.setdefault("arms", {a: {} for a in ARMS})
     t_start = time.perf_counter()
@@ -278,17 +291,25 @@ def _run(base, out: str, opts: dict, command: str) -> dict:
         _write(result, out)
     for seed in seeds:                   # every arm of a seed before the next seed
         for arm in ARMS:
-            if str(seed) in result["arms"][arm]:
+            workdir = os.path.join(out, f"{arm}_seed{seed}")
+            done = result["arms"][arm].get(str(seed))
+            if done is not None:
+                if "samples_per_s_median_step" not in done:     # summed up by an older version
+                    from brorl_jax.workdir.logger import read_metrics
+                    result["arms"][arm][str(seed)] = summarize_run(
+                        read_metrics(os.path.join(workdir, "metrics.jsonl")), done["wall_s"])
                 continue
             cfg = arm_config(base, arm, plateau_dir, opts)
             cfg.train.seed = seed
-            workdir = os.path.join(out, f"{arm}_seed{seed}")
             shutil.rmtree(workdir, ignore_errors=True)     # an unfinished run starts again
             records, wall, _ = _train(cfg, workdir)
             result["arms"][arm][str(seed)] = summarize_run(records, wall)
             result.update(aggregate(result["arms"]))
             _write(result, out)
-    result["experiment_wall_s_this_call"] = time.perf_counter() - t_start
+    # every call of the command, with its wall time (a call after an interruption or a change
+    # of the arms' options runs only what is missing)
+    result.setdefault("calls", []).append({"command": command,
+                                           "wall_s": time.perf_counter() - t_start})
     _write(result, out)
     return result
 
@@ -405,8 +426,6 @@ def options(values: dict) -> dict:
 
 
 def main(values: dict) -> int:
-    import sys
-
     from brorl_jax.config import validate
     opts = options(values)
     base_values = values["config"]

@@ -12,7 +12,7 @@ from brorl_jax.experiments import plateau
 from configs import demo, tiny
 
 OPTS = {"seeds": ["0", "1"], "n_prorl": 16, "prompts": 16, "n_brorl": 512, "batch_ratio": 8,
-        "plateau_steps": 300, "plateau_eval_every": 20, "plateau_window": 6, "budget": 65_536,
+        "plateau_steps": 300, "plateau_eval_every": 20, "plateau_window": 6, "budget": 32_768,
         "eval_prompts": 200, "eval_k": 16}
 
 
@@ -30,7 +30,7 @@ def test_arms_follow_the_paper_shape_budget_and_sqrt_learning_rate():
     assert not pro.rollout.adaptive_n and not bro.rollout.adaptive_n
     for c in cfgs.values():
         assert c.algo.ppo_mini_batches == base.algo.ppo_mini_batches
-        assert c.train.sample_budget == 65_536 and c.model.path == "/start"
+        assert c.train.sample_budget == 32_768 and c.model.path == "/start"
         assert c.train.steps * c.update_rows > c.train.sample_budget   # the budget stops first
         assert c.eval.samples_per_prompt == 16 and c.sft.steps == 0
     p = validate(plateau.plateau_config(base, "/warm", OPTS))
@@ -58,6 +58,7 @@ def test_aggregate_and_table_over_seeds():
     run = lambda p0, p1: {"pass1_start": p0, "pass1_end": p1, "pass_at_k_start": {"1": p0},
                           "pass_at_k_end": {"1": p1, "16": p1 + 0.3}, "generated_samples": 640,
                           "steps": 5, "samples_per_s": 100.0, "wall_s": 9.0,
+                          "samples_per_s_median_step": 120.0,
                           "dynamic_sampling_pass_rate": 0.5}
     arms = {"prorl": {"0": run(0.4, 0.42), "1": run(0.4, 0.44)},
             "brorl": {"0": run(0.4, 0.5), "1": run(0.4, 0.52)},
@@ -108,6 +109,7 @@ def test_the_whole_experiment_at_tiny_sizes_writes_the_public_json(tmp_path, tin
             assert set(r["pass_at_k_end"]) == {"1", "2", "4"}
             assert r["pass_at_k_end"]["1"] == r["pass1_end"]
             assert 0 <= r["pass1_start"] <= 1 and r["samples_per_s"] > 0 and r["wall_s"] > 0
+            assert r["samples_per_s_median_step"] > 0
     for key in ("diff_brorl_minus_prorl", "diff_adaptive_minus_prorl"):
         lo, hi = result[key]["ci95"]
         assert lo <= result[key]["mean"] <= hi
