@@ -50,6 +50,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from brorl_jax.rewards import _math_rules as rules
 from brorl_jax.rewards.types import RewardResult, require_field
 
 # R2: a final-answer commitment; group 1 is the rest of the line. Several patterns may be given
@@ -105,6 +106,8 @@ _SPACING = re.compile(r"\\(?:quad|qquad|,|;|:|!| |enspace|hspace\{[^}]*\})|~|\$|
 def _is_connector(gap: str) -> bool:
     """R1: text between two boxes that joins them into one answer."""
     gap = re.sub(r"\\(?:text|textbf|mathrm)\s*\{([^{}]*)\}", r" \1 ", gap)
+    gap = re.sub(r"(?i)\bfor\s+part\s+\(?[a-z0-9]\)?", " ", gap)       # a part label
+    gap = re.sub(r"^\s*[A-Za-z]+(?=\s*(?:[,;]|\band\b|\bor\b))", " ", gap)  # "\\boxed{1} papers and"
     gap = _SPACING.sub(" ", gap)
     gap = re.sub(_ASSIGN, " ", gap)
     gap = re.sub(r"(?i)\b(?:and|or)\b|[,;.]", " ", gap)
@@ -185,8 +188,8 @@ def extract_answer(completion: str,
         for m in re.finditer(pattern, completion):
             text = m.group(1)
             opened = text.strip()
-            if opened in ("\\(", "\\[", "$$"):   # "Answer \\(" + the answer on the next lines
-                close = {"\\(": "\\)", "\\[": "\\]", "$$": "$$"}[opened]
+            if opened in ("\\(", "\\[", "$$", "$"):   # "Answer \\(" + the answer on next lines
+                close = {"\\(": "\\)", "\\[": "\\]", "$$": "$$", "$": "$"}[opened]
                 end = completion.find(close, m.end(1))
                 if end != -1:
                     text = completion[m.start(1):end + len(close)]
@@ -219,7 +222,8 @@ def _mixed(m: re.Match) -> str:
 
 
 def normalize_answer(answer: str) -> str:
-    """String rules applied to both answers before math-verify parses them (R3, R5, R8)."""
+    """String rules applied to both answers before math-verify parses them (R3, R5, R8-R10)."""
+    answer = rules.strip_units(rules.repair(answer))
     answer = _THOUSANDS.sub(lambda m: m.group(1) + re.sub(r"\D", "", m.group(2)), answer)
     answer = _MIXED_PLAIN.sub(_mixed, answer)
     if re.search(_TRIG, answer):
@@ -268,6 +272,7 @@ def _as_solution_set(e):
     parts = list(e.args) if isinstance(e, sympy.FiniteSet) else [e]
     if not parts or any(one(p) is None for p in parts):
         return None
+    parts = [_bounded_as_symbol(p) for p in parts]
     symbols = set().union(*(p.free_symbols for p in parts))
     if len(symbols) != 1:
         return None
@@ -278,8 +283,33 @@ def _as_solution_set(e):
         return None
 
 
+def _bounded_as_symbol(e):
+    """R6: in `0 < f(x) < 1` the bounded expression f(x) plays the variable (its range)."""
+    import sympy
+    from sympy.core.function import AppliedUndef
+    bounded = {a for a in sympy.preorder_traversal(e) if isinstance(a, AppliedUndef)}
+    if len(bounded) == 1:
+        return e.subs(bounded.pop(), sympy.Symbol("_bounded", real=True))
+    return e
+
+
+def _membership_as_set(exprs: list) -> list:
+    """R6: `x \\in [-2, 7]` (math-verify: Eq(x, Interval)) is the interval itself."""
+    import sympy
+    return [e.rhs if isinstance(e, sympy.Eq) and isinstance(e.lhs, sympy.Symbol)
+            and isinstance(e.rhs, sympy.Set) else e for e in exprs]
+
+
 def _relations_vs_sets(gold: list, pred: list) -> tuple[list, list]:
     import sympy
+    from sympy.core.relational import Relational
+
+    def relation(side):
+        return any(isinstance(e, (Relational, sympy.And, sympy.Or)) for e in side)
+    if relation(pred):
+        gold = _membership_as_set(gold)
+    if relation(gold):
+        pred = _membership_as_set(pred)
 
     def convert(side, other):
         if not any(isinstance(o, sympy.Set) and not isinstance(o, sympy.FiniteSet)
@@ -353,10 +383,14 @@ def answers_match(gold: Any, answer: str, *, float_rounding: int = 6) -> bool | 
     None when `answer` cannot be parsed; "gold" when the gold cannot. No deadline here."""
     from math_verify import parse, verify
 
+    gold_text = gold_answer(gold)
+    for rule in (rules.clock_times_match, rules.decimal_comma_match):   # R11, R12
+        verdict = rule(_strip_math_delimiters(gold_text), _strip_math_delimiters(answer))
+        if verdict is not None:
+            return verdict
     pred = parse(_answer_latex(normalize_answer(answer)), parsing_timeout=None)
     if not pred:
         return None
-    gold_text = gold_answer(gold)
     gold_parsed = parse(_as_latex(normalize_answer(gold_text)), parsing_timeout=None)
     if not gold_parsed:
         return "gold"  # type: ignore[return-value]
@@ -366,7 +400,20 @@ def answers_match(gold: Any, answer: str, *, float_rounding: int = 6) -> bool | 
     g = _imaginary_unit(list(gold_parsed), unit)
     p = _imaginary_unit(list(pred), unit)
     g, p = _relations_vs_sets(g, p)
-    return bool(verify(g, p, float_rounding=float_rounding, timeout_seconds=None))
+    if verify(g, p, float_rounding=float_rounding, timeout_seconds=None):
+        return True
+    return _after_math_verify(g, p, float_rounding)
+
+
+def _after_math_verify(g: list, p: list, float_rounding: int) -> bool:
+    """R13: the comparisons math-verify does not make, on its first readings."""
+    from math_verify import verify
+    if not (g and p):
+        return False
+    rhs = rules.function_rhs(g[0], p[0])
+    if rhs is not None:
+        return bool(verify(rhs[0], rhs[1], float_rounding=float_rounding, timeout_seconds=None))
+    return rules.same_number(g[0], p[0]) or rules.simplify_equal(g[0], p[0])
 
 
 def math_reward(record: Mapping[str, Any], completion: str, *,
