@@ -87,16 +87,16 @@ _DECIMAL_POINT = re.compile(r"\s*[-+]?\d*\.\d+\s*")
 
 
 def decimal_comma_match(gold: str, answer: str) -> bool | None:
-    """R12: one side a decimal with a point, the other one number with a single comma not
+    """R12: the gold a decimal with a point, the answer one number with a single comma not
     followed by exactly three digits (so not a thousands separator): the comma is a decimal
-    point. A list such as {2, 5} can never equal a single decimal, so the rule only turns a no
-    into a yes when every digit agrees. None when it does not apply."""
+    point. An answer list such as {2, 5} can never equal a single decimal, so the rule only
+    turns a no into a yes when every digit agrees. Never the other way round: a gold "-2,1"
+    is the list of roots {-2, 1}, not -2.1. None when it does not apply."""
     from fractions import Fraction
 
-    for point, comma in ((gold, answer), (answer, gold)):
-        m = _DECIMAL_COMMA.fullmatch(comma)
-        if m and len(m.group(2)) != 3 and _DECIMAL_POINT.fullmatch(point):
-            return Fraction(f"{m.group(1)}.{m.group(2)}") == Fraction(point.strip())
+    m = _DECIMAL_COMMA.fullmatch(answer)
+    if m and len(m.group(2)) != 3 and _DECIMAL_POINT.fullmatch(gold):
+        return Fraction(f"{m.group(1)}.{m.group(2)}") == Fraction(gold.strip())
     return None
 
 
@@ -157,3 +157,19 @@ def same_number(g, p) -> bool:
     except (TypeError, ValueError):
         return False
     return abs(a - b) <= 1e-9 * max(abs(a), abs(b)) and max(abs(a), abs(b)) > 0
+
+
+def vector_entries(g, p):
+    """R13d: a one-row or one-column matrix against a tuple or a bracketed pair (math-verify reads
+    [0.5, 1] as an interval): their entries, in order, when the counts agree; else None."""
+    import sympy
+    from sympy.matrices import MatrixBase
+    if not isinstance(g, MatrixBase) or min(g.shape) != 1:
+        return None
+    if isinstance(p, sympy.Tuple):
+        entries = list(p)
+    elif isinstance(p, sympy.Interval) and p.start.is_finite and p.end.is_finite:
+        entries = [p.start, p.end]
+    else:
+        return None
+    return (list(g), entries) if len(entries) == len(g) else None
