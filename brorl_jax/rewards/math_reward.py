@@ -14,17 +14,19 @@ together, docs/rewards.md lists them):
      one answer, the list of their contents ("x = \\boxed{2} or x = \\boxed{3}" is "2, 3"); a box
      after any other text ("first \\boxed{7}, corrected: \\boxed{10}") replaces the earlier ones.
      A hedge ("\\boxed{7} or \\boxed{10}") is the set {7, 10}, which matches no single gold.
+     A part label ("for part (a)") and one word right after a box before a connector
+     ("\\boxed{1} papers and \\boxed{2} bins") are connectors too.
   R2 final-answer lines: "Final Answer: ...", "The final answer is ...", a line starting with
      "Answer", wherever they sit on the line; the last commitment wins, so a final-answer line
      written after the last box replaces it. Sentences are cut to the answer: "The largest $n$
      is 34." -> "34", Minerva's "... I hope it is correct." is dropped; an answer that starts
      with "not" is no answer; a plain-prose sentence ("Jane started growing Sphere 3 hours ago")
      gives its number when it holds exactly one, else no answer (a hedge "3 or 4 hours" is none).
+     "Answer \\(", "Answer $" or "Answer $$" at a line's end opens an answer on the next lines.
   R3 thousands separators written with spaces or thin spaces ("1 000", "1\\,000", "12 345 678":
      groups of exactly three digits after a 1-3 digit head) are joined; "1 00" or "12 34" are not.
      Commas ("10,455") are joined only when the gold is a single number: against a list gold
-     "10, 455" stays a list. A decimal comma ("1000,99") is never read as a decimal point: "2,5"
-     may be the list {2, 5}.
+     "10, 455" stays a list. A decimal comma is read only by R12 (answer side, gold a decimal).
   R0 a completion ends at the first chat-template token (<|im_start|>, <|im_end|>,
      <|endoftext|>, <|eot_id|>): what follows is a turn the model was not asked for.
   R4 the imaginary unit: a free symbol i in both answers is sympy's I (so i^2 = -1, sqrt(-4) = 2i)
@@ -32,7 +34,9 @@ together, docs/rewards.md lists them):
   R5 degrees inside trigonometric functions are converted to radians (\\sin(90^\\circ - x) is
      \\cos x); a bare 30^\\circ stays 30 (math-verify drops the sign), so "30" still matches it.
   R6 relations vs intervals: a one-variable inequality (or an "or"/"and" of them) compared with an
-     interval or union is compared as its solution set (x > 3 is (3, oo)), in both directions.
+     interval or union is compared as its solution set (x > 3 is (3, oo)), in both directions;
+     a bounded f(x) plays the variable ("0 < f(x) < 1" is (0, 1)); "x \\in S" against a
+     relation is S.
   R7 a bare comma list is a set of answers ("enter all solutions", MATH's convention; ordered
      answers are written as tuples "(a, b)"), as math-verify reads it: "4, 10, -2" = "10, 4, -2".
   R8 exact rationals vs decimal expansions (math-verify's own, kept and tested): equal when they
@@ -40,6 +44,18 @@ together, docs/rewards.md lists them):
      2\\frac{1}{2} = 5/2 (math-verify's reading, with or without a space) and, added here, the
      plain "3 1/2" = 7/2 (math-verify alone reads "a b/c" as (a + b)/c, so "3 1/2" would match
      a gold of 2).
+  R9-R13 live in _math_rules.py: R9 units after a number ("10 weeks", "10weeks", "10 cm^2",
+     "5 square units" are the number; a glued short unit "10cm" is a product of variables, as a
+     gold "10m" may be 10*m); R10 format repairs (a bare % is \\%, a trailing lone backslash is
+     dropped, an over-escaped "\\\\frac" answer has its backslashes halved); R11 clock times
+     (with AM/PM or seconds on either side; an unmarked time is the 24-hour clock: "20:34" is
+     "8:34 PM", "3:00" is not "3:00 PM"); R12 a decimal comma in the answer against a gold
+     decimal, when not followed by exactly three digits ("1000,99" = 1000.99; a comma gold stays a
+     list); R13 after math-verify says no: f(x) = ... against y = ... by their right sides,
+     numbers equal to 1e-9 relative (scientific notation; never a rounding: 3.1416 is not pi),
+     a one-row/one-column matrix against a tuple entry by entry, and expressions whose
+     difference simplifies to 0 (floats as rationals; symbols positive only when the gold takes
+     roots of them). Matrices are compared element-wise by math-verify itself.
 """
 
 from __future__ import annotations
