@@ -426,14 +426,18 @@ def _after_math_verify(g: list, p: list, float_rounding: int) -> bool:
     from math_verify import verify
     if not (g and p):
         return False
-    rhs = rules.function_rhs(g[0], p[0])
-    if rhs is not None:
-        return bool(verify(rhs[0], rhs[1], float_rounding=float_rounding, timeout_seconds=None))
-    vector = rules.vector_entries(g[0], p[0])
-    if vector is not None:
-        return all(verify(a, b, float_rounding=float_rounding, timeout_seconds=None)
-                   for a, b in zip(*vector))
-    return rules.same_number(g[0], p[0]) or rules.simplify_equal(g[0], p[0])
+    try:
+        rhs = rules.function_rhs(g[0], p[0])
+        if rhs is not None:
+            return bool(verify(rhs[0], rhs[1], float_rounding=float_rounding,
+                               timeout_seconds=None))
+        vector = rules.vector_entries(g[0], p[0])
+        if vector is not None:
+            return all(verify(a, b, float_rounding=float_rounding, timeout_seconds=None)
+                       for a, b in zip(*vector))
+        return rules.same_number(g[0], p[0]) or rules.simplify_equal(g[0], p[0])
+    except Exception:  # noqa: BLE001 - sympy gave up: math-verify's "no" stands
+        return False
 
 
 def math_reward(record: Mapping[str, Any], completion: str, *,
