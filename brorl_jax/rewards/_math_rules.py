@@ -19,8 +19,32 @@ _TRAILING_UNIT = re.compile(
 _PLAIN_NUMBER = re.compile(r"\s*[-+]?\d+(?:\.\d+)?\s*")
 
 
+def _top_level_parts(text: str) -> list[str]:
+    """text split at the commas outside any bracket (the separators stay with the parts)."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(text):
+        depth += (c in "([{") - (c in ")]}")
+        if c == "," and depth == 0:
+            parts.append(text[start:i + 1])
+            start = i + 1
+    return parts + [text[start:]]
+
+
 def strip_units(answer: str) -> str:
-    """R9: `5 weeks`, `10weeks`, `10 cm^2` -> the number; `10cm` -> 10 * c * m (glued short)."""
+    """R9, on each element of a list: `5 weeks`, `10weeks`, `10 cm^2` -> the number; `10cm` ->
+    10 * c * m (glued short units are variables)."""
+    parts = _top_level_parts(answer)
+    return "".join(_strip_unit(p[:-1]) + "," if p.endswith(",") else _strip_unit(p)
+                   for p in parts)
+
+
+def _strip_unit(answer: str) -> str:
+    # a unit in \\text{...} reads as spaced words: "10\\text{cm}" is "10 cm"
+    plain = re.sub(r"\\(?:text|mbox|mathrm|textnormal|textrm)\s*\{\s*([A-Za-z][A-Za-z ]*)\}"
+                   r"(?=\s*(?:\^\s*\{?\s*[23]\s*\}?)?\s*$)", r" \1", answer)
+    if plain != answer:
+        stripped = _strip_unit(plain)
+        return stripped if stripped != plain else answer
     m = _TRAILING_UNIT.fullmatch(answer)
     if not m:
         return answer

@@ -137,6 +137,7 @@ def test_record_without_ground_truth_is_a_clear_error():
     ("10", "\\boxed{10 \\text{ cm}^2}"),
     ("10 cm^2", "\\boxed{10}"),
     ("5", "\\boxed{5 square units}"),
+    ("12, 5", "\\boxed{12 \\text{ cm}} and \\boxed{5 cm}"),
     # R10 format repairs
     ("28\\%", "\\boxed{28 %}"),
     ("185", "\\boxed{185\\}"),
@@ -241,6 +242,7 @@ def test_rule_accepts_equivalent_answer(truth, completion):
     ("10m", "\\boxed{10}"),
     ("10", "\\boxed{10x}"),
     ("10", "\\boxed{10 x}"),
+    ("12, 5", "\\boxed{12 cm} and \\boxed{6 cm}"),
     ("2", "\\boxed{2 \\sin x}"),
     ("3", "\\boxed{3 pi}"),
     # R10
