@@ -44,18 +44,19 @@ together, docs/rewards.md lists them):
      2\\frac{1}{2} = 5/2 (math-verify's reading, with or without a space) and, added here, the
      plain "3 1/2" = 7/2 (math-verify alone reads "a b/c" as (a + b)/c, so "3 1/2" would match
      a gold of 2).
-  R9-R13 live in _math_rules.py: R9 units after a number, in each element of a list
-     ("10 weeks", "10weeks", "10 cm^2", "5 square units", "12 \\text{ cm}" are the number; a
-     glued short unit "10cm" is a product of variables, as a gold "10m" may be 10*m); R10 format
-     repairs (a bare % is \\%, a trailing lone backslash is dropped, an over-escaped "\\\\frac" answer has its backslashes halved); R11 clock times
-     (with AM/PM or seconds on either side; an unmarked time is the 24-hour clock: "20:34" is
-     "8:34 PM", "3:00" is not "3:00 PM"); R12 a decimal comma in the answer against a gold
-     decimal, when not followed by exactly three digits ("1000,99" = 1000.99; a comma gold stays a
-     list); R13 after math-verify says no: f(x) = ... against y = ... by their right sides,
-     numbers equal to 1e-9 relative (scientific notation; never a rounding: 3.1416 is not pi),
-     a one-row/one-column matrix against a tuple entry by entry, and expressions whose
-     difference simplifies to 0 (floats as rationals; symbols positive only when the gold takes
-     roots of them). Matrices are compared element-wise by math-verify itself.
+  R9-R13 live in _math_rules.py: R9 units after a number, in each element of a list ("10
+     weeks", "10weeks", "10 cm^2", "5 square units", "12 \\text{ cm}" are the number; a glued
+     short unit "10cm" is a product of variables, as a gold "10m" may be 10*m); R10 format
+     repairs (a bare % is \\%, a trailing lone backslash is dropped, an over-escaped "\\\\frac"
+     answer has its backslashes halved); R11 clock times (with AM/PM or seconds on either side;
+     an unmarked time is the 24-hour clock: "20:34" is "8:34 PM", "3:00" is not "3:00 PM"); R12
+     a decimal comma in the answer against a gold decimal, when not followed by exactly three
+     digits ("1000,99" = 1000.99; a comma gold stays a list); R13 after math-verify says no:
+     f(x) = ... against y = ... by their right sides, numbers equal to 1e-9 relative
+     (scientific notation; never a rounding: 3.1416 is not pi), a one-row/one-column matrix
+     against a tuple entry by entry, and expressions whose difference simplifies to 0 (floats
+     as rationals; symbols positive only when the gold takes roots of them). Matrices are
+     compared element-wise by math-verify itself.
 """
 
 from __future__ import annotations
