@@ -15,7 +15,8 @@ the "completion" and "answer" cases, and checks that every free-flow case scores
 
 The pairs are not shipped with the project: they are transcribed from other projects' test
 suites (e.g. huggingface/Math-Verify's `tests/*.py` parametrizations, hendrycks/math's
-`math_equivalence_test.py`); build the file from the suites you trust. The rule-by-rule
+`math_equivalence_test.py`, MARIO_EVAL's `test_is_equiv.py`, NeMo-Skills' `test_math_equal.py`;
+docs/rewards.md names the commits measured); build the file from the suites you trust. The rule-by-rule
 positive and near-miss tests of our own are in tests/rewards/test_rewards_math.py.
 """
 from __future__ import annotations

@@ -14,17 +14,19 @@ together, docs/rewards.md lists them):
      one answer, the list of their contents ("x = \\boxed{2} or x = \\boxed{3}" is "2, 3"); a box
      after any other text ("first \\boxed{7}, corrected: \\boxed{10}") replaces the earlier ones.
      A hedge ("\\boxed{7} or \\boxed{10}") is the set {7, 10}, which matches no single gold.
+     A part label ("for part (a)") and one word right after a box before a connector
+     ("\\boxed{1} papers and \\boxed{2} bins") are connectors too.
   R2 final-answer lines: "Final Answer: ...", "The final answer is ...", a line starting with
      "Answer", wherever they sit on the line; the last commitment wins, so a final-answer line
      written after the last box replaces it. Sentences are cut to the answer: "The largest $n$
      is 34." -> "34", Minerva's "... I hope it is correct." is dropped; an answer that starts
      with "not" is no answer; a plain-prose sentence ("Jane started growing Sphere 3 hours ago")
      gives its number when it holds exactly one, else no answer (a hedge "3 or 4 hours" is none).
+     "Answer \\(", "Answer $" or "Answer $$" at a line's end opens an answer on the next lines.
   R3 thousands separators written with spaces or thin spaces ("1 000", "1\\,000", "12 345 678":
      groups of exactly three digits after a 1-3 digit head) are joined; "1 00" or "12 34" are not.
      Commas ("10,455") are joined only when the gold is a single number: against a list gold
-     "10, 455" stays a list. A decimal comma ("1000,99") is never read as a decimal point: "2,5"
-     may be the list {2, 5}.
+     "10, 455" stays a list. A decimal comma is read only by R12 (answer side, gold a decimal).
   R0 a completion ends at the first chat-template token (<|im_start|>, <|im_end|>,
      <|endoftext|>, <|eot_id|>): what follows is a turn the model was not asked for.
   R4 the imaginary unit: a free symbol i in both answers is sympy's I (so i^2 = -1, sqrt(-4) = 2i)
@@ -32,7 +34,9 @@ together, docs/rewards.md lists them):
   R5 degrees inside trigonometric functions are converted to radians (\\sin(90^\\circ - x) is
      \\cos x); a bare 30^\\circ stays 30 (math-verify drops the sign), so "30" still matches it.
   R6 relations vs intervals: a one-variable inequality (or an "or"/"and" of them) compared with an
-     interval or union is compared as its solution set (x > 3 is (3, oo)), in both directions.
+     interval or union is compared as its solution set (x > 3 is (3, oo)), in both directions;
+     a bounded f(x) plays the variable ("0 < f(x) < 1" is (0, 1)); "x \\in S" against a
+     relation is S.
   R7 a bare comma list is a set of answers ("enter all solutions", MATH's convention; ordered
      answers are written as tuples "(a, b)"), as math-verify reads it: "4, 10, -2" = "10, 4, -2".
   R8 exact rationals vs decimal expansions (math-verify's own, kept and tested): equal when they
@@ -40,6 +44,19 @@ together, docs/rewards.md lists them):
      2\\frac{1}{2} = 5/2 (math-verify's reading, with or without a space) and, added here, the
      plain "3 1/2" = 7/2 (math-verify alone reads "a b/c" as (a + b)/c, so "3 1/2" would match
      a gold of 2).
+  R9-R13 live in _math_rules.py: R9 units after a number, in each element of a list ("10
+     weeks", "10weeks", "10 cm^2", "5 square units", "12 \\text{ cm}" are the number; a glued
+     short unit "10cm" is a product of variables, as a gold "10m" may be 10*m); R10 format
+     repairs (a bare % is \\%, a trailing lone backslash is dropped, an over-escaped "\\\\frac"
+     answer has its backslashes halved); R11 clock times (with AM/PM or seconds on either side;
+     an unmarked time is the 24-hour clock: "20:34" is "8:34 PM", "3:00" is not "3:00 PM"); R12
+     a decimal comma in the answer against a gold decimal, when not followed by exactly three
+     digits ("1000,99" = 1000.99; a comma gold stays a list); R13 after math-verify says no:
+     f(x) = ... against y = ... by their right sides, numbers equal to 1e-9 relative
+     (scientific notation; never a rounding: 3.1416 is not pi), a one-row/one-column matrix
+     against a tuple entry by entry, and expressions whose difference simplifies to 0 (floats
+     as rationals; symbols positive only when the gold takes roots of them). Matrices are
+     compared element-wise by math-verify itself.
 """
 
 from __future__ import annotations
@@ -50,6 +67,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from brorl_jax.rewards import _math_rules as rules
 from brorl_jax.rewards.types import RewardResult, require_field
 
 # R2: a final-answer commitment; group 1 is the rest of the line. Several patterns may be given
@@ -105,6 +123,8 @@ _SPACING = re.compile(r"\\(?:quad|qquad|,|;|:|!| |enspace|hspace\{[^}]*\})|~|\$|
 def _is_connector(gap: str) -> bool:
     """R1: text between two boxes that joins them into one answer."""
     gap = re.sub(r"\\(?:text|textbf|mathrm)\s*\{([^{}]*)\}", r" \1 ", gap)
+    gap = re.sub(r"(?i)\bfor\s+part\s+\(?[a-z0-9]\)?", " ", gap)       # a part label
+    gap = re.sub(r"^\s*[A-Za-z]+(?=\s*(?:[,;]|\band\b|\bor\b))", " ", gap)  # "\\boxed{1} papers and"
     gap = _SPACING.sub(" ", gap)
     gap = re.sub(_ASSIGN, " ", gap)
     gap = re.sub(r"(?i)\b(?:and|or)\b|[,;.]", " ", gap)
@@ -185,8 +205,8 @@ def extract_answer(completion: str,
         for m in re.finditer(pattern, completion):
             text = m.group(1)
             opened = text.strip()
-            if opened in ("\\(", "\\[", "$$"):   # "Answer \\(" + the answer on the next lines
-                close = {"\\(": "\\)", "\\[": "\\]", "$$": "$$"}[opened]
+            if opened in ("\\(", "\\[", "$$", "$"):   # "Answer \\(" + the answer on next lines
+                close = {"\\(": "\\)", "\\[": "\\]", "$$": "$$", "$": "$"}[opened]
                 end = completion.find(close, m.end(1))
                 if end != -1:
                     text = completion[m.start(1):end + len(close)]
@@ -219,7 +239,8 @@ def _mixed(m: re.Match) -> str:
 
 
 def normalize_answer(answer: str) -> str:
-    """String rules applied to both answers before math-verify parses them (R3, R5, R8)."""
+    """String rules applied to both answers before math-verify parses them (R3, R5, R8-R10)."""
+    answer = rules.strip_units(rules.repair(answer))
     answer = _THOUSANDS.sub(lambda m: m.group(1) + re.sub(r"\D", "", m.group(2)), answer)
     answer = _MIXED_PLAIN.sub(_mixed, answer)
     if re.search(_TRIG, answer):
@@ -268,6 +289,7 @@ def _as_solution_set(e):
     parts = list(e.args) if isinstance(e, sympy.FiniteSet) else [e]
     if not parts or any(one(p) is None for p in parts):
         return None
+    parts = [_bounded_as_symbol(p) for p in parts]
     symbols = set().union(*(p.free_symbols for p in parts))
     if len(symbols) != 1:
         return None
@@ -278,8 +300,33 @@ def _as_solution_set(e):
         return None
 
 
+def _bounded_as_symbol(e):
+    """R6: in `0 < f(x) < 1` the bounded expression f(x) plays the variable (its range)."""
+    import sympy
+    from sympy.core.function import AppliedUndef
+    bounded = {a for a in sympy.preorder_traversal(e) if isinstance(a, AppliedUndef)}
+    if len(bounded) == 1:
+        return e.subs(bounded.pop(), sympy.Symbol("_bounded", real=True))
+    return e
+
+
+def _membership_as_set(exprs: list) -> list:
+    """R6: `x \\in [-2, 7]` (math-verify: Eq(x, Interval)) is the interval itself."""
+    import sympy
+    return [e.rhs if isinstance(e, sympy.Eq) and isinstance(e.lhs, sympy.Symbol)
+            and isinstance(e.rhs, sympy.Set) else e for e in exprs]
+
+
 def _relations_vs_sets(gold: list, pred: list) -> tuple[list, list]:
     import sympy
+    from sympy.core.relational import Relational
+
+    def relation(side):
+        return any(isinstance(e, (Relational, sympy.And, sympy.Or)) for e in side)
+    if relation(pred):
+        gold = _membership_as_set(gold)
+    if relation(gold):
+        pred = _membership_as_set(pred)
 
     def convert(side, other):
         if not any(isinstance(o, sympy.Set) and not isinstance(o, sympy.FiniteSet)
@@ -353,10 +400,14 @@ def answers_match(gold: Any, answer: str, *, float_rounding: int = 6) -> bool | 
     None when `answer` cannot be parsed; "gold" when the gold cannot. No deadline here."""
     from math_verify import parse, verify
 
+    gold_text = gold_answer(gold)
+    for rule in (rules.clock_times_match, rules.decimal_comma_match):   # R11, R12
+        verdict = rule(_strip_math_delimiters(gold_text), _strip_math_delimiters(answer))
+        if verdict is not None:
+            return verdict
     pred = parse(_answer_latex(normalize_answer(answer)), parsing_timeout=None)
     if not pred:
         return None
-    gold_text = gold_answer(gold)
     gold_parsed = parse(_as_latex(normalize_answer(gold_text)), parsing_timeout=None)
     if not gold_parsed:
         return "gold"  # type: ignore[return-value]
@@ -366,7 +417,28 @@ def answers_match(gold: Any, answer: str, *, float_rounding: int = 6) -> bool | 
     g = _imaginary_unit(list(gold_parsed), unit)
     p = _imaginary_unit(list(pred), unit)
     g, p = _relations_vs_sets(g, p)
-    return bool(verify(g, p, float_rounding=float_rounding, timeout_seconds=None))
+    if verify(g, p, float_rounding=float_rounding, timeout_seconds=None):
+        return True
+    return _after_math_verify(g, p, float_rounding)
+
+
+def _after_math_verify(g: list, p: list, float_rounding: int) -> bool:
+    """R13: the comparisons math-verify does not make, on its first readings."""
+    from math_verify import verify
+    if not (g and p):
+        return False
+    try:
+        rhs = rules.function_rhs(g[0], p[0])
+        if rhs is not None:
+            return bool(verify(rhs[0], rhs[1], float_rounding=float_rounding,
+                               timeout_seconds=None))
+        vector = rules.vector_entries(g[0], p[0])
+        if vector is not None:
+            return all(verify(a, b, float_rounding=float_rounding, timeout_seconds=None)
+                       for a, b in zip(*vector))
+        return rules.same_number(g[0], p[0]) or rules.simplify_equal(g[0], p[0])
+    except Exception:  # noqa: BLE001 - sympy gave up: math-verify's "no" stands
+        return False
 
 
 def math_reward(record: Mapping[str, Any], completion: str, *,

@@ -123,6 +123,44 @@ def test_record_without_ground_truth_is_a_clear_error():
     ("\\frac{5}{2}", "\\boxed{2 \\frac{1}{2}}"),
     ("\\frac{7}{2}", "\\boxed{3 1/2}"),
     ("-\\frac{7}{2}", "\\boxed{-3 1/2}"),
+    # R1 connectors: a part label, a unit word right after a box
+    ("(3, 3), (1, 1)", "\\boxed{(3, 3)} \\text{ for part (a) and } \\boxed{(1, 1)}"),
+    ("1, 2", "\\boxed{1} papers and \\boxed{2} bins"),
+    # R2: "Answer $" + the answer on the next lines
+    ("9", "Answer $\n9\n$"),
+    # R6: a bounded expression plays the variable; "x in S" is S
+    ("(0, 1)", "\\boxed{0<f(x)<1}"),
+    ("x \\in [-2,7]", "\\boxed{-2 \\le x \\le 7}"),
+    # R9 units after a number
+    ("10", "\\boxed{10 weeks}"),
+    ("10", "\\boxed{10weeks}"),
+    ("10", "\\boxed{10 \\text{ cm}^2}"),
+    ("10 cm^2", "\\boxed{10}"),
+    ("5", "\\boxed{5 square units}"),
+    ("12, 5", "\\boxed{12 \\text{ cm}} and \\boxed{5 cm}"),
+    # R10 format repairs
+    ("28\\%", "\\boxed{28 %}"),
+    ("185", "\\boxed{185\\}"),
+    ("\\\\frac{1}{2}", "\\boxed{0.5}"),
+    ("\\\\begin{pmatrix} 1 \\\\\\\\ 2 \\\\end{pmatrix}", "\\boxed{\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}}"),
+    # R11 clock times (an unmarked time is the 24-hour clock)
+    ("20:34", "\\boxed{8:34 \\text{ P.M.}}"),
+    ("20:34", "\\boxed{20:34:00}"),
+    ("3:00 AM", "\\boxed{3:00}"),
+    ("12:15 AM", "\\boxed{0:15}"),
+    # R12 decimal commas
+    ("1000.99", "\\boxed{1000,99}"),
+    ("-2.5", "\\boxed{-2,50}"),
+    # R13 function equations, simplification, scientific notation; matrices element-wise
+    ("f(x) = 2x + 3", "\\boxed{y = 2x + 3}"),
+    ("\\frac{v_{0}}{r_{0}} \\frac{1}{\\left(1+r / r_{0}\\right)^{3 / 2}}",
+     "\\boxed{\\frac{v_0 \\cdot \\left(\\frac{r_0}{r + r_0}\\right)^{0.5}}{(r + r_0)}}"),
+    ("\\frac{x^2-1}{x-1}", "\\boxed{x+1}"),
+    ("2.314814814815 \\times 10^{-3}", "\\boxed{\\frac{1}{432}}"),
+    ("\\begin{pmatrix} 1 & 1/2 \\\\ 1/3 & 4 \\end{pmatrix}",
+     "\\boxed{\\begin{bmatrix} 1 & 0.5 \\\\ \\frac{1}{3} & 4 \\end{bmatrix}}"),
+    ("\\begin{matrix} \\frac12 \\\\ 1 \\end{matrix}", "\\boxed{[0.5, 1]}"),
+    ("\\begin{pmatrix} 1 & -2 & 3 \\end{pmatrix}", "\\boxed{(1, -2, 3)}"),
     # a gold written as a worked solution with a box is read like a completion
     ("so $n = \\boxed{1,-2}$.", "\\boxed{-2} \\quad \\text{and} \\quad \\boxed{1}"),
 ])
@@ -160,7 +198,11 @@ def test_rule_accepts_equivalent_answer(truth, completion):
     ("100", "\\boxed{1 00}"),
     ("1234", "\\boxed{12 34}"),
     ("1000", "\\boxed{1 0000}"),
-    ("1000.99", "\\boxed{1000,99}"),        # a decimal comma is never read (it may be a list)
+    ("1000.99", "\\boxed{1000,98}"),        # R12: a decimal comma must agree in every digit
+    ("1.0", "\\boxed{1,000}"),               # R12: three digits after the comma are thousands
+    ("2, 5", "\\boxed{2.5}"),                # R12: a list gold is not a single decimal
+    ("25", "\\boxed{2,5}"),                  # R12: nor is an integer gold
+    ("-2,1", "\\boxed{-2.1}"),               # R12: a comma gold is a list, never a decimal
     ("10, 455", "\\boxed{10455}"),           # a list gold keeps commas as separators
     # R4
     ("1", "\\boxed{i^2}"),
@@ -186,6 +228,47 @@ def test_rule_accepts_equivalent_answer(truth, completion):
     ("\\frac{7}{2}", "\\boxed{3 4/2}"),         # math-verify alone: (3 + 4)/2
     ("2", "\\boxed{3 1/2}"),                     # math-verify alone: (3 + 1)/2 = 2
     ("\\frac{7}{2}", "\\boxed{3 1/3}"),
+    # R1: more than one word, or words before a connector, still replace earlier boxes
+    ("1, 2", "\\boxed{1} no no no no no \\boxed{2}"),
+    ("(3, 3), (1, 1)", "\\boxed{(3, 3)} \\text{ for part (a) and } \\boxed{(1, 2)}"),
+    ("7", "\\boxed{7} wrong, \\boxed{10}"),           # joined: the set {7, 10}, no single gold
+    # R6
+    ("(0, 1)", "\\boxed{0<f(x)\\le 1}"),
+    ("x \\in [-2,7]", "\\boxed{-2 < x \\le 7}"),
+    # R9: never a different number; glued short letters are variables
+    ("10", "\\boxed{11 weeks}"),
+    ("100", "\\boxed{10 \\text{ cm}}"),
+    ("10cm", "\\boxed{10}"),
+    ("10m", "\\boxed{10}"),
+    ("10", "\\boxed{10x}"),
+    ("10", "\\boxed{10 x}"),
+    ("12, 5", "\\boxed{12 cm} and \\boxed{6 cm}"),
+    ("2", "\\boxed{2 \\sin x}"),
+    ("3", "\\boxed{3 pi}"),
+    # R10
+    ("28\\%", "\\boxed{29 %}"),
+    ("185", "\\boxed{186\\}"),
+    # R11
+    ("3:00 PM", "\\boxed{3:00}"),
+    ("20:34", "\\boxed{8:34 \\text{ A.M.}}"),
+    ("20:34", "\\boxed{20:34:01}"),
+    ("12:00", "\\boxed{1:00 PM}"),
+    # R13: a different function, a different variable, roundings, a different matrix
+    ("f(x) = 2x + 3", "\\boxed{y = 2x + 4}"),
+    ("x = 3", "\\boxed{y = 3}"),
+    ("\\frac{x^2-1}{x-1}", "\\boxed{x-1}"),
+    ("|x|", "\\boxed{x}"),
+    ("x", "\\boxed{\\sqrt{x^2}}"),                     # symbols positive only if the gold's roots say so
+    ("40\\pi", "\\boxed{125.663}"),
+    ("\\pi", "\\boxed{3.1416}"),
+    ("\\sqrt{2}", "\\boxed{1.414}"),
+    ("\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}",
+     "\\boxed{\\begin{pmatrix} 1 & 2 \\\\ 3 & 5 \\end{pmatrix}}"),
+    ("\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}",
+     "\\boxed{\\begin{pmatrix} 1 & 3 \\\\ 2 & 4 \\end{pmatrix}}"),
+    ("\\begin{matrix} \\frac12 \\\\ 1 \\end{matrix}", "\\boxed{[1, 0.5]}"),   # entries in order
+    ("\\begin{pmatrix} 1 & -2 & 3 \\end{pmatrix}", "\\boxed{(1, -2)}"),
+    ("\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}", "\\boxed{(1, 2, 3, 4)}"),  # not a vector
 ])
 def test_rule_rejects_near_miss(truth, completion):
     result = _score(truth, completion)
