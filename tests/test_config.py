@@ -337,7 +337,7 @@ def test_globs_and_lists_of_data_files_are_refused_with_the_way_that_works(spec)
 
 
 CLI_MODULES = ["brorl_jax.main", "brorl_jax.evaluate", "brorl_jax.export",
-               "brorl_jax.experiments.compare_n"]
+               "brorl_jax.experiments.compare_n", "brorl_jax.experiments.plateau"]
 
 
 def test_command_modules_import_together():
