@@ -44,9 +44,14 @@ import numpy as np
 from brorl_jax import cli
 
 ARMS = ("prorl", "brorl", "adaptive")
-# The options the plateau phase depends on (the arms depend on every option).
+# Extra arms that explain the three (plateau.json "ablations"; --ablations picks them):
+#   brorl_prorl_lr: the brorl arm at the prorl arm's learning rate (no sqrt batch rule).
+ABLATIONS = ("brorl_prorl_lr",)
+# The options the plateau phase depends on, and those the arms' runs depend on (seeds and
+# ablations only add runs).
 PLATEAU_KEYS = ("n_prorl", "prompts", "plateau_steps", "plateau_eval_every", "plateau_window",
                 "eval_prompts", "eval_k")
+ARM_KEYS = PLATEAU_KEYS + ("n_brorl", "batch_ratio", "budget")
 BOOTSTRAP_DRAWS = 10_000
 
 FLAGS = [cli.Flag("string", "out", "runs/plateau", "Output directory."),
@@ -61,10 +66,12 @@ FLAGS = [cli.Flag("string", "out", "runs/plateau", "Output directory."),
          cli.Flag("integer", "plateau_window", 6, "Last evaluations the plateau slope spans."),
          cli.Flag("integer", "budget", 32_768, "Generated samples per arm run."),
          cli.Flag("integer", "eval_prompts", 200, "Held-out prompts of every evaluation."),
-         cli.Flag("integer", "eval_k", 16, "Samples per held-out prompt (pass@k up to k).")]
+         cli.Flag("integer", "eval_k", 16, "Samples per held-out prompt (pass@k up to k)."),
+         cli.Flag("list", "ablations", list(ABLATIONS), "Extra arms after the three (names: "
+                  + ", ".join(ABLATIONS) + "; empty: none).")]
 
 # --quick: every arm at tiny sizes; the flags it sets (the command line's --config.* still apply).
-QUICK = {"seeds": ["0", "1"], "n_brorl": 128, "prompts": 4, "batch_ratio": 8,
+QUICK = {"seeds": ["0", "1"], "ablations": [], "n_brorl": 128, "prompts": 4, "batch_ratio": 8,
          "plateau_steps": 4, "plateau_eval_every": 2, "plateau_window": 3, "budget": 1536,
          "eval_prompts": 16, "eval_k": 4}
 QUICK_CONFIG = {"sft.steps": 300, "algo.max_generation_rounds": 2}   # over the config's, if larger
@@ -120,6 +127,9 @@ def arm_config(base, arm: str, model_path: str, opts: dict):
         _shape(cfg, opts["n_prorl"], opts["prompts"])
     else:
         _shape(cfg, opts["n_brorl"], brorl_prompts(opts))
+    if arm == "brorl_prorl_lr":
+        from brorl_jax.config import derived_learning_rate
+        cfg.optim.lr = derived_learning_rate(arm_config(base, "prorl", model_path, opts))[0]
     if arm == "adaptive":
         n = opts["n_brorl"]
         cfg.rollout.adaptive_n = True
@@ -183,7 +193,8 @@ def aggregate(arms: dict) -> dict:
     mean and standard error over seeds of every number."""
     out: dict = {}
     ends = {a: [r["pass1_end"] for r in runs.values()] for a, runs in arms.items() if runs}
-    for a, b in (("brorl", "prorl"), ("adaptive", "prorl"), ("adaptive", "brorl")):
+    for a, b in (("brorl", "prorl"), ("adaptive", "prorl"), ("adaptive", "brorl"),
+                 ("brorl_prorl_lr", "prorl"), ("brorl_prorl_lr", "brorl")):
         if a in ends and b in ends:
             out[f"diff_{a}_minus_{b}"] = bootstrap_diff(ends[a], ends[b])
     return out
@@ -260,14 +271,14 @@ def _run(base, out: str, opts: dict, command: str) -> dict:
     seeds = [int(s) for s in opts["seeds"]]
     result = json.load(open(path)) if os.path.exists(path) else {}
     old = result.get("options")
-    if old not in (None, opts):
-        if any(old.get(k) != opts[k] for k in PLATEAU_KEYS):
-            from brorl_jax.errors import WorkdirError
-            raise WorkdirError(f"{path} holds a plateau made with other options ({old}); "
-                               "give another --out or delete it.")
+    if old is not None and any(old.get(k) != opts[k] for k in PLATEAU_KEYS):
+        from brorl_jax.errors import WorkdirError
+        raise WorkdirError(f"{path} holds a plateau made with other options ({old}); "
+                           "give another --out or delete it.")
+    if old is not None and any(old.get(k) != opts[k] for k in ARM_KEYS):
         print(f"[plateau] options changed since {path}: the plateau is kept, every arm runs "
               "again", file=sys.stderr)
-        result = {k: v for k, v in result.items() if k == "plateau"}
+        result = {k: v for k, v in result.items() if k in ("plateau", "calls")}
     result.update({"command": command, "machine": machine(), "options": opts, "seeds": seeds})
     result.setdefault("arms", {a: {} for a in ARMS})
     t_start = time.perf_counter()
@@ -289,29 +300,39 @@ def _run(base, out: str, opts: dict, command: str) -> dict:
         result["plateau"] = {"evals": evals, "wall_s": wall, "slope_per_100k_samples": fit,
                              "plateaued": bool(fit["ci95"][0] <= 0 <= fit["ci95"][1])}
         _write(result, out)
-    for seed in seeds:                   # every arm of a seed before the next seed
-        for arm in ARMS:
-            workdir = os.path.join(out, f"{arm}_seed{seed}")
-            done = result["arms"][arm].get(str(seed))
-            if done is not None:
-                if "samples_per_s_median_step" not in done:     # summed up by an older version
-                    from brorl_jax.workdir.logger import read_metrics
-                    result["arms"][arm][str(seed)] = summarize_run(
-                        read_metrics(os.path.join(workdir, "metrics.jsonl")), done["wall_s"])
-                continue
-            cfg = arm_config(base, arm, plateau_dir, opts)
-            cfg.train.seed = seed
-            shutil.rmtree(workdir, ignore_errors=True)     # an unfinished run starts again
-            records, wall, _ = _train(cfg, workdir)
-            result["arms"][arm][str(seed)] = summarize_run(records, wall)
-            result.update(aggregate(result["arms"]))
-            _write(result, out)
+    result.setdefault("ablations", {})
+    for a in opts["ablations"]:
+        result["ablations"].setdefault(a, {})
+    for section, names in (("arms", ARMS), ("ablations", opts["ablations"])):
+        for seed in seeds:               # every arm of a seed before the next seed
+            for arm in names:
+                _arm_run(base, result, section, arm, seed, plateau_dir, opts, out)
     # every call of the command, with its wall time (a call after an interruption or a change
     # of the arms' options runs only what is missing)
     result.setdefault("calls", []).append({"command": command,
                                            "wall_s": time.perf_counter() - t_start})
     _write(result, out)
     return result
+
+
+def _arm_run(base, result: dict, section: str, arm: str, seed: int, start: str, opts: dict,
+             out: str) -> None:
+    """One arm's run of one seed into result[section][arm], unless it is there."""
+    workdir = os.path.join(out, f"{arm}_seed{seed}")
+    done = result[section][arm].get(str(seed))
+    if done is not None:
+        if "samples_per_s_median_step" not in done:     # summed up by an older version
+            from brorl_jax.workdir.logger import read_metrics
+            result[section][arm][str(seed)] = summarize_run(
+                read_metrics(os.path.join(workdir, "metrics.jsonl")), done["wall_s"])
+        return
+    cfg = arm_config(base, arm, start, opts)
+    cfg.train.seed = seed
+    shutil.rmtree(workdir, ignore_errors=True)     # an unfinished run starts again
+    records, wall, _ = _train(cfg, workdir)
+    result[section][arm][str(seed)] = summarize_run(records, wall)
+    result.update(aggregate({**result["arms"], **result["ablations"]}))
+    _write(result, out)
 
 
 def _write(result: dict, out: str) -> None:
@@ -325,7 +346,8 @@ def _write(result: dict, out: str) -> None:
 
 def table(result: dict) -> str:
     """Markdown: per arm, mean +- standard error over seeds."""
-    arms = {a: list(r.values()) for a, r in result["arms"].items() if r}
+    arms = {a: list(r.values()) for a, r in {**result["arms"], **result.get("ablations", {})
+                                              }.items() if r}
     ks = sorted({int(k) for runs in arms.values() for r in runs for k in r["pass_at_k_end"]})
     kmax = max(ks) if ks else 1
     lines = [f"| arm | seeds | pass@1 start | pass@1 end | pass@{kmax} end | dynamic-sampling "
@@ -344,7 +366,8 @@ def table(result: dict) -> str:
         cells.append("%.0f ± %.0f" % _mean_se(r["samples_per_s"] for r in runs))
         cells.append(f"{np.mean([r['wall_s'] for r in runs]):.0f}")
         lines.append(f"| {arm} | {len(runs)} | " + " | ".join(cells) + " |")
-    for key in ("diff_brorl_minus_prorl", "diff_adaptive_minus_prorl", "diff_adaptive_minus_brorl"):
+    for key in ("diff_brorl_minus_prorl", "diff_adaptive_minus_prorl", "diff_adaptive_minus_brorl",
+                "diff_brorl_prorl_lr_minus_prorl", "diff_brorl_prorl_lr_minus_brorl"):
         if key in result:
             d = result[key]
             lines.append(f"\n{key.replace('_', ' ')[5:]}: end pass@1 {d['mean']:+.3f}, 95% "
@@ -369,7 +392,7 @@ def plot(result: dict, path: str) -> None:
         xs, ys = zip(*result["plateau"]["evals"])
         ax1.plot(xs, ys, marker="o", color="k", label="plateau (ProRL recipe)")
         x0 = xs[-1]
-    for i, (arm, runs) in enumerate(result["arms"].items()):
+    for i, (arm, runs) in enumerate({**result["arms"], **result.get("ablations", {})}.items()):
         rs = list(runs.values())
         if not rs:
             continue
@@ -421,6 +444,10 @@ def options(values: dict) -> dict:
     if opts["plateau_window"] < 3:
         raise ConfigError(f"--plateau_window must be >= 3 (a slope with an interval), got "
                           f"{opts['plateau_window']}.")
+    unknown = [a for a in opts["ablations"] if a not in ABLATIONS]
+    if unknown:
+        raise ConfigError(f"--ablations: unknown {', '.join(unknown)}; choose from "
+                          f"{', '.join(ABLATIONS)} (or give none).")
     brorl_prompts(opts)
     return opts
 
@@ -434,7 +461,7 @@ def main(values: dict) -> int:
             section, name = key.split(".")
             base_values[section][name] = min(base_values[section][name], value)
     base = validate(base_values)
-    for arm in ARMS:
+    for arm in ARMS + tuple(opts["ablations"]):
         validate(arm_config(base, arm, "", opts))
     validate(plateau_config(base, "", opts))
     from brorl_jax.workdir.layout import check_writable, prepare

@@ -13,7 +13,7 @@ from configs import demo, tiny
 
 OPTS = {"seeds": ["0", "1"], "n_prorl": 16, "prompts": 16, "n_brorl": 512, "batch_ratio": 8,
         "plateau_steps": 300, "plateau_eval_every": 20, "plateau_window": 6, "budget": 32_768,
-        "eval_prompts": 200, "eval_k": 16}
+        "eval_prompts": 200, "eval_k": 16, "ablations": ["brorl_prorl_lr"]}
 
 
 def test_arms_follow_the_paper_shape_budget_and_sqrt_learning_rate():
@@ -33,6 +33,9 @@ def test_arms_follow_the_paper_shape_budget_and_sqrt_learning_rate():
         assert c.train.sample_budget == 32_768 and c.model.path == "/start"
         assert c.train.steps * c.update_rows > c.train.sample_budget   # the budget stops first
         assert c.eval.samples_per_prompt == 16 and c.sft.steps == 0
+    ablation = validate(plateau.arm_config(base, "brorl_prorl_lr", "/start", OPTS))
+    assert ablation.update_rows == bro.update_rows and not ablation.rollout.adaptive_n
+    assert derived_learning_rate(ablation)[0] == pytest.approx(lr["prorl"])
     p = validate(plateau.plateau_config(base, "/warm", OPTS))
     assert (p.rollout.rollouts_per_prompt, p.algo.prompts_per_step, p.train.steps) == (16, 16, 300)
     assert derived_learning_rate(p)[0] == lr["prorl"]
@@ -78,10 +81,11 @@ def test_options_refuse_bad_flags_and_quick_sets_tiny_sizes():
     assert plateau.options(values)["n_brorl"] == 512
     quick = plateau.options({**values, "quick": True})
     assert quick["seeds"] == ["0", "1"] and quick["plateau_steps"] == plateau.QUICK["plateau_steps"]
+    assert quick["ablations"] == [] and plateau.options(values)["ablations"] == ["brorl_prorl_lr"]
     assert plateau.options({**values, "quick": True, "budget": 7})["budget"] == 7  # flag wins
     for bad, word in (({"seeds": []}, "--seeds"), ({"seeds": ["x"]}, "--seeds"),
                       ({"n_brorl": 100}, "--n_brorl"), ({"plateau_window": 2}, "--plateau_window"),
-                      ({"budget": 0}, "--budget")):
+                      ({"budget": 0}, "--budget"), ({"ablations": ["x"]}, "--ablations")):
         with pytest.raises(ConfigError, match=word):
             plateau.options({**values, **bad})
 
@@ -97,7 +101,7 @@ def test_the_whole_experiment_at_tiny_sizes_writes_the_public_json(tmp_path, tin
     base.algo.max_generation_rounds = 1
     opts = {"seeds": ["0"], "n_prorl": 4, "prompts": 2, "n_brorl": 8, "batch_ratio": 2,
             "plateau_steps": 2, "plateau_eval_every": 1, "plateau_window": 3, "budget": 40,
-            "eval_prompts": 4, "eval_k": 4}
+            "eval_prompts": 4, "eval_k": 4, "ablations": []}
     out = tmp_path / "plateau"
     plateau.run(validate(base), str(out), opts, command="test")
     result = json.loads((out / "plateau.json").read_text())
