@@ -30,6 +30,7 @@ from brorl_jax.algo.update import TrainState, maybe_reset_reference
 from brorl_jax.config.schema import UpdateConfig
 from brorl_jax.models import lora
 from brorl_jax.models.transformer import compute_dtype_params
+from brorl_jax.parallel import sharded
 
 
 def uses_lora(state: TrainState) -> bool:
@@ -78,7 +79,7 @@ def maybe_merge(state: TrainState, cfg: UpdateConfig, optimizer, model_cfg, seed
         return state, False
     adapters = state.params[lora.KEY]
     base = _merge(state.params, model_cfg)
-    merged = tuple(state.lora_merged) + (jax.device_get(adapters),)     # kept on the host
+    merged = tuple(state.lora_merged) + (sharded.to_host(adapters),)    # kept on the host
     fresh = lora.init_lora(model_cfg, adapter_rng(seed, len(merged)))
     return state.replace(params=lora.with_adapters(base, fresh), opt_state=optimizer.init(fresh),
                          lora_merged=merged), True
@@ -109,17 +110,20 @@ def checkpoint_template(state: TrainState, cfg: UpdateConfig):
     return lambda step: view.replace(lora_merged=(shapes,) * merges_by(step, cfg))
 
 
-def from_checkpoint(saved: TrainState, base_params, model_cfg) -> TrainState:
+def from_checkpoint(saved: TrainState, base_params, model_cfg, place=None) -> TrainState:
     """The train state of a restored checkpoint_view: the base (model.path's params) in the
     compute dtype with the saved merged adapters merged again, in order; unchanged without
-    LoRA."""
+    LoRA. place(params): lays the params out as the update holds them (Runtime.place_params)
+    before each merge, so the merge runs the program the run's resets ran (on a mesh its
+    sharded float sums; bit-identical resume)."""
     if not uses_lora(saved):
         return saved
+    place = place or (lambda p: p)
     base = compute_dtype_params(lora.base_params(base_params), model_cfg)
     for adapters in saved.lora_merged:
-        base = _merge(lora.with_adapters(base, adapters), model_cfg)
+        base = _merge(place(lora.with_adapters(base, adapters)), model_cfg)
     return saved.replace(params=lora.with_adapters(base, saved.params[lora.KEY]),
-                         lora_merged=tuple(jax.device_get(saved.lora_merged)))
+                         lora_merged=tuple(sharded.to_host(saved.lora_merged)))
 
 
 def detach_merged(state: TrainState):

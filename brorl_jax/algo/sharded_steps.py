@@ -4,11 +4,12 @@ which is why the tests compare every sharded result with the single-device one.
 
 Placement (logical names -> mesh axes in brorl_jax.parallel.rules.LOGICAL_AXES): params, Adam
 mu/nu and the reference params by PARAM_RULES (FSDP over `fsdp`, heads / MLP / vocabulary over
-`tensor`); batch rows over ("data", "fsdp"); every micro-batch's rows and hidden states are
-constrained to the same split (sharded_policy_fns), so each device runs its own rows of every
-micro-batch. Log-probs with the lm_head's vocabulary over `tensor` run under shard_map
-(parallel/vocab_parallel.py). Every builder takes arrays or jax.ShapeDtypeStructs (ahead-of-time
-compilation without allocating: bench/plan_memory.py).
+`tensor`; LoRA adapters like their projections, Adam's moments like the adapters); batch rows
+over ("data", "fsdp"); every micro-batch's rows and hidden states are constrained to the same
+split (sharded_policy_fns), so each device runs its own rows of every micro-batch. Log-probs
+with the lm_head's vocabulary over `tensor` run under shard_map (parallel/vocab_parallel.py).
+Every builder takes arrays or jax.ShapeDtypeStructs (ahead-of-time compilation without
+allocating: bench/plan_memory.py).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from brorl_jax.algo.update import (
     model_policy_fns,
     split_attention_arg,
 )
+from brorl_jax.models import lora
 from brorl_jax.models.chunked_attention import forward_hidden
 from brorl_jax.parallel import rules as R
 from brorl_jax.parallel.sharded import _replicated, constrain_rows, row_constraint
@@ -88,10 +90,12 @@ def _logprob_hooks(mesh: Mesh, axes, logprob: str) -> dict:
 def train_state_shardings(state: TrainState, mesh: Mesh, rules: str | Sequence = "default",
                           *, check_divisible: bool = False) -> TrainState:
     """NamedShardings for a TrainState (arrays or ShapeDtypeStructs): params and ref_params by
-    the rules, optimizer moments like their params, counters replicated."""
+    the rules, optimizer moments like their params (under LoRA like the adapters, which are all
+    they hold), counters replicated. lora_merged (host values) has none: the update and the
+    layout see the state without it (algo.adapters.detach_merged)."""
     p_sh = R.param_shardings(state.params, mesh, rules, check_divisible=check_divisible)
     return TrainState(step=_replicated(mesh), params=p_sh,
-                      opt_state=R.state_shardings(state.opt_state, p_sh, mesh),
+                      opt_state=R.state_shardings(state.opt_state, lora.trainable(p_sh), mesh),
                       ref_params=None if state.ref_params is None else p_sh)
 
 

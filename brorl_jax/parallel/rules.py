@@ -59,12 +59,13 @@ LOGICAL_AXES: dict[str, dict[str, MeshAxes]] = {
         # not used), each expert's width over tensor, as the dense MLP's.
         "experts": "fsdp",             # E of the router and the stacked experts
         "expert_mlp": "tensor",        # moe_intermediate_size
+        "lora_rank": None,             # r of the LoRA adapters (tiny: replicated)
     },
     # Everything replicated except the batch (pure data parallelism).
     "replicated": {
         "batch": ("data", "fsdp"), "seq": None, "layers": None, "embed": None, "heads": None,
         "kv_heads": None, "head_dim": None, "mlp": None, "vocab": None, "norm": None,
-        "experts": None, "expert_mlp": None,
+        "experts": None, "expert_mlp": None, "lora_rank": None,
     },
 }
 
@@ -89,6 +90,16 @@ _TRANSFORMER_PARAMS: list[tuple[str, Any]] = [
     (r"^layers/moe/down_proj$", ("layers", "experts", "expert_mlp", "embed")),
     (r"^final_norm/scale$", ("norm",)),
     (r"^lm_head/kernel$", ("embed", "vocab")),
+    # LoRA adapters (models/lora.py, params["lora"][target]): A [L, in, r] splits its input like
+    # its projection's kernel input, B [L, r, out] its output like the kernel output, so x A and
+    # (x A) B need the collectives of x W; the rank r is replicated.
+    (r"^lora/(q|k|v|gate|up)/a$", ("layers", "embed", "lora_rank")),
+    (r"^lora/o/a$", ("layers", "heads", "lora_rank")),
+    (r"^lora/down/a$", ("layers", "mlp", "lora_rank")),
+    (r"^lora/q/b$", ("layers", "lora_rank", "heads")),
+    (r"^lora/(k|v)/b$", ("layers", "lora_rank", "kv_heads")),
+    (r"^lora/(gate|up)/b$", ("layers", "lora_rank", "mlp")),
+    (r"^lora/(o|down)/b$", ("layers", "lora_rank", "embed")),
 ]
 PARAM_RULES: dict[str, list[tuple[str, Any]]] = {
     "default": _TRANSFORMER_PARAMS,

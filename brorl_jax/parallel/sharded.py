@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from brorl_jax.parallel import rules as R
@@ -50,14 +51,27 @@ def place(tree: Any, shardings: Any) -> Any:
     step that donates it also deletes them: place host (numpy) copies when the inputs are kept.
 
     With several processes every process passes the same full value and keeps only the shards
-    of its own devices (jax.make_array_from_callback)."""
+    of its own devices (jax.make_array_from_callback); an array already spread over several
+    processes (e.g. a merged base after a LoRA reset) is resharded on device, collectively."""
     if jax.process_count() == 1:
         return jax.device_put(tree, shardings)
 
     def one(x, s):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return x if x.sharding == s else jax.jit(lambda v: v, out_shardings=s)(x)
         if s.is_fully_addressable:
             return jax.device_put(x, s)
         x = np.asarray(x)
         return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
 
     return jax.tree.map(one, tree, shardings)
+
+
+def to_host(tree: Any) -> Any:
+    """numpy copies of every leaf (jax.device_get); an array spread over several processes is
+    all-gathered first, so every process must call it at the same point."""
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
+    return jax.tree.map(one, tree)

@@ -171,8 +171,11 @@ class Trainer:
             check_meta=self._check_meta, move_broken=enabled)
         if restored is not None:
             ckpt_step, state, meta = restored
-            # under LoRA: the base from model.path, the saved merges merged into it again
-            state = algo.adapters.from_checkpoint(state, ctx.model.params, ctx.mcfg)
+            # under LoRA: the base from model.path, the saved merges merged into it again, and
+            # laid out beside the restored adapters
+            if algo.adapters.uses_lora(state):
+                state = self.runtime.relayout(algo.adapters.from_checkpoint(
+                    state, ctx.model.params, ctx.mcfg, self.runtime.place_params))
             try:
                 data_iter.set_state(meta["data_per_process"][index])
             except ValueError as e:

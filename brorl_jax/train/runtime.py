@@ -13,6 +13,7 @@ The RL step (train/step.py), the evaluation and the warm start talk to one inter
   update(algo_cfg, state, batch, rng) -> (state, metrics): reference log-probs (KL on) and the
                                 PPO update on this process's rows (host numpy)
   relayout(state)               device arrays back in the update's layout (reference reset)
+  place_params(params)          a params tree in the update's layout (a LoRA resume's merges)
   broadcast(tree)               process 0's value everywhere (the warm start)
   allgather_rows / allgather_json / reduce_metrics   cross-process helpers (identities with one
                                 process)
@@ -61,11 +62,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from brorl_jax import algo, models, rollout
+from brorl_jax import algo, rollout
 from brorl_jax.algo import sharded_steps as algo_sharded
 from brorl_jax.config import ConfigError, as_run_config, check_update_split
 from brorl_jax.models.precision import with_precision
-from brorl_jax.parallel import distributed, sharded
+from brorl_jax.parallel import distributed, rules as R, sharded
 from brorl_jax.parallel.mesh import batch_axis_size, make_mesh, mesh_from_config
 
 
@@ -156,6 +157,10 @@ class Runtime:
         """The state (device arrays, e.g. after a reference reset) in the update's layout."""
         raise NotImplementedError
 
+    def place_params(self, params):
+        """A params tree (host or device values) in the update's layout of the params."""
+        raise NotImplementedError
+
     def rollout_params(self, params, precision=None):
         """The rollout's copy of ``params`` (see the module docstring) at ``precision``
         ((weights, kv); default the training rollouts')."""
@@ -241,6 +246,9 @@ class LocalRuntime(Runtime):
     def relayout(self, state):
         return state
 
+    def place_params(self, params):
+        return params
+
     def rollout_params(self, params, precision=None):
         return self._rollout_layout(params, precision=precision)
 
@@ -306,10 +314,6 @@ class MeshRuntime(Runtime):
                  paused_engine_bytes: int | None = None):
         super().__init__(cfg, model_cfg, optimizer, diagnostics_n=diagnostics_n,
                          paused_engine_bytes=paused_engine_bytes)
-        if models.lora.enabled(model_cfg):
-            raise ConfigError("config key 'model.lora_rank' > 0 runs on one device for now: the "
-                              "adapters have no sharding rules yet; set model.lora_rank=0 or run "
-                              "on one device.")
         self.rules = cfg.mesh.rules
         self.rollout_devices = int(cfg.mesh.rollout_devices)
         self.num_processes = jax.process_count()
@@ -339,11 +343,19 @@ class MeshRuntime(Runtime):
         return self._state_sharding
 
     def place_state(self, state):
-        """The state laid out on the mesh (every process passes the same full values)."""
-        return sharded.place(jax.device_get(state), self.state_sharding(state))
+        """The state laid out on the mesh (every process passes the same full values); under
+        LoRA the merged adapters stay on the host (algo.adapters.detach_merged)."""
+        merged, state = algo.adapters.detach_merged(state)
+        state = sharded.place(jax.device_get(state), self.state_sharding(state))
+        return algo.adapters.attach_merged(state, merged)
 
     def relayout(self, state):
-        return sharded.place(state, self.state_sharding(state))
+        merged, state = algo.adapters.detach_merged(state)
+        state = sharded.place(state, self.state_sharding(state))
+        return algo.adapters.attach_merged(state, merged)
+
+    def place_params(self, params):
+        return sharded.place(params, R.param_shardings(params, self.mesh, self.rules))
 
     def rollout_params(self, params, precision=None):
         """The rollout's copy, replicated on the rollout mesh. With several processes the
@@ -383,8 +395,8 @@ class MeshRuntime(Runtime):
             device_bytes=self.update_device_bytes())
         logprob = None
         if algo_cfg.kl_coef > 0:
-            logprob, _ = algo_sharded.make_sharded_logprob(
-                self.model_cfg, algo_cfg, self.mesh, state.params,
+            logprob, _ = algo_sharded.make_sharded_logprob(     # under LoRA: the base's
+                self.model_cfg, algo_cfg, self.mesh, algo.adapters.reference_params(state),
                 abstract.replace(ref_logprobs=None), rules=self.rules)
         return _MeshSteps(update, logprob, sh["batch"])
 
@@ -407,4 +419,6 @@ class MeshRuntime(Runtime):
                                                batch.replace(ref_logprobs=None))
             batch = batch.replace(ref_logprobs=ref_logprobs)
         rng = np.asarray(jax.random.key_data(rng))      # a host value: replicated everywhere
-        return steps.update(state, batch, rng)
+        merged, state = algo.adapters.detach_merged(state)     # LoRA: host-side, not updated
+        state, metrics = steps.update(state, batch, rng)
+        return algo.adapters.attach_merged(state, merged), metrics

@@ -46,6 +46,23 @@ def test_parameter_matching_no_rule_is_an_error():
         R.param_specs(params)
 
 
+@pytest.mark.parametrize("rule_set", sorted(R.PARAM_RULES))
+def test_lora_adapters_follow_their_projections(rule_set):
+    """models/lora.py's adapters of every target: A [L, in, r] split like its projection's kernel
+    input, B [L, r, out] like the kernel output, the rank replicated."""
+    from brorl_jax.models import lora
+    cfg = _cfg(lora_rank=4, lora_alpha=8.0, lora_targets=tuple(lora.TARGETS))
+    params = jax.eval_shape(lambda: lora.with_adapters(init_params(cfg, jax.random.PRNGKey(0)),
+                                                       lora.init_lora(cfg, jax.random.key(1))))
+    specs = R.param_specs(params, rule_set)
+    assert set(specs[lora.KEY]) == set(lora.TARGETS)
+    dims = lambda spec: tuple(spec) + (None,) * (3 - len(spec))     # P() = P(None, None, None)
+    for t, proj in lora.TARGETS.items():
+        layers, d_in, d_out = dims(specs["layers"][proj]["kernel"])
+        assert dims(specs[lora.KEY][t]["a"]) == (layers, d_in, None), t
+        assert dims(specs[lora.KEY][t]["b"]) == (layers, None, d_out), t
+
+
 def test_logical_names_map_to_mesh_axes():
     params = jax.eval_shape(lambda: init_params(ALL_FAMILIES["qwen2"], jax.random.PRNGKey(0)))
     specs = R.param_specs(params)
