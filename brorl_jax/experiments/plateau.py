@@ -392,21 +392,26 @@ def plot(result: dict, path: str) -> None:
         xs, ys = zip(*result["plateau"]["evals"])
         ax1.plot(xs, ys, marker="o", color="k", label="plateau (ProRL recipe)")
         x0 = xs[-1]
+    # arms that coincide (adaptive N when no prompt recurs is brorl) stay visible: each arm its
+    # own marker and line style, hollow markers after the first two, a small sideways shift
+    styles = [("s", "-"), ("o", "--"), ("^", ":"), ("D", "-.")]
     for i, (arm, runs) in enumerate({**result["arms"], **result.get("ablations", {})}.items()):
         rs = list(runs.values())
         if not rs:
             continue
-        colour = f"C{i}"
+        marker, line = styles[i % len(styles)]
+        style = dict(color=f"C{i}", marker=marker, linestyle=line, capsize=3,
+                     mfc="none" if i >= 2 else None)
         m0, s0 = _mean_se(r["pass1_start"] for r in rs)
         m1, s1 = _mean_se(r["pass1_end"] for r in rs)
-        x1 = x0 + np.mean([r["generated_samples"] for r in rs])
-        ax1.errorbar([x0, x1], [m0, m1], yerr=[s0, s1], marker="s", color=colour, capsize=3,
-                     label=f"{arm} ({len(rs)} seeds)")
+        x1 = x0 + np.mean([r["generated_samples"] for r in rs]) * (1 + 0.02 * i)
+        ax1.errorbar([x0, x1], [m0, m1], yerr=[s0, s1], label=f"{arm} ({len(rs)} seeds)",
+                     **style)
         ks = sorted(int(k) for k in rs[0]["pass_at_k_end"])
         means = [_mean_se(r["pass_at_k_end"][str(k)] if str(k) in r["pass_at_k_end"]
                           else r["pass_at_k_end"][k] for r in rs) for k in ks]
-        ax2.errorbar(ks, [m for m, _ in means], yerr=[s for _, s in means], marker="o",
-                     color=colour, capsize=3, label=arm)
+        ax2.errorbar([k * (1 + 0.03 * i) for k in ks], [m for m, _ in means],
+                     yerr=[s for _, s in means], label=arm, **style)
     ax1.set_xlabel("generated samples")
     ax1.set_title("held-out pass@1")
     ax2.set_xscale("log", base=2)
