@@ -18,7 +18,9 @@ Routing hook (rollout routing replay, R3): ``SparseMoeBlock(h, routing)`` takes 
 block's own top-k, and the gates are still the router's probabilities at those experts
 (renormalised as usual), so the router keeps its gradient. The block returns the ids it used
 (its own top-k, or ``routing``) beside its output; transformer.forward(return_routing=True)
-and transformer.layer_finish_routed hand them out per layer.
+and transformer.layer_finish_routed hand them out per layer; with ``with_logits=True`` the
+block also returns its float32 router logits (forward(return_router_logits=True): the router
+load-balancing loss, algo/moe_losses.py).
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ EXPERT_FNS: dict[str, Callable[..., jax.Array]] = {"ragged": experts_ragged,
 
 class SparseMoeBlock(nn.Module):
     """Router + experts of one layer (module docstring). ``__call__(h[N, D], routing=None)``
-    -> (out[N, D], expert ids int32[N, K])."""
+    -> (out[N, D], expert ids int32[N, K]); with ``with_logits=True`` also the router logits
+    f32[N, E]."""
 
     cfg: ModelConfig
     dtype: Any = jnp.float32
@@ -99,8 +102,8 @@ class SparseMoeBlock(nn.Module):
     kernel_init: Callable = nn.initializers.normal(stddev=0.02)
 
     @nn.compact
-    def __call__(self, h: jax.Array,
-                 routing: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, h: jax.Array, routing: jax.Array | None = None,
+                 with_logits: bool = False) -> tuple[jax.Array, ...]:
         cfg = self.cfg
         d, e, i = h.shape[-1], cfg.num_experts, cfg.moe_intermediate_size
         param = lambda name, shape: self.param(name, self.kernel_init, shape, self.param_dtype)
@@ -114,4 +117,5 @@ class SparseMoeBlock(nn.Module):
         logits = jnp.einsum("nd,de->ne", h, router.astype(self.dtype),
                             preferred_element_type=jnp.float32)
         ids, gates = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, routing)
-        return EXPERT_FNS[cfg.moe_impl](h, ids, gates, *weights), ids
+        out = EXPERT_FNS[cfg.moe_impl](h, ids, gates, *weights)
+        return (out, ids, logits) if with_logits else (out, ids)

@@ -125,6 +125,7 @@ def check_loaded_model(cfg, model_cfg: models.ModelConfig | None, *, update: boo
     cfg = as_run_config(cfg)
     check_lora_rank(cfg, model_cfg)
     check_routing_replay(cfg, model_cfg)
+    check_moe_aux_loss(cfg, model_cfg)
     check_at_door(cfg, model_cfg, update=update)
     return DoorFacts(cfg, model_cfg, paused_engine_bytes(
         cfg, model_cfg, num_devices=rollout_device_count(cfg), num_processes=jax.process_count()))
@@ -138,6 +139,15 @@ def check_routing_replay(cfg, model_cfg: models.ModelConfig | None) -> None:
             f"config key 'algo.routing_replay' = {cfg.algo.routing_replay!r} replays a "
             f"mixture-of-experts model's expert choices, but model_type={model_cfg.model_type!r}"
             " has no experts. Set algo.routing_replay='off'.")
+
+
+def check_moe_aux_loss(cfg, model_cfg: models.ModelConfig | None) -> None:
+    """algo.moe_aux_loss_coef > 0 balances a router: a dense model has none."""
+    if model_cfg is not None and cfg.algo.moe_aux_loss_coef > 0 and not model_cfg.is_moe:
+        raise ConfigError(
+            f"config key 'algo.moe_aux_loss_coef' = {cfg.algo.moe_aux_loss_coef} weights a "
+            f"mixture-of-experts router's load-balancing loss, but model_type="
+            f"{model_cfg.model_type!r} has no experts. Set algo.moe_aux_loss_coef=0.")
 
 
 def check_lora_rank(cfg, model_cfg) -> None:
