@@ -90,6 +90,24 @@ def experts_ragged(x: jax.Array, ids: jax.Array, gates: jax.Array, gate_proj: ja
 EXPERT_FNS: dict[str, Callable[..., jax.Array]] = {"ragged": experts_ragged,
                                                    "dense": experts_dense}
 
+INT8_MAX_EXPERTS = 128     # ids 0..127 fit int8
+
+
+def route_dtype(cfg: ModelConfig):
+    """The dtype a routing record packs expert ids in (rollout routing replay: the rollout's
+    record, rollout/routing.py, and the update batch's, algo/routing_replay.py): int8 up to 128
+    experts, else int16."""
+    return jnp.int8 if cfg.num_experts <= INT8_MAX_EXPERTS else jnp.int16
+
+
+def routing_record_bytes(cfg: ModelConfig, tokens: int) -> int:
+    """Bytes of the routing record of ``tokens`` tokens: top-k ids per layer, ``route_dtype``
+    (L x K x 1 or 2 bytes a token; 0 for a dense model, which records none)."""
+    if not cfg.is_moe:
+        return 0
+    item = jnp.dtype(route_dtype(cfg)).itemsize
+    return int(tokens) * cfg.num_hidden_layers * cfg.num_experts_per_tok * item
+
 
 class SparseMoeBlock(nn.Module):
     """Router + experts of one layer (module docstring). ``__call__(h[N, D], routing=None)``
