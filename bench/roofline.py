@@ -36,17 +36,22 @@ on average: a 4k context), ``tail32_ctx8k`` (a 32-slot tail, 8k context), ``mesh
 (configs/brorl_64gpu.py on 64 devices: the plan's slots per device, 4k context);
 ``slots256_ctx4k_fp8`` and ``tail32_ctx8k_fp8``: the same shapes, fp8 weights and KV;
 ``moe_slots256_ctx4k``: slots256_ctx4k on Qwen3-30B-A3B (the case's own model, whatever
---model says; configs/brorl_64gpu.qwen3_30b_a3b, bf16 compute through Runtime.rollout_params).
+--model says; configs/brorl_64gpu.qwen3_30b_a3b, bf16 compute through Runtime.rollout_params),
+its experts as the grouped GEMM (``jax.lax.ragged_dot``, ModelConfig.moe_impl="ragged", the
+default); ``moe_slots256_ctx4k_dense``: the same with every expert on every token
+(moe_impl="dense").
 
 The floor of a mixture-of-experts step reads only the experts some live slot routes to: with
 uniform routing a layer's expert is missed by all S slots with probability (1 - K/E)^S, so the
 weights term is the non-expert parameters + (1 - (1 - K/E)^S) x the experts' (at 256 slots,
 top-8 of 128: 1 - 6.7e-8, every expert: 61.1 GB of bf16 a step, 9.1x the 6.7 GB of one
-token's active parameters: its 8 experts a layer, attention, embedding and LM head). The report's ``expert_coverage`` is that fraction.
+token's active parameters: its 8 experts a layer, attention, embedding and LM head). The
+report's ``expert_coverage`` is that fraction.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -82,6 +87,9 @@ CASES = {
     # issue 43: a mixture-of-experts decode step (the case names its model)
     "moe_slots256_ctx4k": dict(slots=256, prompts=1, prompt_len=1024, own_len=3072,
                                model="qwen3-30b-a3b"),
+    # the same with every expert on every token (models/moe.py experts_dense)
+    "moe_slots256_ctx4k_dense": dict(slots=256, prompts=1, prompt_len=1024, own_len=3072,
+                                     model="qwen3-30b-a3b", moe_impl="dense"),
 }
 MODELS = ("qwen2.5-1.5b", "qwen3-30b-a3b")
 GB = 1e9
@@ -125,7 +133,10 @@ def model_config(model: str, case: str | None = None):
     cfg = brorl.get_config()
     build = {"qwen2.5-1.5b": brorl_64gpu.qwen2_1p5b,  # Qwen2-1.5B's architecture (28 layers,
              "qwen3-30b-a3b": brorl_64gpu.qwen3_30b_a3b}[model]   # 1536 wide, tied 151936)
-    return cfg, build(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+    mc = build(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+    if "moe_impl" in CASES.get(case, {}):       # the experts' form (models.moe.EXPERT_FNS)
+        mc = dataclasses.replace(mc, moe_impl=CASES[case]["moe_impl"])
+    return cfg, mc
 
 
 # ------------------------------------------------------------------------------------------------
