@@ -25,10 +25,22 @@ scheduling), so its numbers are an estimate of the same program, not a GPU measu
 
     python bench/plan_memory.py                      # all steps (~3-5 minutes on 2 cores)
     python bench/plan_memory.py --steps=update_micro --attention=chunked --json=plan.json
+
+Mixture of experts: `--model=qwen3_30b_a3b` prints the per-device plan of Qwen3-30B-A3B
+(configs/brorl_64gpu.qwen3_30b_a3b) on this run shape (N = 1024, 16k context, 4 PPO mini-batches,
+one sequence per device per micro-batch, the rollout budget of brorl_64gpu) with rollout routing
+replay on (algo.routing_replay="rollout"), for 8 x 80 GB (fsdp=8, 8 prompts a step: the same
+1024 rows per device as) and for the 64-GPU layout (data=8 x fsdp=8, 64 prompts a step): the
+project's own plan functions (rollout.plan.plan_slots with the routing record, algo.update's
+state and remat counts, models.moe.routing_record_bytes) and this file's hand calculation; no
+compile (seconds):
+
+    python bench/plan_memory.py --model=qwen3_30b_a3b
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -56,6 +68,12 @@ from configs import brorl_64gpu  # noqa: E402
 
 GIB = 2**30
 STEPS = ("update_micro", "update_full", "logprob", "decode")
+DEVICE_BYTES = 80 * 10**9         # an 80 GB GPU (H100 / A100 80GB)
+# The MoE plan's layouts: mesh, devices, prompts a step (N = 1024 each: 1024 rows per device)
+# (the dense plan's data=8 x fsdp=8 shards the state 8 ways only; fsdp=64 is the 30B's layout)
+MOE_LAYOUTS = {"8 x 80 GB": (dict(data=1, fsdp=8), 8, 8),
+               "64 x 80 GB, data=8 x fsdp=8": (brorl_64gpu.MESH, brorl_64gpu.NUM_DEVICES, 64),
+               "64 x 80 GB, fsdp=64": (dict(data=1, fsdp=64), brorl_64gpu.NUM_DEVICES, 64)}
 
 
 def abstract_batch(rows: int, seq: int) -> UpdateBatch:
@@ -77,7 +95,8 @@ def hand_calculation(mc, *, fsdp: int, devices: int, seq: int, rows_per_step: in
     d, i, l, h, v = (mc.hidden_size, mc.mlp_width, mc.num_hidden_layers,
                      mc.num_attention_heads, mc.vocab_size)
     shard = n_params * 4 / fsdp
-    layer_params = (n_params - v * d - d) / l
+    embeddings = v * d * (1 if mc.tie_word_embeddings else 2)
+    layer_params = (n_params - embeddings - d) / l
     out = {
         "n_params": n_params,
         "params_f32": shard,
@@ -115,6 +134,76 @@ def rollout_hand(mc, *, slots: int, pool: int, prompt_len: int, new_tokens: int)
     }
 
 
+def moe_plan(mesh: dict, devices: int, prompts: int) -> dict:
+    """Qwen3-30B-A3B on brorl_64gpu's run shape with routing replay, per device (the module
+    docstring): the update's and the rollout's items and totals, bytes."""
+    from brorl_jax.algo import update
+    from brorl_jax.models.moe import routing_record_bytes
+    from brorl_jax.rollout.plan import bucket_num_prompts, plan_slots, route_bytes
+    cfg = brorl_64gpu.get_config(f"prompts={prompts}")
+    mc, rmc = brorl_64gpu.qwen3_30b_a3b(), brorl_64gpu.qwen3_30b_a3b(param_dtype="bfloat16")
+    p, s, n = cfg.data.max_prompt_len, cfg.rollout.max_new_tokens, cfg.rollout.rollouts_per_prompt
+    seq, rows, fsdp = p + s, n * prompts, mesh["fsdp"]
+    hand = hand_calculation(mc, fsdp=fsdp, devices=devices, seq=seq, rows_per_step=rows,
+                            q_chunk=512)
+    n_params = hand["n_params"]
+    tokens = rows // devices * seq
+    upd = {k: hand[k] for k in ("params_f32", "ref_params_f32", "adam_mu_nu_f32",
+                                "grad_accumulator_f32", "micro_step_grads_f32",
+                                "remat_layer_inputs_bf16", "gathered_layer_weights_f32",
+                                "gathered_embedding_f32_and_bf16",
+                                "fused_logprob_tiles_and_dlm_head",
+                                "batch_per_device_full_step", "rollout_params_copy_held")}
+    # the layer being recomputed in the backward keeps what an un-rematerialised one does
+    # (flash attention, the K experts' SwiGLU, the router: remat_saved_bytes "none")
+    flash = dataclasses.replace(mc, attention_impl="flash")
+    upd["recomputed_layer_activations"] = update.remat_saved_bytes(flash, seq, "none") // \
+        mc.num_hidden_layers
+    upd["batch_routing_record (replay)"] = routing_record_bytes(mc, tokens)
+    g = bucket_num_prompts(math.ceil(prompts * cfg.algo.generation_batch_multiplier))
+    budget = int(brorl_64gpu.ROLLOUT_GIB_PER_DEVICE * GIB) * devices
+    plans = [plan_slots(rmc, g, p, n, s, budget, num_devices=devices, record_routing=r,
+                        page_size=16) for r in (True, False)]
+    share = plans[0].share
+    record = route_bytes(rmc, share * s, True)     # a prompt's samples' (res_route entry)
+    roll = {"rollout_params_bf16_replicated": rollout_params_bytes(rmc, n_params),
+            "rollout_working_memory (plan_slots, budget)": plans[0].bytes_per_device,
+            "  of which the pool's routing record": plans[0].pool * (
+                route_bytes(rmc, p, True) + record) + record,
+            "train_state_resident (params, ref, Adam)": sum(
+                hand[k] for k in ("params_f32", "ref_params_f32", "adam_mu_nu_f32"))}
+    return dict(n_params=n_params, update=upd, rollout=roll, slots=plans[0].slots,
+                slots_without_record=plans[1].slots,
+                pool=plans[0].pool, share=plans[0].share, g=g, rows=rows, tokens=tokens,
+                state_bytes_f32_plan=update.train_state_bytes(mc, n_params) / fsdp,
+                rollout_params_sharded=rollout_params_bytes(rmc, n_params) / fsdp)
+
+
+def print_moe_plan() -> dict:
+    """Prints moe_plan for each of MOE_LAYOUTS; returns them."""
+    out = {}
+    for name, (mesh, devices, prompts) in MOE_LAYOUTS.items():
+        plan = out[name] = moe_plan(mesh, devices, prompts)
+        print(f"\nQwen3-30B-A3B ({plan['n_params']:,} parameters), {name}: mesh {mesh}, "
+              f"{prompts} prompts x N=1024 = {plan['rows']:,} rows x 16384 tokens a step "
+              f"({plan['tokens']:,} tokens per device), routing replay on; per device:")
+        copy = rollout_params_bytes(brorl_64gpu.qwen3_30b_a3b(param_dtype="bfloat16"),
+                                    plan["n_params"])
+        for part in ("update", "rollout"):
+            total = sum(b for k, b in plan[part].items() if not k.startswith("  "))
+            for k, b in plan[part].items():
+                print(f"  {part:8s} {k:48s} {_fmt(b)}")
+            for what, t in (("TOTAL", total), ("TOTAL, rollout copy sharded over fsdp",
+                                               total - copy + plan["rollout_params_sharded"])):
+                fits = "fits" if t <= DEVICE_BYTES else "does NOT fit"
+                print(f"  {part:8s} {what:48s} {_fmt(t)}  ({fits} 80 GB = "
+                      f"{DEVICE_BYTES / GIB:.1f} GiB)")
+        print(f"  rollout: {plan['g']} prompts a round, {plan['slots']} decode slots "
+              f"({plan['slots_without_record']} without the routing record), {plan['pool']} "
+              f"pooled prompts, {plan['share']} samples of each per device")
+    return out
+
+
 def _fmt(b: float) -> str:
     return f"{b / GIB:8.2f} GiB"
 
@@ -135,11 +224,19 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", default="plain,chunked")
     ap.add_argument("--q_chunk", type=int, default=512)
     ap.add_argument("--json", default="")
+    ap.add_argument("--model", default="qwen2_1p5b", choices=("qwen2_1p5b", "qwen3_30b_a3b"),
+                    help="qwen3_30b_a3b: the mixture-of-experts plan (hand, no compile)")
     ap.add_argument("--logprob", default="algo,shard_map",
                     help="algo: pallas_kernels.fused_logprob under plain jit (update default)\n"
                          "shard_map: the update's logprob_fn / shard_rows hooks set by\n"
                          "parallel.sharded (per-device fused log-prob, rows kept sharded)")
     args = ap.parse_args(argv)
+    if args.model == "qwen3_30b_a3b":
+        plans = print_moe_plan()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(plans, f, indent=1)
+        return 0
     steps = [s for s in args.steps.split(",") if s]
     bad = [s for s in steps if s not in STEPS]
     if bad:

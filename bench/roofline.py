@@ -34,11 +34,24 @@ partial sums are reported beside the bytes, not counted (issue 25's definition).
 Cases (per device): ``slots256_ctx4k`` (256 slots of one 1024-token prompt, 3072 own positions
 on average: a 4k context), ``tail32_ctx8k`` (a 32-slot tail, 8k context), ``mesh64_plan``
 (configs/brorl_64gpu.py on 64 devices: the plan's slots per device, 4k context);
-``slots256_ctx4k_fp8`` and ``tail32_ctx8k_fp8``: the same shapes, fp8 weights and KV.
+``slots256_ctx4k_fp8`` and ``tail32_ctx8k_fp8``: the same shapes, fp8 weights and KV;
+``moe_slots256_ctx4k``: slots256_ctx4k on Qwen3-30B-A3B (the case's own model, whatever
+--model says; configs/brorl_64gpu.qwen3_30b_a3b, bf16 compute through Runtime.rollout_params),
+its experts as the grouped GEMM (``jax.lax.ragged_dot``, ModelConfig.moe_impl="ragged", the
+default); ``moe_slots256_ctx4k_dense``: the same with every expert on every token
+(moe_impl="dense").
+
+The floor of a mixture-of-experts step reads only the experts some live slot routes to: with
+uniform routing a layer's expert is missed by all S slots with probability (1 - K/E)^S, so the
+weights term is the non-expert parameters + (1 - (1 - K/E)^S) x the experts' (at 256 slots,
+top-8 of 128: 1 - 6.7e-8, every expert: 61.1 GB of bf16 a step, 9.1x the 6.7 GB of one
+token's active parameters: its 8 experts a layer, attention, embedding and LM head). The
+report's ``expert_coverage`` is that fraction.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -71,8 +84,14 @@ CASES = {
                                precision=("fp8", "fp8")),
     "tail32_ctx8k_fp8": dict(slots=32, prompts=1, prompt_len=1024, own_len=7168,
                              precision=("fp8", "fp8")),
+    # issue 43: a mixture-of-experts decode step (the case names its model)
+    "moe_slots256_ctx4k": dict(slots=256, prompts=1, prompt_len=1024, own_len=3072,
+                               model="qwen3-30b-a3b"),
+    # the same with every expert on every token (models/moe.py experts_dense)
+    "moe_slots256_ctx4k_dense": dict(slots=256, prompts=1, prompt_len=1024, own_len=3072,
+                                     model="qwen3-30b-a3b", moe_impl="dense"),
 }
-MODELS = ("qwen2.5-1.5b",)
+MODELS = ("qwen2.5-1.5b", "qwen3-30b-a3b")
 GB = 1e9
 
 
@@ -104,14 +123,20 @@ def missing_extra(target: str) -> str | None:
     return None
 
 
-def model_config(model: str):
-    """The model as configs/brorl.py trains it: bf16 compute, float32 master weights."""
+def model_config(model: str, case: str | None = None):
+    """The model as configs/brorl.py trains it: bf16 compute, float32 master weights (a case
+    that names its model, CASES[case]["model"], runs that one)."""
     from configs import brorl, brorl_64gpu
-    if model != "qwen2.5-1.5b":
+    model = CASES.get(case, {}).get("model", model)
+    if model not in MODELS:
         raise SystemExit(f"--model {model!r}: choose from {MODELS}")
     cfg = brorl.get_config()
-    # Qwen2.5-1.5B has Qwen2-1.5B's architecture (28 layers, 1536 wide, 12/2 heads, tied 151936)
-    return cfg, brorl_64gpu.qwen2_1p5b(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+    build = {"qwen2.5-1.5b": brorl_64gpu.qwen2_1p5b,  # Qwen2-1.5B's architecture (28 layers,
+             "qwen3-30b-a3b": brorl_64gpu.qwen3_30b_a3b}[model]   # 1536 wide, tied 151936)
+    mc = build(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+    if "moe_impl" in CASES.get(case, {}):       # the experts' form (models.moe.EXPERT_FNS)
+        mc = dataclasses.replace(mc, moe_impl=CASES[case]["moe_impl"])
+    return cfg, mc
 
 
 # ------------------------------------------------------------------------------------------------
@@ -138,7 +163,7 @@ def compile_case(target: str, model: str, case: str) -> dict:
     from brorl_jax.rollout import Engine
 
     platform = TARGETS[target]["platform"]
-    cfg, mc = model_config(model)
+    cfg, mc = model_config(model, case)
     c = dict(CASES[case])
     n_dev = 64 if case == "mesh64_plan" else 1
     if platform == "cuda":
@@ -217,10 +242,23 @@ def floor_bytes(mc, *, slots: int, prompts: int, prompt_len: int, own_len: float
     KV head (rollout.plan.kv_bytes)."""
     from brorl_jax.models.precision import rollout_weight_bytes
     from brorl_jax.rollout.plan import kv_bytes
-    return dict(weights=rollout_weight_bytes(mc, n_params),
+    weights = rollout_weight_bytes(mc, n_params)
+    if mc.is_moe:       # only the experts some slot routes to (module docstring)
+        experts = (mc.num_hidden_layers * mc.num_experts * 3 * mc.hidden_size
+                   * mc.moe_intermediate_size * 2)          # bf16
+        weights -= round(experts * (1 - expert_coverage(mc, slots)))
+    return dict(weights=weights,
                 kv=kv_bytes(mc, prompts, prompt_len) + kv_bytes(mc, slots, own_len),
                 new_kv=kv_bytes(mc, slots, 1),
                 logits=2 * slots * mc.vocab_size * 4)
+
+
+def expert_coverage(mc, slots: int) -> float:
+    """Expected fraction of a layer's experts at least one of ``slots`` tokens routes to, under
+    uniform routing (1.0 for a dense model): 1 - (1 - K/E)^slots."""
+    if not mc.is_moe:
+        return 1.0
+    return 1.0 - (1.0 - mc.num_experts_per_tok / mc.num_experts) ** slots
 
 
 def gemm_forms(module) -> list[dict]:
@@ -244,7 +282,7 @@ def decode_report(target: str, model: str, case: str, built: dict) -> dict:
     from pallas_kernels.decode_attention import slot_decode_attention_traffic
     from pallas_kernels.sampling import sample_tokens_traffic
     from pallas_kernels.swiglu_mlp import KERNEL_NAMES as MLP_KERNELS, swiglu_mlp_kernel_cost
-    cfg, mc = model_config(model)
+    cfg, mc = model_config(model, case)
     mc = with_precision(mc, *built.get("precision", ("bf16", "bf16")))
     c = dict(CASES[case], slots=built["slots"], prompts=built["prompts"])
     family = "triton" if TARGETS[target]["platform"] == "cuda" else "mosaic"
@@ -293,6 +331,7 @@ def decode_report(target: str, model: str, case: str, built: dict) -> dict:
         collectives_per_check=int(round(it.collectives - (k * step_it.collectives
                                                            if step_loop is not outer else 0))),
         check_every=k, ratio=b / fl, floor_terms=floor, flops_per_step=f,
+        expert_coverage=expert_coverage(mc, c["slots"]),
         split_k_bytes_per_step=per_step(it.split_k_bytes),
         kernels_per_step=per_step(it.kernels),
         predicted_step_ms=1e3 * step_s, predicted_tokens_per_s=c["slots"] / step_s,

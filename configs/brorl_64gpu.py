@@ -45,6 +45,20 @@ def qwen2_1p5b(dtype: str = "bfloat16", param_dtype: str = "float32") -> ModelCo
         bos_token_id=None, eos_token_ids=(151643,), param_dtype=param_dtype, dtype=dtype)
 
 
+def qwen3_30b_a3b(dtype: str = "bfloat16", param_dtype: str = "float32") -> ModelConfig:
+    """Qwen3-30B-A3B's architecture (HF config.json of Qwen/Qwen3-30B-A3B): 48 layers, hidden
+    2048, 32 query / 4 KV heads of 128, 128 experts of width 768, top-8 (normalised), vocab
+    151936, untied; 30,532,122,624 parameters (3.35 B active per token). bench/plan_memory.py
+    --model=qwen3_30b_a3b plans it on this file's run shape (docs/scale.md section 5)."""
+    return ModelConfig(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        rope_theta=1_000_000.0, rope_scaling=None, rms_norm_eps=1e-6, attention_bias=False,
+        qk_norm=True, tie_word_embeddings=False, max_position_embeddings=40960,
+        bos_token_id=None, eos_token_ids=(151645,), num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True, param_dtype=param_dtype, dtype=dtype)
+
+
 def get_config(arg: str | None = None):
     opts = parse_arg(arg, {"n": int, "prompts": int})
     n = opts.get("n", 1024)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from brorl_jax.algo.moe_losses import load_balancing_loss, real_tokens
 from brorl_jax.algo.routing_replay import mismatch
 from brorl_jax.algo.update import make_logprob_fn
 from brorl_jax.models import forward
@@ -32,16 +33,19 @@ def sample_rows(batch, rows: int = NO_REPLAY_ROWS):
 
 @functools.lru_cache(maxsize=4)
 def _measures(model_cfg, algo_cfg, rows: int):
-    """Jitted (log-probs as the update computes them, the model's own routing) of TokenRows."""
+    """Jitted (log-probs as the update computes them, (the model's own routing, its router
+    load-balancing loss)) of TokenRows."""
     logprob = make_logprob_fn(model_cfg, algo_cfg, micro_batch_size=rows)
 
     def own_routing(params, rows):
         mask, segments = (None, rows.segment_ids) if rows.segment_ids is not None else \
             (rows.attention_mask, None)
-        _, ids = forward(params, model_cfg, rows.input_tokens, positions=rows.positions,
-                         attention_mask=mask, segment_ids=segments, return_hidden=True,
-                         return_routing=True)
-        return jnp.moveaxis(ids, 0, 2)                  # [B, T, L, K]
+        _, ids, logits = forward(params, model_cfg, rows.input_tokens, positions=rows.positions,
+                                 attention_mask=mask, segment_ids=segments, return_hidden=True,
+                                 return_routing=True, return_router_logits=True)
+        aux = load_balancing_loss(logits, model_cfg.num_experts_per_tok,
+                                  real_tokens(rows.input_tokens, mask, segments))
+        return jnp.moveaxis(ids, 0, 2), aux             # [B, T, L, K], scalar
 
     return jax.jit(lambda p, r: logprob(p, r)[0]), jax.jit(own_routing)
 
@@ -55,7 +59,10 @@ def routing_metrics(model_cfg, algo_cfg, params, batch, rows: int = NO_REPLAY_RO
                                      (algo.routing_replay="rollout"), else = _noreplay
       moe/routing_mismatch_frac      (with a recording) tokens whose top-k set differs in any
                                      layer between the rollout and the update's own routing
-      moe/routing_mismatch_frac_layer   the same per (token, layer)."""
+      moe/routing_mismatch_frac_layer   the same per (token, layer)
+      moe/aux_loss                   the router load-balancing loss (algo/moe_losses.py) of the
+                                     rows' real tokens at these params, own routing (whether or
+                                     not algo.moe_aux_loss_coef adds it to the update's loss)."""
     if not model_cfg.is_moe:
         return {}
     got = sample_rows(batch, rows)
@@ -65,12 +72,14 @@ def routing_metrics(model_cfg, algo_cfg, params, batch, rows: int = NO_REPLAY_RO
     logprob, own_routing = _measures(model_cfg, algo_cfg, rows)
     m = mask.astype(np.float32)
     gap = lambda lp: float(np.sum(np.abs(np.asarray(lp) - rollout_lp) * m) / max(m.sum(), 1.0))
-    out = {"moe/logprob_gap_mean_noreplay": gap(logprob(params, tok_rows.replace(routing=None)))}
+    own, aux = own_routing(params, tok_rows)
+    out = {"moe/logprob_gap_mean_noreplay": gap(logprob(params, tok_rows.replace(routing=None))),
+           "moe/aux_loss": float(aux)}
     if tok_rows.routing is None:
         out["moe/logprob_gap_mean"] = out["moe/logprob_gap_mean_noreplay"]
         return out
     out["moe/logprob_gap_mean"] = gap(logprob(params, tok_rows))
-    token, layer = mismatch(tok_rows.routing, own_routing(params, tok_rows), mask)
+    token, layer = mismatch(tok_rows.routing, own, mask)
     out["moe/routing_mismatch_frac"], out["moe/routing_mismatch_frac_layer"] = (
         float(token), float(layer))
     return out

@@ -52,9 +52,11 @@ def sharded_policy_fns(model_cfg, mesh: Mesh, axes: str | dict = "default", *,
 
     def hidden(params, tokens, positions, attention_mask, remat, **routing):
         # attention_mask: a padding mask, or segment ids for packed rows (PolicyFns); routing:
-        # a MoE batch's replayed experts (algo/routing_replay.py), plain attention only
+        # a MoE batch's replayed experts (algo/routing_replay.py) and/or aux=True (the
+        # load-balancing loss beside the hidden, algo/moe_losses.py), plain attention only
         if routing and attention == "chunked":
-            raise ValueError("routing replay runs with the plain attention of the sharded step")
+            raise ValueError("routing replay and the MoE load-balancing loss run with the plain "
+                             "attention of the sharded step")
         tokens = fix(tokens)
         positions = None if positions is None else fix(positions)
         mask = None if attention_mask is None else fix(attention_mask)
@@ -65,6 +67,8 @@ def sharded_policy_fns(model_cfg, mesh: Mesh, axes: str | dict = "default", *,
                                q_chunk=q_chunk, constrain=fix)
         else:
             h = base.hidden(params, tokens, positions, mask, remat, **routing)
+            if routing.get("aux"):
+                return fix(h[0]), h[1]
         return fix(h)
 
     return PolicyFns(hidden=hidden, lm_head=base.lm_head)

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from brorl_jax.algo import moe_losses
 from brorl_jax.algo.batch import TokenRows, UpdateBatch
 from brorl_jax.algo.losses import METRIC_SUMS, get_loss_agg, policy_loss, step_metrics
 from brorl_jax.algo.routing_replay import replay_args, routed
@@ -94,12 +95,14 @@ def model_policy_fns(model_cfg) -> PolicyFns:
     """PolicyFns for brorl_jax.models (the transformer's pure functions)."""
     from brorl_jax.models import transformer
 
-    def hidden(params, tokens, positions, attention_mask, remat, routing=None):
-        # routing int[B, T, L, K] (a batch's, algo/routing_replay.py) -> forward's [L, B, T, K]
+    def hidden(params, tokens, positions, attention_mask, remat, routing=None, aux=False):
+        # routing int[B, T, L, K] (a batch's, algo/routing_replay.py) -> forward's [L, B, T, K];
+        # aux: (hidden, the MoE load-balancing loss of this forward) (algo/moe_losses.py)
         mask, segments = split_attention_arg(attention_mask)
-        return transformer.forward(params, model_cfg, tokens, positions=positions,
-                                   attention_mask=mask, segment_ids=segments, return_hidden=True,
-                                   remat=remat, **replay_args(routing))
+        out = transformer.forward(params, model_cfg, tokens, positions=positions,
+                                  attention_mask=mask, segment_ids=segments, return_hidden=True,
+                                  remat=remat, return_router_logits=aux, **replay_args(routing))
+        return moe_losses.forward_aux(out, model_cfg, tokens, mask, segments) if aux else out
 
     return PolicyFns(hidden=hidden, lm_head=lambda params: transformer.lm_head_matrix(params, model_cfg))
 
@@ -120,21 +123,24 @@ def _resolve_policy(model_cfg, policy: PolicyFns | None) -> PolicyFns:
 
 
 def _token_logprobs(policy: PolicyFns, params, mb: TokenRows | UpdateBatch, cfg: UpdateConfig, *,
-                    remat: bool, stats: bool = False, logprob_fn=None):
-    """Micro-batch rows -> (logp [b, T], entropy [b, T], sum_p2 [b, T] or None).
+                    remat: bool, stats: bool = False, logprob_fn=None, router_aux: bool = False):
+    """Micro-batch rows -> (logp [b, T], entropy [b, T], sum_p2 [b, T] or None; with router_aux
+    instead the MoE load-balancing loss of the forward, algo/moe_losses.py).
 
     logprob_fn(hidden[T, D], lm_head[D, V], targets[T], *, temperature, impl) replaces
     pallas_kernels.fused_logprob when given (e.g. the vocab-parallel shard_map version)."""
     tokens = mb.input_tokens
     b, t = tokens.shape
-    h = policy.hidden(params, tokens, mb.positions, mb.attention_arg(), remat, **routed(mb))
+    h = policy.hidden(params, tokens, mb.positions, mb.attention_arg(), remat, **routed(mb),
+                      **({"aux": True} if router_aux else {}))
+    h, aux = h if router_aux else (h, None)
     w = policy.lm_head(params).astype(h.dtype)
     h2, tg = h.reshape(b * t, h.shape[-1]), mb.targets.reshape(b * t)
     if stats:
         out = fused_logprob_stats(h2, w, tg, temperature=cfg.temperature, impl=cfg.logprob_impl)
         return (out["logp"].reshape(b, t), out["entropy"].reshape(b, t), out["sum_p2"].reshape(b, t))
     logp, ent = (logprob_fn or fused_logprob)(h2, w, tg, temperature=cfg.temperature, impl=cfg.logprob_impl)
-    return logp.reshape(b, t), ent.reshape(b, t), None
+    return logp.reshape(b, t), ent.reshape(b, t), aux
 
 
 def first_pi_old_in_gradient_pass(cfg: UpdateConfig, diagnostics_n: int | None = None) -> bool:
@@ -314,6 +320,7 @@ class _Rows:
     batch: UpdateBatch
     pi_old: jax.Array
     agg_weights: jax.Array | None = None
+    aux_shares: jax.Array | None = None    # moe_losses.token_shares with the MoE aux loss on
 
 
 def _split(tree, n: int, shard_rows=None):
@@ -436,21 +443,23 @@ def make_update_step(model_cfg, algo_cfg: UpdateConfig, optimizer: optax.Gradien
 
     def micro_loss(params, rows: _Rows, remat, first):
         mb = rows.batch
-        logp, ent, _ = _token_logprobs(pol, params, mb, cfg, remat=remat, logprob_fn=logprob_fn)
+        logp, ent, aux = _token_logprobs(pol, params, mb, cfg, remat=remat, logprob_fn=logprob_fn,
+                                         router_aux=moe_losses.enabled(cfg))
         if inline_old:
             old = lax.stop_gradient(logp)
         elif first_inline:      # the first mini-batch's pi_old is its own log-prob
             old = jnp.where(first, lax.stop_gradient(logp), rows.pi_old)
         else:
             old = rows.pi_old
-        return policy_loss(logp, ent, old_logp=old, rollout_logp=mb.old_logprobs,
-                           ref_logp=mb.ref_logprobs if use_ref else None,
-                           advantages=mb.advantages, loss_mask=mb.loss_mask,
-                           agg_weights=rows.agg_weights, cfg=cfg)
+        out = policy_loss(logp, ent, old_logp=old, rollout_logp=mb.old_logprobs,
+                          ref_logp=mb.ref_logprobs if use_ref else None,
+                          advantages=mb.advantages, loss_mask=mb.loss_mask,
+                          agg_weights=rows.agg_weights, cfg=cfg)
+        return out if aux is None else moe_losses.add_aux_loss(*out, aux, rows.aux_shares, cfg)
 
     minibatch_step = functools.partial(
         _minibatch_step, lora.value_and_grad(micro_loss), optimizer,
-        get_loss_agg(cfg.loss_agg), shard_rows)
+        get_loss_agg(cfg.loss_agg), shard_rows, aux_on=moe_losses.enabled(cfg))
 
     def update(state: TrainState, batch: UpdateBatch, rng: jax.Array | None = None):
         rows, mini, micro_rows = _check_batch(batch, cfg)
@@ -470,7 +479,7 @@ def make_update_step(model_cfg, algo_cfg: UpdateConfig, optimizer: optax.Gradien
                                           (state.params, state.opt_state),
                                           (minis, jnp.arange(n_minis)))
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-        return new_state, dict(step_metrics(m, cfg), **diag)
+        return new_state, dict(step_metrics(m, cfg), **diag, **moe_losses.aux_metrics(m))
 
     return update
 
@@ -533,14 +542,16 @@ def _epoch_minibatches(data: _Rows, cfg: UpdateConfig, rng, rows: int, micro_row
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *epochs)
 
 
-def _minibatch_step(grad_fn, optimizer, agg, shard_rows, micro_rows, remat, carry, xs):
+def _minibatch_step(grad_fn, optimizer, agg, shard_rows, micro_rows, remat, carry, xs, *,
+                    aux_on=False):
     """One PPO mini-batch (a lax.scan step): the gradient summed over its micro-batches, then the
     optax step, dropped when the loss or the gradient is not finite."""
     params, opt_state = carry
     train = lora.trainable(params)      # the gradients' tree: the adapters alone under LoRA
     mb, index = xs
     first = index == 0
-    mb = mb.replace(agg_weights=agg(mb.batch.loss_mask, mb.batch.segment_ids))
+    mb = mb.replace(agg_weights=agg(mb.batch.loss_mask, mb.batch.segment_ids),
+                    aux_shares=moe_losses.token_shares(mb.batch) if aux_on else None)
     n_micro = mb.batch.input_tokens.shape[0] // micro_rows
     micro = _split(mb, n_micro, shard_rows)
 
@@ -560,7 +571,7 @@ def _minibatch_step(grad_fn, optimizer, agg, shard_rows, micro_rows, remat, carr
                     sq_acc + jnp.square(optax.tree.norm(g))), None
 
         zeros_g = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), train)
-        zeros_s = {k: jnp.zeros((), jnp.float32) for k in METRIC_SUMS}
+        zeros_s = {k: jnp.zeros((), jnp.float32) for k in moe_losses.sum_keys(METRIC_SUMS, aux_on)}
         zero = jnp.zeros((), jnp.float32)
         (grads, loss, sums, sq), _ = lax.scan(accumulate, (zeros_g, zero, zeros_s, zero), micro)
         total_sq = jnp.square(optax.tree.norm(grads))

@@ -188,6 +188,9 @@ class Algo(Section):
     # mixture-of-experts models: "rollout" replays the rollout's expert choices in the update
     # (R3, algo/routing_replay.py MODES; docs/algo.md "Routing replay"), "off" routes afresh
     routing_replay: str = setting("off", source="verl / slime R3")
+    # mixture-of-experts models: the router load-balancing loss's weight, off (algo/moe_losses.py;
+    # docs/algo.md "Router load-balancing loss"; Qwen3-MoE pretraining used 0.001)
+    moe_aux_loss_coef: float = setting(0.0, ">= 0", source="verl / slime / SkyRL: off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,7 +367,8 @@ class RunConfig(Section):
             kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, kl_clamp=a.kl_clamp,
             ref_reset_every=a.ref_reset_every,
             reset_optimizer_on_ref_reset=a.reset_optimizer_on_ref_reset,
-            entropy_coef=a.entropy_coef, logprob_impl=a.logprob_impl)
+            entropy_coef=a.entropy_coef, logprob_impl=a.logprob_impl,
+            moe_aux_loss_coef=a.moe_aux_loss_coef)
 
     def replace(self, section: str, **values: Any) -> "RunConfig":
         """A copy with `values` in `section` (not validated: tests that vary one setting of a
@@ -426,3 +430,4 @@ class UpdateConfig:
     reset_optimizer_on_ref_reset: bool
     entropy_coef: float
     logprob_impl: str
+    moe_aux_loss_coef: float          # algo.moe_aux_loss_coef (mixture-of-experts models)

@@ -18,7 +18,9 @@ Routing hook (rollout routing replay, R3): ``SparseMoeBlock(h, routing)`` takes 
 block's own top-k, and the gates are still the router's probabilities at those experts
 (renormalised as usual), so the router keeps its gradient. The block returns the ids it used
 (its own top-k, or ``routing``) beside its output; transformer.forward(return_routing=True)
-and transformer.layer_finish_routed hand them out per layer.
+and transformer.layer_finish_routed hand them out per layer; with ``with_logits=True`` the
+block also returns its float32 router logits (forward(return_router_logits=True): the router
+load-balancing loss, algo/moe_losses.py).
 """
 
 from __future__ import annotations
@@ -88,10 +90,29 @@ def experts_ragged(x: jax.Array, ids: jax.Array, gates: jax.Array, gate_proj: ja
 EXPERT_FNS: dict[str, Callable[..., jax.Array]] = {"ragged": experts_ragged,
                                                    "dense": experts_dense}
 
+INT8_MAX_EXPERTS = 128     # ids 0..127 fit int8
+
+
+def route_dtype(cfg: ModelConfig):
+    """The dtype a routing record packs expert ids in (rollout routing replay: the rollout's
+    record, rollout/routing.py, and the update batch's, algo/routing_replay.py): int8 up to 128
+    experts, else int16."""
+    return jnp.int8 if cfg.num_experts <= INT8_MAX_EXPERTS else jnp.int16
+
+
+def routing_record_bytes(cfg: ModelConfig, tokens: int) -> int:
+    """Bytes of the routing record of ``tokens`` tokens: top-k ids per layer, ``route_dtype``
+    (L x K x 1 or 2 bytes a token; 0 for a dense model, which records none)."""
+    if not cfg.is_moe:
+        return 0
+    item = jnp.dtype(route_dtype(cfg)).itemsize
+    return int(tokens) * cfg.num_hidden_layers * cfg.num_experts_per_tok * item
+
 
 class SparseMoeBlock(nn.Module):
     """Router + experts of one layer (module docstring). ``__call__(h[N, D], routing=None)``
-    -> (out[N, D], expert ids int32[N, K])."""
+    -> (out[N, D], expert ids int32[N, K]); with ``with_logits=True`` also the router logits
+    f32[N, E]."""
 
     cfg: ModelConfig
     dtype: Any = jnp.float32
@@ -99,8 +120,8 @@ class SparseMoeBlock(nn.Module):
     kernel_init: Callable = nn.initializers.normal(stddev=0.02)
 
     @nn.compact
-    def __call__(self, h: jax.Array,
-                 routing: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, h: jax.Array, routing: jax.Array | None = None,
+                 with_logits: bool = False) -> tuple[jax.Array, ...]:
         cfg = self.cfg
         d, e, i = h.shape[-1], cfg.num_experts, cfg.moe_intermediate_size
         param = lambda name, shape: self.param(name, self.kernel_init, shape, self.param_dtype)
@@ -114,4 +135,5 @@ class SparseMoeBlock(nn.Module):
         logits = jnp.einsum("nd,de->ne", h, router.astype(self.dtype),
                             preferred_element_type=jnp.float32)
         ids, gates = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, routing)
-        return EXPERT_FNS[cfg.moe_impl](h, ids, gates, *weights), ids
+        out = EXPERT_FNS[cfg.moe_impl](h, ids, gates, *weights)
+        return (out, ids, logits) if with_logits else (out, ids)

@@ -198,16 +198,17 @@ class DecoderLayer(nn.Module):
         hidden = self.post_attn_norm(x)
         return (x + self.mlp(hidden)).reshape(b, t, d)
 
-    def finish_routed(self, x: jax.Array, attn: jax.Array,
-                      routing: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    def finish_routed(self, x: jax.Array, attn: jax.Array, routing: jax.Array | None = None,
+                      with_logits: bool = False) -> tuple[jax.Array, ...]:
         """``finish`` of a mixture-of-experts layer, also returning the experts it chose:
         routing int[B,T,K] (optional) replaces the router's top-k (moe.SparseMoeBlock)
-        -> (x[B,T,D], expert ids int32[B,T,K])."""
+        -> (x[B,T,D], expert ids int32[B,T,K]) (+ router logits f32[B,T,E] with_logits)."""
         b, t, d = x.shape
         x = x.reshape(b * t, d) + self.o_proj(attn.reshape(b * t, -1))
         flat_routing = None if routing is None else routing.reshape(b * t, -1)
-        out, ids = self.moe(self.post_attn_norm(x), flat_routing)
-        return (x + out).reshape(b, t, d), ids.reshape(b, t, -1)
+        out, ids, *logits = self.moe(self.post_attn_norm(x), flat_routing, with_logits)
+        return ((x + out).reshape(b, t, d), ids.reshape(b, t, -1),
+                *(lg.reshape(b, t, -1) for lg in logits))
 
     def mlp(self, hidden: jax.Array) -> jax.Array:
         """SwiGLU: down(silu(gate(h)) * up(h)). Where cfg.mlp_impl resolves to the kernels
@@ -260,15 +261,17 @@ def layer_finish(layer_params: dict, cfg: ModelConfig, x: jax.Array, attn: jax.A
 
 
 def layer_finish_routed(layer_params: dict, cfg: ModelConfig, x: jax.Array, attn: jax.Array,
-                        routing: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                        routing: jax.Array | None = None, with_logits: bool = False
+                        ) -> tuple[jax.Array, ...]:
     """``layer_finish`` of a mixture-of-experts model (cfg.is_moe) that also returns the
     experts each token went to, and optionally takes them (routing replay, models/moe.py).
 
-    x[B,T,D], attn[B,T,H,Dh], routing int[B,T,K] or None -> (x[B,T,D], ids int32[B,T,K]).
+    x[B,T,D], attn[B,T,H,Dh], routing int[B,T,K] or None -> (x[B,T,D], ids int32[B,T,K]),
+    with_logits: (x, ids, router logits f32[B,T,E]).
     """
     if not cfg.is_moe:
         raise ValueError(f"layer_finish_routed: model_type={cfg.model_type!r} has no experts")
-    return DecoderLayer(cfg).apply({"params": layer_params}, x, attn, routing,
+    return DecoderLayer(cfg).apply({"params": layer_params}, x, attn, routing, with_logits,
                                    method="finish_routed")
 
 
@@ -399,7 +402,8 @@ def forward(
     remat: bool = False,
     routing: jax.Array | None = None,
     return_routing: bool = False,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+    return_router_logits: bool = False,
+) -> jax.Array | tuple[jax.Array, ...]:
     """Full-sequence forward pass.
 
     tokens int32[B,T]; positions int[B,T] (default: derived from attention_mask, see
@@ -413,9 +417,11 @@ def forward(
     in the backward pass; see remat_layer).
     Mixture-of-experts models only (models/moe.py): routing int[L,B,T,K] replaces each layer's
     own top-k experts (gates recomputed from the router); ``return_routing=True`` also returns
-    the experts each layer used, int32[L,B,T,K].
+    the experts each layer used, int32[L,B,T,K]; ``return_router_logits=True`` each layer's
+    router logits f32[L,B,T,E] (the load-balancing loss, algo/moe_losses.py).
     -> logits f32[B,T,V], or the final-normed hidden h[B,T,D] with ``return_hidden=True``
-    (with ``return_routing``: the pair (that, routing)).
+    (with ``return_routing``: the pair (that, routing); with ``return_router_logits`` the
+    router logits come last).
     """
     _check_tokens(tokens)
     b, t = tokens.shape
@@ -454,18 +460,24 @@ def forward(
 
     adapters, base = lora.split(params)
     x, chosen = _run_layers(base, cfg, embed(params, cfg, tokens), positions, attend, remat,
-                            routing, return_routing, adapters)
+                            routing, return_routing or return_router_logits, adapters,
+                            router_logits=return_router_logits)
     h = final_norm(params, cfg, x)
     out = h if return_hidden else lm_logits(params, cfg, h)
-    return (out, chosen) if return_routing else out
+    if not return_router_logits:
+        return (out, chosen) if return_routing else out
+    chosen, logits = chosen
+    return (out, chosen, logits) if return_routing else (out, logits)
 
 
 def _run_layers(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, attend,
                 remat: bool | str, routing: jax.Array | None, return_routing: bool,
-                adapters: dict | None = None) -> tuple[jax.Array, jax.Array | None]:
+                adapters: dict | None = None, router_logits: bool = False
+                ) -> tuple[jax.Array, Any]:
     """forward()'s layers over the embedded x[B,T,D] -> (x, the experts each layer used
-    int32[L,B,T,K], or None for a dense model). Under LoRA (models/lora.py) each layer also
-    takes its adapters' slice."""
+    int32[L,B,T,K], or None for a dense model; with router_logits the pair (those, the router
+    logits f32[L,B,T,E])). Under LoRA (models/lora.py) each layer also takes its adapters'
+    slice."""
     layer_cfg = cfg if adapters is None else lora.layer_config(cfg)
     if not cfg.is_moe:
         if routing is not None or return_routing:
@@ -482,7 +494,9 @@ def _run_layers(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Arr
         def layer(x: jax.Array, xs: tuple) -> tuple[jax.Array, jax.Array]:
             layer_params, layer_routing = xs
             q, k, v = layer_qkv(layer_params, cfg, x, positions)
-            return layer_finish_routed(layer_params, cfg, x, attend(q, k, v), layer_routing)
+            x, *out = layer_finish_routed(layer_params, cfg, x, attend(q, k, v), layer_routing,
+                                          router_logits)
+            return x, tuple(out) if router_logits else out[0]
 
     if adapters is not None:
         layer = lora.adapted_layer(layer, cfg)
@@ -510,7 +524,7 @@ def _run_layers(params: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Arr
             xs = (xs, None if routing is None else routing[i])
         x, ids = step(x, xs)
         chosen.append(ids)
-    return x, jnp.stack(chosen) if cfg.is_moe else None
+    return x, jax.tree.map(lambda *a: jnp.stack(a), *chosen) if cfg.is_moe else None
 
 
 def layer_loop_form() -> str:

@@ -225,7 +225,7 @@ class Engine:
         return plan_slots(self.cfg, num_prompts, prompt_len, rollouts_per_prompt, max_new_tokens,
                           memory_budget_bytes, num_devices=self.num_devices,
                           min_slots=self.min_slots, page_size=self.page_size,
-                          kv_fraction=self.kv_fraction)
+                          kv_fraction=self.kv_fraction, record_routing=self.record_routing)
 
     def decode_program(self, params: Any, *, prompt_len: int, rollouts_per_prompt: int,
                        max_new_tokens: int, num_prompts: int = 1, slots: int | None = None,
@@ -320,7 +320,7 @@ class Engine:
         p = bucket_prompt_length(int(prompt_len))
         plan = stream_plan(self.cfg, self.plan(int(plan_prompts), p, rollouts_per_prompt,
                                                max_new_tokens, memory_budget_bytes),
-                           p, max_new_tokens)
+                           p, max_new_tokens, self.record_routing)
         scheduler = self._start(params, [], p, plan, rollouts_per_prompt=rollouts_per_prompt,
                                 max_new_tokens=max_new_tokens, temperature=temperature,
                                 top_p=top_p, top_k=top_k, seed=seed, eos_ids=eos_ids,

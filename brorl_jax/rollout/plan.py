@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from brorl_jax.models import ModelConfig
+from brorl_jax.models.moe import routing_record_bytes
 from brorl_jax.models.precision import rollout_weight_bytes
 from brorl_jax.models.transformer import dtype_of
 from pallas_kernels import _backend
@@ -115,10 +116,20 @@ def pages_for(slots: int, max_new_tokens: int, page_size: int | None = None,
     return max(full, slots, math.ceil(slots * full * kv_fraction))
 
 
-def pool_entry_bytes(cfg: ModelConfig, prompt_len: int, share: int, max_new_tokens: int) -> int:
+def pool_entry_bytes(cfg: ModelConfig, prompt_len: int, share: int, max_new_tokens: int,
+                     record_routing: bool = False) -> int:
     """Device memory of one prompt-pool entry: the prompt's KV and its samples' results
-    (tokens and log-probs ``[share, S]``, lengths, flags, queue)."""
-    return kv_bytes(cfg, 1, prompt_len) + results_bytes(share, max_new_tokens) + 32
+    (tokens and log-probs ``[share, S]``, lengths, flags, queue); recording routing
+    (rollout/routing.py), the prompt's and its samples' expert ids too (``route_bytes``)."""
+    return (kv_bytes(cfg, 1, prompt_len) + results_bytes(share, max_new_tokens) + 32
+            + route_bytes(cfg, prompt_len, record_routing)
+            + route_bytes(cfg, share * max_new_tokens, record_routing))
+
+
+def route_bytes(cfg: ModelConfig, tokens: int, record_routing: bool) -> int:
+    """The routing record of ``tokens`` tokens when the engine records it (``Engine(
+    record_routing=True)``: prefix_route / res_route, L x K ids a token), else 0."""
+    return routing_record_bytes(cfg, tokens) if record_routing else 0
 
 
 def results_bytes(share: int, max_new_tokens: int) -> int:
@@ -196,9 +207,9 @@ def slot_buckets(slots: int, min_slots: int | None = None) -> tuple[int, ...]:
 def rollout_bytes(cfg: ModelConfig, num_prompts: int, prompt_len: int, samples_per_prompt: int,
                   max_new_tokens: int, slots: int, *, num_devices: int = 1,
                   page_size: int | None = None, kv_fraction: float = KV_FRACTION,
-                  num_pages: int | None = None) -> int:
+                  num_pages: int | None = None, record_routing: bool = False) -> int:
     """Working memory per device of ``slots`` decode slots, their KV pages (``num_pages``, default
-    :func:`pages_for`) and their prompt pool."""
+    :func:`pages_for`) and their prompt pool (with its routing record when recorded)."""
     page_size = page_size or default_page_size()
     share = -(-samples_per_prompt // num_devices)
     if num_pages is None:
@@ -206,26 +217,29 @@ def rollout_bytes(cfg: ModelConfig, num_prompts: int, prompt_len: int, samples_p
     return (slots * slot_bytes(cfg, max_new_tokens, page_size)
             + (num_pages + 1) * page_bytes(cfg, page_size)     # +1: the write-off page
             + pool_size_for(slots, share, num_prompts)
-            * pool_entry_bytes(cfg, prompt_len, share, max_new_tokens)
+            * pool_entry_bytes(cfg, prompt_len, share, max_new_tokens, record_routing)
             + results_bytes(share, max_new_tokens)    # the results' spare entry (programs.py)
+            + route_bytes(cfg, share * max_new_tokens, record_routing)     # and its routing's
             + admission_bytes(cfg, share))
 
 
 def min_budget_bytes(cfg: ModelConfig, num_prompts: int, prompt_len: int,
                      samples_per_prompt: int, max_new_tokens: int, *, num_devices: int = 1,
-                     page_size: int | None = None, kv_fraction: float = KV_FRACTION) -> int:
+                     page_size: int | None = None, kv_fraction: float = KV_FRACTION,
+                     record_routing: bool = False) -> int:
     """The smallest ``memory_budget_bytes`` :func:`plan_slots` accepts for a call of these
     shapes (over all ``num_devices``): one decode slot with the pages of a whole sample and its
     prompt pool on every device."""
     return num_devices * rollout_bytes(
         cfg, num_prompts, prompt_len, samples_per_prompt, max_new_tokens, 1,
-        num_devices=num_devices, page_size=page_size, kv_fraction=kv_fraction)
+        num_devices=num_devices, page_size=page_size, kv_fraction=kv_fraction,
+        record_routing=record_routing)
 
 
 def plan_slots(cfg: ModelConfig, num_prompts: int, prompt_len: int, samples_per_prompt: int,
                max_new_tokens: int, memory_budget_bytes: int | None, *, num_devices: int = 1,
                min_slots: int | None = None, page_size: int | None = None,
-               kv_fraction: float = KV_FRACTION) -> SlotPlan:
+               kv_fraction: float = KV_FRACTION, record_routing: bool = False) -> SlotPlan:
     """Decode slots, KV pages and prompt-pool entries per device from the memory budget.
 
     ``memory_budget_bytes`` covers the rollout's working memory over all ``num_devices`` (not the
@@ -233,7 +247,8 @@ def plan_slots(cfg: ModelConfig, num_prompts: int, prompt_len: int, samples_per_
     pages for its full length (nothing ever waits for a page). With a budget, the slots are the
     most that fit with :func:`pages_for` pages each (``kv_fraction`` of their capacity), and the
     pages take the rest of the budget. A budget below one slot with one whole sample's pages and
-    its pool raises ``ValueError`` naming the minimum.
+    its pool raises ``ValueError`` naming the minimum. ``record_routing``: the engine records
+    each token's experts (rollout routing replay): the pool's entries hold them too.
     """
     page_size = page_size or default_page_size()
     if not 0 < kv_fraction <= 1:
@@ -243,7 +258,8 @@ def plan_slots(cfg: ModelConfig, num_prompts: int, prompt_len: int, samples_per_
     max_pages = cache_len(max_new_tokens, page_size) // page_size
     need = lambda b, pages=None: rollout_bytes(
         cfg, num_prompts, prompt_len, samples_per_prompt, max_new_tokens, b,
-        num_devices=num_devices, page_size=page_size, kv_fraction=kv_fraction, num_pages=pages)
+        num_devices=num_devices, page_size=page_size, kv_fraction=kv_fraction, num_pages=pages,
+        record_routing=record_routing)
     if memory_budget_bytes is None:
         slots = samples
         pages = slots * max_pages
@@ -251,7 +267,7 @@ def plan_slots(cfg: ModelConfig, num_prompts: int, prompt_len: int, samples_per_
         budget = int(memory_budget_bytes) // num_devices
         least = min_budget_bytes(cfg, num_prompts, prompt_len, samples_per_prompt,
                                  max_new_tokens, num_devices=num_devices, page_size=page_size,
-                                 kv_fraction=kv_fraction)
+                                 kv_fraction=kv_fraction, record_routing=record_routing)
         if memory_budget_bytes < least:
             raise ValueError(
                 f"memory_budget_bytes={memory_budget_bytes} is too small: one decode slot with "
@@ -283,13 +299,14 @@ def stream_pool_size(slots: int, share: int) -> int:
 
 
 def stream_plan(cfg: ModelConfig, plan: SlotPlan, prompt_len: int,
-                max_new_tokens: int) -> SlotPlan:
+                max_new_tokens: int, record_routing: bool = False) -> SlotPlan:
     """``plan`` (:func:`plan_slots` for the stream's ``plan_prompts``) with an open stream's
     prompt pool (:func:`stream_pool_size`) and its bytes: the layout the engine allocates for a
     stream and holds while paused between RL steps (the memory plan counts it beside the update
     when samples are carried, train/door.py)."""
     pool = stream_pool_size(plan.slots, plan.share)
-    extra = (pool - plan.pool) * pool_entry_bytes(cfg, prompt_len, plan.share, max_new_tokens)
+    extra = (pool - plan.pool) * pool_entry_bytes(cfg, prompt_len, plan.share, max_new_tokens,
+                                                  record_routing)
     return dataclasses.replace(plan, pool=pool, bytes_per_device=plan.bytes_per_device + extra)
 
 

@@ -17,13 +17,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from brorl_jax.models import ModelConfig
-
-INT8_MAX_EXPERTS = 128     # ids 0..127 fit int8
-
-
-def route_dtype(cfg: ModelConfig):
-    """The packed id dtype: int8 up to 128 experts, else int16."""
-    return jnp.int8 if cfg.num_experts <= INT8_MAX_EXPERTS else jnp.int16
+from brorl_jax.models.moe import INT8_MAX_EXPERTS, route_dtype  # noqa: F401 (the packing)
 
 
 def init_route(spec) -> dict:

@@ -49,6 +49,7 @@ import jax
 from brorl_jax import algo, models
 from brorl_jax.config import INT32_MAX, RunConfig, as_run_config, check_mesh, validate
 from brorl_jax.errors import CheckpointError, ConfigError
+from brorl_jax.models.moe import routing_record_bytes
 from brorl_jax.rollout import plan as rollout_plan
 from brorl_jax.train.context import (
     base_model_dir,
@@ -61,6 +62,7 @@ from brorl_jax.train.evaluation import prompts_per_call
 from brorl_jax.train.rollout_calls import (
     RolloutCall,
     paused_engine_bytes,
+    records_routing,
     rollout_device_count,
     training_call,
 )
@@ -125,6 +127,7 @@ def check_loaded_model(cfg, model_cfg: models.ModelConfig | None, *, update: boo
     cfg = as_run_config(cfg)
     check_lora_rank(cfg, model_cfg)
     check_routing_replay(cfg, model_cfg)
+    check_moe_aux_loss(cfg, model_cfg)
     check_at_door(cfg, model_cfg, update=update)
     return DoorFacts(cfg, model_cfg, paused_engine_bytes(
         cfg, model_cfg, num_devices=rollout_device_count(cfg), num_processes=jax.process_count()))
@@ -138,6 +141,15 @@ def check_routing_replay(cfg, model_cfg: models.ModelConfig | None) -> None:
             f"config key 'algo.routing_replay' = {cfg.algo.routing_replay!r} replays a "
             f"mixture-of-experts model's expert choices, but model_type={model_cfg.model_type!r}"
             " has no experts. Set algo.routing_replay='off'.")
+
+
+def check_moe_aux_loss(cfg, model_cfg: models.ModelConfig | None) -> None:
+    """algo.moe_aux_loss_coef > 0 balances a router: a dense model has none."""
+    if model_cfg is not None and cfg.algo.moe_aux_loss_coef > 0 and not model_cfg.is_moe:
+        raise ConfigError(
+            f"config key 'algo.moe_aux_loss_coef' = {cfg.algo.moe_aux_loss_coef} weights a "
+            f"mixture-of-experts router's load-balancing loss, but model_type="
+            f"{model_cfg.model_type!r} has no experts. Set algo.moe_aux_loss_coef=0.")
 
 
 def check_lora_rank(cfg, model_cfg) -> None:
@@ -243,16 +255,18 @@ def _rollout_call(cfg, model_cfg, call: RolloutCall, devices: int, device_bytes,
              f"tokens ({call.length_key})")
     lower = f"lower {call.length_key}, data.max_prompt_len or {call.n_keys.split(' x ')[0]}"
     key = f"config key 'rollout.memory_budget_gb' = {cfg.rollout.memory_budget_gb:g}"
-    least = rollout_plan.min_budget_bytes(*shapes, num_devices=devices)
+    routing = records_routing(cfg, model_cfg)      # the pools hold the experts (replay)
+    least = rollout_plan.min_budget_bytes(*shapes, num_devices=devices, record_routing=routing)
     if budget is not None and budget < least:
         return [f"{key} is too small for the {call.what} rollouts ({sizes}): one decode slot "
                 f"with the KV pages of a whole sample and its prompt pool needs "
                 f"{_gb(least, True)} GB over {devices} device(s) (rollout.plan.min_budget_bytes)."
                 f" Raise rollout.memory_budget_gb to at least {_gb(least, True)}, set it to 0 "
                 f"(a slot per sample), or {lower}."]
-    plan = rollout_plan.plan_slots(*shapes, budget, num_devices=devices)
+    plan = rollout_plan.plan_slots(*shapes, budget, num_devices=devices, record_routing=routing)
     if call.what == "training" and cfg.algo.stream_rounds:     # an open stream's larger pool
-        plan = rollout_plan.stream_plan(model_cfg, plan, prompt_len, call.max_new_tokens)
+        plan = rollout_plan.stream_plan(model_cfg, plan, prompt_len, call.max_new_tokens,
+                                        routing)
     if plan.num_pages + 1 > INT32_MAX:
         return [f"{key}: the {call.what} rollouts ({sizes}) would take {plan.num_pages + 1:,} "
                 f"KV pages of {plan.page_size} positions per device ({plan.slots:,} decode "
@@ -281,13 +295,15 @@ def _rollout_call(cfg, model_cfg, call: RolloutCall, devices: int, device_bytes,
 def _update_micro_batch(cfg, model_cfg, device_bytes: int, n_params: int, paused: int = 0
                         ) -> list[str]:
     """One device: the training state, one micro-batch's activations under full remat (the
-    least any remat policy keeps) and the paused rollout engine (`paused` bytes) fit the
-    device."""
+    least any remat policy keeps), the paused rollout engine (`paused` bytes) and, under
+    routing replay, the update batch's routing record (UpdateBatch.routing) fit the device."""
     update = algo.update
     acfg, width = cfg.update, cfg.seq_len
     mini = max(1, cfg.update_rows // cfg.algo.ppo_mini_batches)
     rows = min(update.micro_batch_rows(acfg, width), mini)
-    state = update.train_state_bytes(model_cfg, n_params) + paused
+    routing = (routing_record_bytes(model_cfg, cfg.update_rows * width)
+               if records_routing(cfg, model_cfg) else 0)
+    state = update.train_state_bytes(model_cfg, n_params) + paused + routing
     saved = update.remat_saved_bytes(model_cfg, rows * width, "full")
     if state + saved <= device_bytes:
         return []
@@ -300,7 +316,10 @@ def _update_micro_batch(cfg, model_cfg, device_bytes: int, n_params: int, paused
            "rollout.max_new_tokens." if fit >= 1 else
            "Not even one row fits: lower data.max_prompt_len / rollout.max_new_tokens, or use a "
            "smaller model.")
-    beside = (f"{_gb(state - paused, True)} GB of training state (algo.update.train_state_bytes)"
+    beside = (f"{_gb(state - paused - routing, True)} GB of training state "
+              "(algo.update.train_state_bytes)"
+              + (f", {_gb(routing, True)} GB of the batch's recorded routing "
+                 "(algo.routing_replay='rollout')" if routing else "")
               + (f" and {_gb(paused, True)} GB of the rollout engine paused across the update "
                  f"with its samples in flight (algo.max_staleness={cfg.algo.max_staleness}; "
                  "set it to 0, or lower rollout.memory_budget_gb, to free it)" if paused else ""))

@@ -46,6 +46,13 @@ def training_call(cfg, num_processes: int = 1) -> RolloutCall:
                        n_keys, "rollout.max_new_tokens", rollout_precision(cfg))
 
 
+def records_routing(cfg, model_cfg) -> bool:
+    """Whether the run's engines record each token's experts (algo.routing_replay="rollout" on
+    a mixture-of-experts model, train/runtime.py): their pools hold the record (rollout.plan)."""
+    return (model_cfg is not None and model_cfg.is_moe
+            and as_run_config(cfg).algo.routing_replay == "rollout")
+
+
 def rollout_device_count(cfg) -> int:
     """The devices this process's rollouts run on (train/runtime.py): its share of
     mesh.rollout_devices when disaggregated, else every local device."""
@@ -66,9 +73,10 @@ def paused_engine_bytes(cfg, model_cfg, *, num_devices: int, num_processes: int 
     train = training_call(cfg, num_processes)
     model_cfg = train.model_config(model_cfg)
     prompt_len = rollout_plan.bucket_prompt_length(cfg.data.max_prompt_len)
+    routing = records_routing(cfg, model_cfg)
     plan = rollout_plan.plan_slots(model_cfg, train.num_prompts, prompt_len,
                                    train.samples_per_prompt, train.max_new_tokens,
                                    cfg.memory_budget_bytes,
-                                   num_devices=num_devices)
-    return rollout_plan.stream_plan(model_cfg, plan, prompt_len,
-                                    train.max_new_tokens).bytes_per_device
+                                   num_devices=num_devices, record_routing=routing)
+    return rollout_plan.stream_plan(model_cfg, plan, prompt_len, train.max_new_tokens,
+                                    routing).bytes_per_device

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from testutil import tiny_model_config  # noqa: E402
 
 from brorl_jax import algo  # noqa: E402
-from brorl_jax.algo import routing_metrics, routing_replay  # noqa: E402
+from brorl_jax.algo import moe_losses, routing_metrics, routing_replay  # noqa: E402
 from brorl_jax.algo.batch import assemble_groups  # noqa: E402
 from brorl_jax.config import ConfigError, default_config, update_config, validate  # noqa: E402
 from brorl_jax.models import forward, init_params  # noqa: E402
@@ -112,6 +112,13 @@ def test_replay_brings_the_f32_update_to_the_bf16_rollouts_logprobs():
     assert m["moe/logprob_gap_mean"] < 0.7 * m["moe/logprob_gap_mean_noreplay"]
     off = routing_metrics.routing_metrics(cfg, acfg, params, batch.replace(routing=None))
     assert off["moe/logprob_gap_mean"] == off["moe/logprob_gap_mean_noreplay"]
+    # the load-balancing loss (algo/moe_losses.py) of the sample's own routing, either way
+    rows, _, _ = routing_metrics.sample_rows(batch)
+    _, logits = forward(params, cfg, jnp.asarray(rows.input_tokens),
+                        positions=jnp.asarray(rows.positions),
+                        segment_ids=jnp.asarray(rows.segment_ids), return_router_logits=True)
+    aux = moe_losses.load_balancing_loss(logits, 8, rows.segment_ids > 0)
+    assert m["moe/aux_loss"] == off["moe/aux_loss"] == pytest.approx(float(aux), rel=1e-6)
     assert routing_metrics.routing_metrics(tiny_model_config(), acfg, params, batch) == {}
 
 

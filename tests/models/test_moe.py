@@ -5,6 +5,7 @@ tests/rollout/test_hf_greedy.py (greedy generation)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -113,6 +114,22 @@ def test_forward_returns_its_routing_and_replaying_it_changes_nothing():
         unrolled, used = fwd(params, tokens=tokens, routing=other)
     np.testing.assert_array_equal(used, other)
     np.testing.assert_allclose(unrolled, replayed, atol=1e-5)
+
+
+def test_forward_gives_router_logits_whose_top_k_is_its_routing():
+    """return_router_logits (the load-balancing loss, algo/moe_losses.py): each layer's float32
+    router logits, in the scan and the unrolled form; the output is unchanged."""
+    cfg = _moe_config()
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 7), 0, cfg.vocab_size)
+    fwd = jax.jit(functools.partial(forward, cfg=cfg, return_routing=True,
+                                    return_router_logits=True))
+    for form in (contextlib.nullcontext(), pk.compile_target("cuda")):   # scan, unrolled
+        with form:
+            out, ids, logits = fwd(params, tokens=tokens)
+        assert logits.shape == (2, 2, 7, E) and logits.dtype == jnp.float32
+        np.testing.assert_array_equal(jax.lax.top_k(logits, K)[1], ids)
+        np.testing.assert_allclose(out, forward(params, cfg, tokens), atol=1e-5)
 
 
 def test_the_decode_loops_layer_functions_take_and_give_the_routing():
