@@ -15,6 +15,7 @@ import sys
 
 import jax
 import numpy as np
+from _sharded_worker import update_batch
 from testutil import tiny_model_config
 
 from brorl_jax.algo import adapters, make_optimizer
@@ -25,20 +26,6 @@ from brorl_jax.workdir.checkpoint import Checkpointer
 from configs import tiny
 
 ROWS, SEQ = 16, 12
-
-
-def update_batch(vocab: int, seed: int = 0):
-    from brorl_jax.algo import UpdateBatch
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(4, vocab, (ROWS, SEQ)).astype(np.int32)
-    mask = np.zeros((ROWS, SEQ), bool)
-    for r in range(ROWS):                      # response tokens after a 3-token prompt
-        mask[r, 3:3 + rng.integers(2, SEQ - 3)] = True
-    return UpdateBatch(
-        input_tokens=tokens, positions=np.tile(np.arange(SEQ, dtype=np.int32), (ROWS, 1)),
-        loss_mask=mask, targets=np.roll(tokens, -1, axis=1),
-        old_logprobs=(np.log(1 / vocab) + 0.2 * rng.normal(size=(ROWS, SEQ))).astype(np.float32),
-        advantages=rng.normal(size=ROWS).astype(np.float32))
 
 
 def random_params(mc) -> dict:
@@ -81,7 +68,7 @@ def main(out_path: str, workdir: str) -> None:
                                                             moved[t]["b"].shape))
     state0 = jax.device_get(state0.replace(params=lora.with_adapters(lora.base_params(
         state0.params), moved)))
-    batch = update_batch(mc.vocab_size)
+    batch = update_batch(ROWS, SEQ, mc.vocab_size)
     rngs = [jax.random.key(7), jax.random.key(8)]
     kw = dict(diagnostics_n=None, paused_engine_bytes=0)
     runtimes = {"one": LocalRuntime(cfg, mc, opt, **kw), "mesh": MeshRuntime(cfg, mc, opt, **kw)}
