@@ -15,7 +15,7 @@ from brorl_jax.workdir.logger import read_metrics
 
 pytestmark = pytest.mark.slow     # end-to-end: out of `-m "not slow"`
 
-LORA = ["--config.model.lora_rank=4", "--config.algo.ref_reset_every=2",
+LORA = ["--config.model.lora_rank=4", "--config.algo.ref_reset_every=1",
         "--config.train.tensorboard=False"]
 
 
@@ -34,19 +34,20 @@ def _final(workdir, steps):
 
 def test_lora_run_resumes_bit_identically_across_a_reset(tmp_path, tiny_warm_start):
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    _train(straight, 3, tiny_warm_start)
-    _train(stopped, 2, tiny_warm_start)           # stops after the reset at step 2 and its save
-    out = _train(stopped, 3, tiny_warm_start)
-    assert "[resume] from checkpoint step 2" in out.stdout
-    cfg, want = _final(straight, 3)
-    _, got = _final(stopped, 3)
+    _train(straight, 2, tiny_warm_start)
+    _train(stopped, 1, tiny_warm_start)           # stops after the reset at step 1 and its save
+    out = _train(stopped, 2, tiny_warm_start)
+    assert "[resume] from checkpoint step 1" in out.stdout
+    cfg, want = _final(straight, 2)
+    _, got = _final(stopped, 2)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
         np.testing.assert_array_equal(b, a, err_msg=jax.tree_util.keystr(path))
-    # what the checkpoint holds: adapters and one merged set (the reset at step 2), no base
+    # what the checkpoint holds: adapters and the merged sets of the resets at steps 1 and 2,
+    # no base
     _, saved, _ = restore_checkpoint(cfg, str(straight))
-    assert len(saved.lora_merged) == 1 and set(saved.params) == {lora.KEY}
+    assert len(saved.lora_merged) == 2 and set(saved.params) == {lora.KEY}
     base = restore_params(cfg, str(straight), 1)[1]
     assert any(not np.array_equal(np.asarray(x), y) for x, y in
                zip(jax.tree.leaves(base), jax.tree.leaves(got)))      # it trained
     steps = [r["step"] for r in read_metrics(os.path.join(stopped, "metrics.jsonl"))]
-    assert steps == [0, 1, 2, 3]
+    assert steps == [0, 1, 2]
