@@ -29,14 +29,13 @@ from _measure import shape_config, write_result  # noqa: E402
 
 from brorl_jax.algo import update  # noqa: E402
 from brorl_jax.models import lora  # noqa: E402
-from brorl_jax.models.config import ModelConfig  # noqa: E402, F401
 from brorl_jax.models.hf import param_shapes  # noqa: E402
 from brorl_jax.rollout import plan  # noqa: E402
 
 GIB = 2 ** 30
 
 
-def arm(mc: ModelConfig, n_params: int, card: int, args) -> dict:
+def arm(mc, n_params: int, card: int, args) -> dict:
     """The card's budget for the rollout after the update's resident state, and its slots."""
     state = update.train_state_bytes(mc, n_params)
     weights = plan.rollout_params_bytes(mc, n_params)
