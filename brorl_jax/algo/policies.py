@@ -4,7 +4,8 @@ The collect step (brorl_jax/train/collect.py) has one path; these policies plug 
 and each is off by default, so a config without them runs the paper's recipe:
 
   how many samples per prompt  FixedN (the paper) | AdaptiveN (rollout.adaptive_n: N per prompt
-                               from its EMA pass rate, in buckets)
+                               from its EMA pass rate, in buckets) | KnapsackN (rollout.knapsack:
+                               a probe per round, then the round's samples by Knapsack RL's value)
   which candidates to keep     over-generation: ceil(rollout.overgenerate_factor * N) candidates,
                                N kept by rollout.select_rule (SELECT_RULES)
   reward shaping               clip_rewards (algo.reward_clip_low / high); the length penalty is
@@ -20,6 +21,7 @@ their messages name the config key.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from typing import Callable, Sequence
 
@@ -166,13 +168,73 @@ class AdaptiveN:
         self.rates = {int(k): float(v) for k, v in state.get("pass_rates", {}).items()}
 
 
+def knapsack_value(n: int, p: float) -> float:
+    """The value of n samples of a prompt of pass rate p, in Knapsack RL's form (Li et al. 2025,
+    arXiv 2509.25849): P(the group holds a right and a wrong answer, so its gradient is not zero)
+    = 1 - p^n - (1 - p)^n, times an information gain p (1 - p)^2 that favours hard but solvable
+    prompts. Concave in n for a fixed p, so handing out samples greedily is optimal."""
+    return (1.0 - p ** n - (1.0 - p) ** n) * p * (1.0 - p) ** 2
+
+
+def knapsack_allocation(correct: Sequence[int], probe: int, budget: int, chunk: int,
+                        max_n: int) -> list[int]:
+    """Samples per prompt (its probe included) after a probe of `probe` samples each with
+    `correct[i]` right: the round's `budget` samples minus the probes, handed out `chunk` at a
+    time, each chunk to the prompt it raises knapsack_value most (ties: the lower index), none
+    past `max_n`. The pass rate is the probe's posterior mean under a Beta(1/2, 1/2) prior,
+    (k + 1/2) / (probe + 1), so an all-wrong probe still counts as solvable now and then (our
+    choice; the paper estimates p from earlier epochs)."""
+    totals = [int(probe)] * len(correct)
+    rates = [(k + 0.5) / (probe + 1.0) for k in correct]
+
+    def gain(i: int) -> float:
+        return knapsack_value(totals[i] + chunk, rates[i]) - knapsack_value(totals[i], rates[i])
+
+    heap = [(-gain(i), i) for i in range(len(totals)) if probe + chunk <= max_n]
+    heapq.heapify(heap)
+    spare = (int(budget) - probe * len(totals)) // chunk
+    while spare > 0 and heap:
+        _, i = heapq.heappop(heap)
+        totals[i] += chunk
+        spare -= 1
+        if totals[i] + chunk <= max_n:
+            heapq.heappush(heap, (-gain(i), i))
+    return totals
+
+
+@dataclasses.dataclass
+class KnapsackN:
+    """rollout.knapsack (not in the paper): each generation round first draws `probe` samples of
+    every prompt, then shares the round's other samples (its prompts x the config's N, minus
+    the probes) out by knapsack_allocation, in chunks of `chunk`, at most `max_n` per prompt. A
+    prompt's probe and its chunks make one group. Nothing carries between rounds."""
+    n: int
+    probe: int
+    chunk: int
+    max_n: int
+
+    def n_for(self, index: int) -> int:
+        return self.probe
+
+    def allocate(self, correct: Sequence[int]) -> list[int]:
+        """Samples per prompt of a round whose probes had `correct` right answers."""
+        return knapsack_allocation(correct, self.probe, len(correct) * self.n, self.chunk,
+                                   self.max_n)
+
+    def observe(self, index: int, pass_rate: float) -> None:
+        pass
+
+
 def nominal_n(rollout_cfg) -> int:
     """N, the samples per prompt the config sets (the paper's; adaptive N buckets around it)."""
     return int(rollout_cfg.rollouts_per_prompt)
 
 
-def samples_per_prompt_policy(rollout_cfg) -> FixedN | AdaptiveN:
+def samples_per_prompt_policy(rollout_cfg) -> FixedN | AdaptiveN | KnapsackN:
     """The run's policy from the config's rollout section."""
+    if rollout_cfg.knapsack:
+        return KnapsackN(nominal_n(rollout_cfg), int(rollout_cfg.knapsack_probe),
+                         int(rollout_cfg.knapsack_chunk), int(rollout_cfg.knapsack_max_n))
     if not rollout_cfg.adaptive_n:
         return FixedN(nominal_n(rollout_cfg))
     buckets, thresholds = parse_adaptive_n(rollout_cfg.adaptive_n_buckets,

@@ -448,6 +448,8 @@ def _validate_options(cfg: ml_collections.ConfigDict) -> list[str]:
         if cfg.train.mass_balance_diagnostics:
             errors.append("train.mass_balance_diagnostics needs one N for all prompts; turn off "
                           "rollout.adaptive_n or the diagnostics.")
+    if r.knapsack:
+        errors += _knapsack_errors(cfg)
     if not a.reward_clip_low < a.reward_clip_high:
         errors.append(f"config keys 'algo.reward_clip_low' < 'algo.reward_clip_high' required, "
                       f"got {a.reward_clip_low}, {a.reward_clip_high} (-inf, inf = no clipping).")
@@ -491,3 +493,25 @@ def describe() -> str:
             line += "   (data_source -> " + " | ".join(verifier_names()) + ")"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _knapsack_errors(cfg: ml_collections.ConfigDict) -> list[str]:
+    """rollout.knapsack's settings (algo/policies.py KnapsackN) and what it cannot combine with."""
+    a, r, errors = cfg.algo, cfg.rollout, []
+    k = "config key 'rollout.knapsack'=True"
+    if r.knapsack_probe > r.rollouts_per_prompt:
+        errors.append(f"{k}: rollout.knapsack_probe ({r.knapsack_probe}) must be at most "
+                      f"rollout.rollouts_per_prompt ({r.rollouts_per_prompt}), the round's "
+                      "samples per prompt that the probe is part of.")
+    if not r.knapsack_probe <= r.knapsack_max_n <= cfg.update_rows:
+        errors.append(f"{k}: rollout.knapsack_max_n ({r.knapsack_max_n}) must lie between "
+                      f"rollout.knapsack_probe ({r.knapsack_probe}) and the update batch of "
+                      f"algo.prompts_per_step * rollout.rollouts_per_prompt = {cfg.update_rows} "
+                      "rows.")
+    for key, on in (("rollout.adaptive_n", r.adaptive_n), ("algo.stream_rounds", a.stream_rounds),
+                    ("train.mass_balance_diagnostics", cfg.train.mass_balance_diagnostics),
+                    ("rollout.overgenerate_factor (> 1)", r.overgenerate_factor > 1.0)):
+        if on:
+            errors.append(f"{k} chooses the samples per prompt in generation rounds of its own; "
+                          f"turn off {key} or rollout.knapsack.")
+    return errors

@@ -111,6 +111,12 @@ class Rollout(Section):
     adaptive_n_buckets: str = setting("256,512,768")   # N for easy ... hard prompts (ascending)
     adaptive_n_thresholds: str = setting("0.7,0.3")    # pass-rate boundaries (descending)
     adaptive_n_ema_decay: float = setting(0.5, "[0, 1)")  # weight of the old pass-rate estimate per visit
+    # per round: a probe of knapsack_probe samples per prompt, then the round's other samples
+    # (its prompts x N) by Knapsack RL's value, knapsack_chunk at a time, <= knapsack_max_n each
+    knapsack: bool = setting(False, source="Knapsack RL, arXiv 2509.25849")
+    knapsack_probe: int = setting(8, ">= 2")
+    knapsack_chunk: int = setting(8, "> 0")
+    knapsack_max_n: int = setting(256, ">= 2")
     # > 1: generate ceil(factor * N), keep N by select_rule
     overgenerate_factor: float = setting(1.0, ">= 1.0", note=" (1.0 = off)")
     select_rule: str = setting("dedup_then_balanced")  # | dedup | balanced

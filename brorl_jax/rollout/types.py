@@ -106,6 +106,26 @@ def group_result(prompt_index, tok, logp, lengths, fin, prompt_length, step,
                        seconds=float(seconds))
 
 
+def concat_groups(parts: Sequence[GroupResult]) -> GroupResult:
+    """One prompt's group from the samples of several calls (the same prompt, the same
+    max_new_tokens), in the order given: a knapsack round's probe and its chunks (train/feeds.py).
+    prompt_index, prompt_length and prompt_routing are the first part's; decode_step and seconds
+    the latest; each part's samples keep their versions (a plain call's: one version, 0)."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    cat = lambda name: np.concatenate([getattr(gr, name) for gr in parts])
+    versions = [gr.versions or ((0, np.zeros(gr.lengths.size, np.int32)),) for gr in parts]
+    if any(len(v) != 1 or v[0][0] != versions[0][0][0] for v in versions):
+        raise ValueError("concat_groups joins samples of plain calls under one version only")
+    return dataclasses.replace(
+        first, tokens=cat("tokens"), logprobs=cat("logprobs"), lengths=cat("lengths"),
+        finished=cat("finished"), truncated=cat("truncated"), mask=cat("mask"),
+        decode_step=max(gr.decode_step for gr in parts), seconds=max(gr.seconds for gr in parts),
+        versions=((versions[0][0][0], np.concatenate([v[0][1] for v in versions])),),
+        routing=cat("routing") if first.routing is not None else None)
+
+
 def assemble(groups: Sequence[GroupResult], stats: dict | None = None) -> RolloutResult:
     """A :class:`RolloutResult` from every prompt's group (any order)."""
     groups = sorted(groups, key=lambda gr: gr.prompt_index)

@@ -341,6 +341,11 @@ def collect_metrics(ctx: RunContext, got: Tally, state: algo.CollectState,
         out["rollout/temperature"] = ctx.rollout_temperature(step)
     if ccfg.rollout.adaptive_n:
         out.update(_adaptive_n_metrics(ccfg, got, state))
+    if ccfg.rollout.knapsack:
+        ns = np.asarray(got.n_chosen)
+        out["monitor/n_mean"] = float(ns.mean())
+        out["knapsack/n_max"] = int(ns.max())
+        out["knapsack/probe_only_frac"] = float(np.mean(ns == ccfg.rollout.knapsack_probe))
     if float(ccfg.rollout.overgenerate_factor) > 1.0:
         cands = sum(i.candidates for i in got.infos)
         kept = sum(i.kept for i in got.infos)

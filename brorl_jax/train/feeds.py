@@ -22,9 +22,12 @@ import dataclasses
 import time
 from typing import Any
 
+import numpy as np
+
 from brorl_jax import algo
 from brorl_jax.algo import host
-from brorl_jax.train.context import RunContext
+from brorl_jax.rollout.types import concat_groups
+from brorl_jax.train.context import RunContext, Scored, merge_health
 
 # What a feed yields when the collector must settle its oldest verdict before the next group
 SETTLE = object()
@@ -60,6 +63,18 @@ class GroupScoring:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+class _Joined:
+    """The verdicts of a knapsack group: its probe's (already in) and its chunks' (a future)."""
+
+    def __init__(self, probe, seconds: float, rest: concurrent.futures.Future):
+        self.probe, self.seconds, self.rest = probe, seconds, rest
+
+    def result(self):
+        rest, seconds = self.rest.result()
+        return Scored(np.concatenate([self.probe.rewards, rest.rewards]),
+                      merge_health([self.probe.health, rest.health])), self.seconds + seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +122,7 @@ class RoundsFeed:
         self._scoring = GroupScoring(ctx.scorer, self.depth, inline=True)
         self._placed: list = []
         self._observed: list = []
+        self._probe_scored: dict = {}     # knapsack rounds: position -> (probe's verdicts, rest)
         tally.seconds.report("rollout", "scoring", "scoring_waited_for_rollout",
                              "rollout_idle_for_scoring", "host_waited_for_device",
                              "device_waited_for_host")
@@ -124,8 +140,11 @@ class RoundsFeed:
             batch = next(self.batch_source)
             seed = round_seed(ccfg.train.seed, self.step, sampler.rounds)
             ns = host.samples_per_prompt(ccfg, self.state, batch.index)
-            tally.n_chosen += ns
             self._placed, self._observed = [None] * len(ns), []
+            if ccfg.rollout.knapsack:
+                yield from self._knapsack_round(batch, seed, verdicts)
+                ns = []
+            tally.n_chosen += ns
             for b, (n, positions) in enumerate(algo.policies.group_by_n(ns)):
                 # each group is scored as soon as its samples are done, while decoding goes on
                 with ctx.rollouts(self.params, [batch.prompt_ids[p] for p in positions],
@@ -143,8 +162,52 @@ class RoundsFeed:
             tally.every += self._placed
             sampler.add_round(self._placed)
 
+    def _knapsack_round(self, batch, seed: int, verdicts):
+        """rollout.knapsack (algo.policies.KnapsackN): a probe call of `probe` samples of every
+        prompt, scored at once; then one call for the round's other samples as the policy
+        shares them out, a prompt given k chunks fed k times (n = chunk; every copy draws its
+        own samples); each prompt's probe and chunks, in order, are its group (its probe is
+        not scored again: `score`)."""
+        ctx, ccfg, tally = self.ctx, self.ctx.cfg, self.tally
+        policy = algo.policies.samples_per_prompt_policy(ccfg.rollout)
+        prompts = list(batch.prompt_ids)
+        probes: list = [None] * len(prompts)
+        with ctx.rollouts(self.params, prompts, n=policy.probe, seed=call_seed(seed, 0),
+                          sampling=ctx.train_sampling(self.step), stream=True) as st:
+            for gr in st:
+                probes[gr.prompt_index] = gr
+        tally.add_call(st, time.perf_counter())
+        scored = [self._scoring.submit(batch.records[p], gr).result()
+                  for p, gr in enumerate(probes)]
+        totals = policy.allocate([int(np.sum(s.rewards >= ccfg.algo.correct_threshold))
+                                  for s, _ in scored])
+        tally.n_chosen += totals
+        owner = [p for p, t in enumerate(totals) for _ in range((t - policy.probe) // policy.chunk)]
+        chunks: list = [None] * len(owner)
+        if owner:
+            with ctx.rollouts(self.params, [prompts[p] for p in owner], n=policy.chunk,
+                              seed=call_seed(seed, 1), sampling=ctx.train_sampling(self.step),
+                              stream=True) as st:
+                for gr in st:
+                    chunks[gr.prompt_index] = gr
+            tally.add_call(st, time.perf_counter())
+        for p, gr in enumerate(probes):
+            extra = [c for c, o in zip(chunks, owner) if o == p]
+            self._probe_scored[p] = (scored[p], concat_groups(extra) if extra else None)
+            yield Taken(concat_groups([gr] + extra), batch.records[p], batch.prompt_ids[p],
+                        int(batch.index[p]), totals[p], tally.sampler.rounds, p)
+        while verdicts:
+            yield SETTLE
+
     def score(self, taken: Taken):
-        return self._scoring.submit(taken.record, taken.group)
+        if taken.position not in self._probe_scored:
+            return self._scoring.submit(taken.record, taken.group)
+        (probe, seconds), extra = self._probe_scored.pop(taken.position)
+        if extra is None:
+            future = concurrent.futures.Future()
+            future.set_result((probe, seconds))
+            return future
+        return _Joined(probe, seconds, self._scoring.submit(taken.record, extra))
 
     def drops(self, taken: Taken) -> bool:
         return False

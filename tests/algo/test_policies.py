@@ -15,7 +15,7 @@ from brorl_jax.config import ConfigError, default_config, validate
 def test_every_option_is_off_by_default():
     c = default_config()
     assert c.rollout.temperature_schedule == "" and c.rollout.adaptive_n is False
-    assert c.rollout.overgenerate_factor == 1.0
+    assert c.rollout.overgenerate_factor == 1.0 and c.rollout.knapsack is False
     assert (c.rollout.top_k, c.rollout.top_p) == (0, 1.0)
     assert (c.algo.reward_clip_low, c.algo.reward_clip_high) == (-math.inf, math.inf)
     assert c.algo.advantage_normalizer == "batch" and c.algo.entropy_coef == 0.0
@@ -56,6 +56,42 @@ def test_option_combinations_are_checked():
     c.algo.advantage_normalizer, c.algo.advantage = "ema", "grpo"
     with pytest.raises(ConfigError, match=r"'ema' replaces the batch whitening"):
         validate(c)
+    c = default_config()
+    c.rollout.knapsack, c.rollout.knapsack_probe = True, 1024
+    with pytest.raises(ConfigError, match=r"knapsack_probe \(1024\) must be at most "
+                       r"rollout.rollouts_per_prompt \(512\)"):
+        validate(c)
+    c.rollout.knapsack_probe, c.rollout.adaptive_n = 8, True
+    with pytest.raises(ConfigError, match=r"turn off rollout.adaptive_n or rollout.knapsack"):
+        validate(c)
+
+
+def test_knapsack_allocation_is_the_best_split_of_the_budget():
+    """Knapsack RL's value is zero for a prompt always or never solved and concave in n; the
+    greedy split of the round's spare chunks equals the best split found by brute force, spends
+    the whole budget, respects the cap, and gives most to the prompts rarely solved."""
+    import itertools
+    v = pol.knapsack_value
+    assert v(8, 0.0) == v(8, 1.0) == 0.0 and v(1, 0.3) == pytest.approx(0.0)
+    gains = np.diff([v(n, 0.2) for n in range(1, 64)])
+    assert (gains > 0).all() and (np.diff(gains) <= 1e-15).all()
+    correct, probe, chunk, max_n = [0, 1, 4, 8, 7], 8, 4, 32
+    budget = len(correct) * 16
+    got = pol.knapsack_allocation(correct, probe, budget, chunk, max_n)
+    assert sum(got) == budget and max(got) <= max_n
+    assert all((t - probe) % chunk == 0 and t >= probe for t in got)
+    rates = [(k + 0.5) / (probe + 1) for k in correct]
+    total = lambda ns: sum(v(n, p) for n, p in zip(ns, rates))
+    spare, cap = (budget - probe * len(correct)) // chunk, (max_n - probe) // chunk
+    best = max(total([probe + chunk * c for c in cs])
+               for cs in itertools.product(range(cap + 1), repeat=len(correct)) if sum(cs) == spare)
+    assert total(got) == pytest.approx(best)
+    # the rarely solved get the breadth (an all-wrong probe most: p ~ 1/18), a prompt at 4/8
+    # and one always right nothing past the probe
+    assert got == [32, 20, 8, 8, 12]
+    policy = pol.KnapsackN(n=16, probe=probe, chunk=chunk, max_n=max_n)
+    assert policy.allocate(correct) == got and policy.n_for(7) == probe
+    assert pol.knapsack_allocation([8, 8], probe=8, budget=16, chunk=4, max_n=64) == [8, 8]
 
 
 def test_temperature_schedule_phases():

@@ -372,3 +372,67 @@ def test_groups_are_scored_while_decoding_goes_on(tmp_path):
     assert stats["rollout/compactions"] == st.stats["compactions"]
     assert 0 < stats["rollout/occupancy"] <= 1
     assert_batches_equal(batch, fast)
+
+
+def test_knapsack_round_probes_then_shares_out_the_round(tmp_path):
+    """rollout.knapsack: a round's first call is the probe (n = probe, every prompt once), its
+    second the chunks (n = chunk, each prompt as often as algo.policies.knapsack_allocation
+    gives it chunks from the probe's verdicts); a group is its prompt's probe then its chunks,
+    in order; the round spends its prompts x N samples, and every sample is scored once (the
+    probe's verdicts are not asked again)."""
+    from brorl_jax.algo import policies as pol
+    cfg = tiny.get_config()
+    cfg.algo.kl_coef, cfg.sft.steps = 0.0, 0
+    cfg.algo.generation_batch_multiplier = 2.0                    # 4 prompts a round
+    cfg.rollout.knapsack = True
+    cfg.rollout.knapsack_probe, cfg.rollout.knapsack_chunk, cfg.rollout.knapsack_max_n = 4, 2, 16
+    trainer = fake_trainer(cfg, tmp_path)
+    ctx, calls = trainer.ctx, []
+    real = ctx.rollouts
+
+    class Spy:
+        """A rollout stream that keeps the groups it hands out."""
+
+        def __init__(self, st, groups):
+            self._st, self._groups = st, groups
+
+        def __enter__(self):
+            self._st.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._st.__exit__(*exc)
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            gr = next(self._st)
+            self._groups[gr.prompt_index] = gr
+            return gr
+
+        def __getattr__(self, name):
+            return getattr(self._st, name)
+
+    def rollouts(params, prompt_ids, **kw):       # every call's prompts, N and groups
+        calls.append((prompt_ids, kw["n"], {}))
+        return Spy(real(params, prompt_ids, **kw), calls[-1][2])
+    ctx.rollouts = rollouts
+    try:
+        params = ctx.runtime.rollout_params(ctx.model.params)
+        got, _ = collect.collect(ctx, params, algo.CollectState(), iter(trainer.loader), 0)
+        scored_rows = sum(n for _, n in ctx.scorer.calls)
+    finally:
+        trainer.close()
+    (probe_ids, n_probe, probes), (chunk_ids, n_chunk, chunks) = calls[:2]
+    assert (n_probe, n_chunk) == (4, 2) and len(probe_ids) == 4
+    right = [int(fake_score([rec], probes[p].tokens[None], probes[p].lengths[None]).sum())
+             for p, rec in enumerate(next(iter(trainer.loader)).records)]
+    totals = pol.knapsack_allocation(right, probe=4, budget=4 * 8, chunk=2, max_n=16)
+    assert got.n_chosen[:4] == totals and len(set(totals)) > 1
+    owners = [p for p, t in enumerate(totals) for _ in range((t - 4) // 2)]
+    assert chunk_ids == [probe_ids[p] for p in owners]
+    for p, group in enumerate(got.every[:4]):
+        mine = [probes[p]] + [chunks[c] for c, o in enumerate(owners) if o == p]
+        np.testing.assert_array_equal(group.tokens, np.concatenate([g.tokens for g in mine]))
+    assert got.generated_samples == got.sampler.rounds * 4 * 8 == scored_rows
