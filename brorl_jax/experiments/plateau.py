@@ -17,7 +17,13 @@ equal generated samples, over seeds.
      prompts x n_prorl x ratio / n_brorl, fewer prompts), the learning rate by the sqrt rule on
      that batch, the same number of PPO mini-batches [BroRL 4.2.1];
    - adaptive: the brorl arm with rollout.adaptive_n on, buckets n_brorl x (1/2, 1, 3/2) as the
-     write-ups' "easy 256 / medium 512 / hard 768" (the shipped AdaptiveN, EMA thresholds 0.7/0.3).
+     write-ups' "easy 256 / medium 512 / hard 768" (the shipped AdaptiveN, EMA thresholds 0.7/0.3);
+   - knapsack: the brorl arm's samples per update and learning rate, its rounds shared out by
+     rollout.knapsack (Knapsack RL's value after a probe of `--knapsack_probe` samples per
+     prompt, the chunk as large): N = 4 x the probe on average, so 16x the prompts of a brorl
+     round at n_brorl = 512 and a probe of 8, at most n_brorl / 2 samples per prompt. The EMA
+     buckets need a prompt to come back, which no prompt does within the budget; the probe
+     needs no history.
 4. **Out**: plateau.json (public surface: arms -> per seed pass1_start, pass1_end, pass_at_k_end,
    generated_samples, samples_per_s, wall_s, dynamic_sampling_pass_rate; the differences of the
    arms' mean end pass@1 with 95% bootstrap intervals over seeds; the plateau's slope), plateau.md
@@ -43,15 +49,19 @@ import numpy as np
 
 from brorl_jax import cli
 
-ARMS = ("prorl", "brorl", "adaptive")
-# Extra arms that explain the three (plateau.json "ablations"; --ablations picks them):
-#   brorl_prorl_lr: the brorl arm at the prorl arm's learning rate (no sqrt batch rule).
-ABLATIONS = ("brorl_prorl_lr",)
+ARMS = ("prorl", "brorl", "adaptive", "knapsack")
+# Extra arms that explain the others (plateau.json "ablations"; --ablations picks them):
+#   brorl_prorl_lr / knapsack_prorl_lr: the arm at the prorl arm's learning rate (no sqrt rule).
+ABLATIONS = ("brorl_prorl_lr", "knapsack_prorl_lr")
+# The differences of mean end pass@1 that plateau.json reports (a minus b), when both ran.
+DIFFS = (("brorl", "prorl"), ("adaptive", "prorl"), ("adaptive", "brorl"), ("knapsack", "prorl"),
+         ("knapsack", "brorl"), ("brorl_prorl_lr", "prorl"), ("brorl_prorl_lr", "brorl"),
+         ("knapsack_prorl_lr", "prorl"), ("knapsack_prorl_lr", "brorl_prorl_lr"))
 # The options the plateau phase depends on, and those the arms' runs depend on (seeds and
 # ablations only add runs).
 PLATEAU_KEYS = ("n_prorl", "prompts", "plateau_steps", "plateau_eval_every", "plateau_window",
                 "eval_prompts", "eval_k")
-ARM_KEYS = PLATEAU_KEYS + ("n_brorl", "batch_ratio", "budget")
+ARM_KEYS = PLATEAU_KEYS + ("n_brorl", "batch_ratio", "budget", "knapsack_probe")
 BOOTSTRAP_DRAWS = 10_000
 
 FLAGS = [cli.Flag("string", "out", "runs/plateau", "Output directory."),
@@ -61,6 +71,8 @@ FLAGS = [cli.Flag("string", "out", "runs/plateau", "Output directory."),
          cli.Flag("integer", "prompts", 16, "Prompts per step of the plateau and the prorl arm."),
          cli.Flag("integer", "n_brorl", 512, "N of the brorl and adaptive arms."),
          cli.Flag("integer", "batch_ratio", 8, "Samples per update of brorl over prorl."),
+         cli.Flag("integer", "knapsack_probe", 8, "The knapsack arm's probe (and chunk) per "
+                  "prompt; its mean N is 4x that."),
          cli.Flag("integer", "plateau_steps", 300, "ProRL steps to the plateau."),
          cli.Flag("integer", "plateau_eval_every", 20, "Steps between the plateau's evals."),
          cli.Flag("integer", "plateau_window", 6, "Last evaluations the plateau slope spans."),
@@ -108,6 +120,10 @@ def brorl_prompts(opts: dict) -> int:
     if rows % opts["n_brorl"]:
         raise ConfigError(f"--n_brorl={opts['n_brorl']} must divide --prompts x --n_prorl x "
                           f"--batch_ratio = {rows} (the breadth arms' update rows).")
+    if opts["knapsack_probe"] < 2 or rows % (4 * opts["knapsack_probe"]):
+        raise ConfigError(f"--knapsack_probe={opts['knapsack_probe']} must be >= 2 and 4x it "
+                          f"must divide --prompts x --n_prorl x --batch_ratio = {rows} (the "
+                          "knapsack arm's mean N and its update rows).")
     return rows // opts["n_brorl"]
 
 
@@ -125,9 +141,15 @@ def arm_config(base, arm: str, model_path: str, opts: dict):
     cfg = _common(base, model_path, opts)
     if arm == "prorl":
         _shape(cfg, opts["n_prorl"], opts["prompts"])
+    elif arm.startswith("knapsack"):
+        n = 4 * opts["knapsack_probe"]
+        _shape(cfg, n, brorl_prompts(opts) * opts["n_brorl"] // n)
+        cfg.rollout.knapsack = True
+        cfg.rollout.knapsack_probe = cfg.rollout.knapsack_chunk = opts["knapsack_probe"]
+        cfg.rollout.knapsack_max_n = opts["n_brorl"] // 2
     else:
         _shape(cfg, opts["n_brorl"], brorl_prompts(opts))
-    if arm == "brorl_prorl_lr":
+    if arm.endswith("_prorl_lr"):
         from brorl_jax.config import derived_learning_rate
         cfg.optim.lr = derived_learning_rate(arm_config(base, "prorl", model_path, opts))[0]
     if arm == "adaptive":
@@ -193,8 +215,7 @@ def aggregate(arms: dict) -> dict:
     mean and standard error over seeds of every number."""
     out: dict = {}
     ends = {a: [r["pass1_end"] for r in runs.values()] for a, runs in arms.items() if runs}
-    for a, b in (("brorl", "prorl"), ("adaptive", "prorl"), ("adaptive", "brorl"),
-                 ("brorl_prorl_lr", "prorl"), ("brorl_prorl_lr", "brorl")):
+    for a, b in DIFFS:
         if a in ends and b in ends:
             out[f"diff_{a}_minus_{b}"] = bootstrap_diff(ends[a], ends[b])
     return out
@@ -271,16 +292,18 @@ def _run(base, out: str, opts: dict, command: str) -> dict:
     seeds = [int(s) for s in opts["seeds"]]
     result = json.load(open(path)) if os.path.exists(path) else {}
     old = result.get("options")
-    if old is not None and any(old.get(k) != opts[k] for k in PLATEAU_KEYS):
+    default = {f.name: f.default for f in FLAGS}        # options added after `old` was made
+    if old is not None and any(old.get(k, default[k]) != opts[k] for k in PLATEAU_KEYS):
         from brorl_jax.errors import WorkdirError
         raise WorkdirError(f"{path} holds a plateau made with other options ({old}); "
                            "give another --out or delete it.")
-    if old is not None and any(old.get(k) != opts[k] for k in ARM_KEYS):
+    if old is not None and any(old.get(k, default[k]) != opts[k] for k in ARM_KEYS):
         print(f"[plateau] options changed since {path}: the plateau is kept, every arm runs "
               "again", file=sys.stderr)
         result = {k: v for k, v in result.items() if k in ("plateau", "calls")}
     result.update({"command": command, "machine": machine(), "options": opts, "seeds": seeds})
-    result.setdefault("arms", {a: {} for a in ARMS})
+    for a in ARMS:                        # an experiment from before an arm was added
+        result.setdefault("arms", {}).setdefault(a, {})
     t_start = time.perf_counter()
 
     warm_cfg = base.copy_and_resolve_references()
@@ -366,11 +389,10 @@ def table(result: dict) -> str:
         cells.append("%.0f ± %.0f" % _mean_se(r["samples_per_s"] for r in runs))
         cells.append(f"{np.mean([r['wall_s'] for r in runs]):.0f}")
         lines.append(f"| {arm} | {len(runs)} | " + " | ".join(cells) + " |")
-    for key in ("diff_brorl_minus_prorl", "diff_adaptive_minus_prorl", "diff_adaptive_minus_brorl",
-                "diff_brorl_prorl_lr_minus_prorl", "diff_brorl_prorl_lr_minus_brorl"):
-        if key in result:
-            d = result[key]
-            lines.append(f"\n{key.replace('_', ' ')[5:]}: end pass@1 {d['mean']:+.3f}, 95% "
+    for a, b in DIFFS:
+        if f"diff_{a}_minus_{b}" in result:
+            d = result[f"diff_{a}_minus_{b}"]
+            lines.append(f"\n{a} minus {b}: end pass@1 {d['mean']:+.3f}, 95% "
                          f"bootstrap interval [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]")
     if "plateau" in result:
         s = result["plateau"]["slope_per_100k_samples"]

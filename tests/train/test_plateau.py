@@ -13,7 +13,8 @@ from configs import demo, tiny
 
 OPTS = {"seeds": ["0", "1"], "n_prorl": 16, "prompts": 16, "n_brorl": 512, "batch_ratio": 8,
         "plateau_steps": 300, "plateau_eval_every": 20, "plateau_window": 6, "budget": 32_768,
-        "eval_prompts": 200, "eval_k": 16, "ablations": ["brorl_prorl_lr"]}
+        "eval_prompts": 200, "eval_k": 16, "knapsack_probe": 8,
+        "ablations": ["brorl_prorl_lr", "knapsack_prorl_lr"]}
 
 
 def test_arms_follow_the_paper_shape_budget_and_sqrt_learning_rate():
@@ -28,6 +29,11 @@ def test_arms_follow_the_paper_shape_budget_and_sqrt_learning_rate():
     assert lr["adaptive"] == lr["brorl"]
     assert ada.rollout.adaptive_n and ada.rollout.adaptive_n_buckets == "256,512,768"
     assert not pro.rollout.adaptive_n and not bro.rollout.adaptive_n
+    kn = cfgs["knapsack"]       # brorl's rows and learning rate, 16x its prompts at mean N 32
+    assert (kn.rollout.rollouts_per_prompt, kn.algo.prompts_per_step) == (32, 64)
+    assert kn.rollout.knapsack and not bro.rollout.knapsack and lr["knapsack"] == lr["brorl"]
+    assert (kn.rollout.knapsack_probe, kn.rollout.knapsack_chunk, kn.rollout.knapsack_max_n) == \
+        (8, 8, 256)
     for c in cfgs.values():
         assert c.algo.ppo_mini_batches == base.algo.ppo_mini_batches
         assert c.train.sample_budget == 32_768 and c.model.path == "/start"
@@ -35,6 +41,9 @@ def test_arms_follow_the_paper_shape_budget_and_sqrt_learning_rate():
         assert c.eval.samples_per_prompt == 16 and c.sft.steps == 0
     ablation = validate(plateau.arm_config(base, "brorl_prorl_lr", "/start", OPTS))
     assert ablation.update_rows == bro.update_rows and not ablation.rollout.adaptive_n
+    assert derived_learning_rate(ablation)[0] == pytest.approx(lr["prorl"])
+    ablation = validate(plateau.arm_config(base, "knapsack_prorl_lr", "/start", OPTS))
+    assert ablation.update_rows == kn.update_rows and ablation.rollout.knapsack
     assert derived_learning_rate(ablation)[0] == pytest.approx(lr["prorl"])
     p = validate(plateau.plateau_config(base, "/warm", OPTS))
     assert (p.rollout.rollouts_per_prompt, p.algo.prompts_per_step, p.train.steps) == (16, 16, 300)
@@ -81,11 +90,13 @@ def test_options_refuse_bad_flags_and_quick_sets_tiny_sizes():
     assert plateau.options(values)["n_brorl"] == 512
     quick = plateau.options({**values, "quick": True})
     assert quick["seeds"] == ["0", "1"] and quick["plateau_steps"] == plateau.QUICK["plateau_steps"]
-    assert quick["ablations"] == [] and plateau.options(values)["ablations"] == ["brorl_prorl_lr"]
+    assert quick["ablations"] == [] and plateau.options(values)["ablations"] == list(
+        plateau.ABLATIONS)
     assert plateau.options({**values, "quick": True, "budget": 7})["budget"] == 7  # flag wins
     for bad, word in (({"seeds": []}, "--seeds"), ({"seeds": ["x"]}, "--seeds"),
                       ({"n_brorl": 100}, "--n_brorl"), ({"plateau_window": 2}, "--plateau_window"),
-                      ({"budget": 0}, "--budget"), ({"ablations": ["x"]}, "--ablations")):
+                      ({"budget": 0}, "--budget"), ({"ablations": ["x"]}, "--ablations"),
+                      ({"knapsack_probe": 3}, "--knapsack_probe")):
         with pytest.raises(ConfigError, match=word):
             plateau.options({**values, **bad})
 
@@ -101,11 +112,11 @@ def test_the_whole_experiment_at_tiny_sizes_writes_the_public_json(tmp_path, tin
     base.algo.max_generation_rounds = 1
     opts = {"seeds": ["0"], "n_prorl": 4, "prompts": 2, "n_brorl": 8, "batch_ratio": 2,
             "plateau_steps": 2, "plateau_eval_every": 1, "plateau_window": 3, "budget": 40,
-            "eval_prompts": 4, "eval_k": 4, "ablations": []}
+            "eval_prompts": 4, "eval_k": 4, "knapsack_probe": 2, "ablations": []}
     out = tmp_path / "plateau"
     plateau.run(validate(base), str(out), opts, command="test")
     result = json.loads((out / "plateau.json").read_text())
-    assert result["seeds"] == [0] and set(result["arms"]) == {"prorl", "brorl", "adaptive"}
+    assert result["seeds"] == [0] and set(result["arms"]) == set(plateau.ARMS)
     for arm, runs in result["arms"].items():
         assert set(runs) == {"0"}
         for r in runs.values():
@@ -114,7 +125,8 @@ def test_the_whole_experiment_at_tiny_sizes_writes_the_public_json(tmp_path, tin
             assert r["pass_at_k_end"]["1"] == r["pass1_end"]
             assert 0 <= r["pass1_start"] <= 1 and r["samples_per_s"] > 0 and r["wall_s"] > 0
             assert r["samples_per_s_median_step"] > 0
-    for key in ("diff_brorl_minus_prorl", "diff_adaptive_minus_prorl"):
+    for key in ("diff_brorl_minus_prorl", "diff_adaptive_minus_prorl",
+                "diff_knapsack_minus_prorl"):
         lo, hi = result[key]["ci95"]
         assert lo <= result[key]["mean"] <= hi
     ends = {a: np.mean([r["pass1_end"] for r in result["arms"][a].values()]) for a in result["arms"]}
