@@ -1,12 +1,14 @@
 """The update step's time with LoRA against full fine-tuning on a real model (issue 42), on this CPU.
 
-    python bench/lora_update.py [--rows 16 --seq 128 --ranks 8,1 --reps 5]
+    python bench/lora_update.py [--rows 16 --seq 128 --ranks 8,1 --reps 5 --remat config]
 
-SmolLM2-135M-Instruct (float32, as configs/smollm2_arith.py trains it here), one jitted
+SmolLM2-135M-Instruct (float32), the update as configs/smollm2_arith.py trains it here (its
+UpdateConfig: KL on, one PPO mini-batch, model.remat off; `--remat full` instead
+rematerialises every layer, the CPU default of configs without that setting), one jitted
 algo.make_update_step per arm (full fine-tuning; LoRA at each rank on all seven projections),
-the same random batch (rows x seq tokens, one PPO mini-batch, KL on so the reference pass runs),
-AdamW. The arms are timed interleaved, rep by rep, after one warm-up call each (compile
-excluded), so machine load hits them alike; printed: the median seconds per update and each LoRA
+the same random batch (rows x seq tokens, one micro-batch), AdamW. The arms are timed
+interleaved, rep by rep, after one warm-up call each (compile excluded), so machine load hits
+them alike; printed: the median seconds per update and each LoRA
 arm's ratio to full fine-tuning. Writes bench/results/lora_update.json.
 """
 from __future__ import annotations
@@ -49,12 +51,18 @@ def main():
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--ranks", default="8,1")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--remat", default="config", choices=("config", "full"),
+                    help="config: configs/smollm2_arith.py's model.remat (off); full: every layer")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                   "lora_update.json"))
     args = ap.parse_args()
     model = from_pretrained("builtin:" + SMOLLM2_NAME)
-    cfg = update_config(rollouts_per_prompt=args.rows, prompts_per_step=1,
-                        micro_batch_size=args.rows, ppo_mini_batches=1, kl_coef=1e-4)
+    from configs import smollm2_arith
+    run_cfg = smollm2_arith.get_config(f"n={args.rows},prompts=1")
+    run_cfg.algo.micro_batch_size = args.rows
+    if args.remat == "full":
+        run_cfg.model.remat = True
+    cfg = update_config(run_cfg)
     opt = make_optimizer(optimizer_config(lr=1e-6))
     batch = random_batch(args.rows, args.seq, model.config.vocab_size, np.random.default_rng(0))
     arms = {"full": (model.config, lambda mc: create_train_state(model.params, opt))}
@@ -81,6 +89,7 @@ def main():
               f"full fine-tuning)  reps {['%.3f' % s for s in seconds[name]]}")
     write_result(args.out, "lora_update.py", {
         "model": "SmolLM2-135M-Instruct (float32)", "rows": args.rows, "seq": args.seq,
+        "remat": bool(cfg.remat), "kl_coef": cfg.kl_coef,
         "seconds": seconds, "median_s": med,
         "ratio_to_full": {k: v / med["full"] for k, v in med.items()}})
 
