@@ -108,6 +108,13 @@ def main():
     ap.add_argument("--arms", default="full,lora_r8,lora_r1")
     ap.add_argument("--lora_lr_ratio", type=float, default=10.0)
     args = ap.parse_args()
+    from brorl_jax.experiments.plateau import compilation_cache
+    os.makedirs(args.out, exist_ok=True)
+    with compilation_cache(os.path.join(args.out, "jax_cache")):   # seeds share programs
+        run_all(args)
+
+
+def run_all(args) -> None:
     path = os.path.join(args.out, "lora_pass1.json")
     old = json.load(open(path)) if os.path.exists(path) else {}
     runs = old.get("runs", {})

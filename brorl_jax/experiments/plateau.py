@@ -245,7 +245,7 @@ def _train(cfg, workdir: str) -> tuple[list[dict], float]:
 
 
 @contextlib.contextmanager
-def _compilation_cache(path: str):
+def compilation_cache(path: str):
     """JAX's persistent compilation cache under OUT while the experiment runs: the runs of one
     arm differ only in their seed (and the plateau has the prorl arm's shapes), so every run
     after the first of a shape reads its programs instead of compiling them again. A cache the
@@ -281,7 +281,7 @@ def run(base, out: str, opts: dict, command: str = "") -> dict:
     """The whole experiment; plateau.json is rewritten after every run (a partial experiment is
     still readable) and a finished run is not repeated when the command is run again."""
     os.makedirs(out, exist_ok=True)
-    with _compilation_cache(os.path.join(out, "jax_cache")):
+    with compilation_cache(os.path.join(out, "jax_cache")):
         return _run(base, out, opts, command)
 
 
