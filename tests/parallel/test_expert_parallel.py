@@ -8,9 +8,12 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
 from parallel_testutil import run_script
+from testutil import tiny_model_config
 
+from brorl_jax.config import ConfigError, default_config, validate
 from brorl_jax.parallel import rules as R
 from brorl_jax.parallel.expert_parallel import exchange_bytes, expert_parallel_specs
+from brorl_jax.train.door import check_expert_mesh
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
@@ -35,6 +38,23 @@ def test_exchange_bytes_count_the_exact_capacity_buffer():
     # 4 devices, 16 tokens x top-2 each: C = 32 rows of 64 floats, 3 of the 4 slices leave
     assert exchange_bytes(16, 2, 64, 4, 4) == 3 * 32 * 64 * 4
     assert exchange_bytes(16, 2, 64, 1, 4) == 0
+
+
+def test_an_expert_axis_needs_experts_that_split_over_it():
+    cfg = default_config()
+    cfg.mesh.expert = 4
+    run = validate(cfg)
+    moe = dict(model_type="qwen3_moe", attention_bias=False, qk_norm=True, num_experts_per_tok=2,
+               moe_intermediate_size=16, norm_topk_prob=True)
+    check_expert_mesh(run, tiny_model_config(num_experts=8, **moe))
+    with pytest.raises(ConfigError, match=r"'mesh.expert'=4 does not divide the model's 6 "):
+        check_expert_mesh(run, tiny_model_config(num_experts=6, **moe))
+    with pytest.raises(ConfigError, match=r"'mesh.expert'=4 splits .* model_type='qwen2' has "):
+        check_expert_mesh(run, tiny_model_config())
+    check_expert_mesh(validate(default_config()), tiny_model_config())     # off: fine
+    cfg.mesh.expert = 0
+    with pytest.raises(ConfigError, match=r"'mesh.expert' must be > 0"):
+        validate(cfg)
 
 
 @pytest.mark.slow     # two compiles on 8 devices (about 10 s)
