@@ -17,6 +17,11 @@ expert). Per MoE layer, with n tokens per device, top-K routing, width D:
   5. return  all_to_all back: each row's result is in the slot it was sent from
   6. combine each token's K results weighted by its gates (float32), as on one device
 
+With a `tensor` axis > 1 that divides the experts' width I (rules: `expert_mlp` -> tensor) each
+expert stays split over it inside the exchange: the tokens are the same on the tensor devices of
+an expert group, each runs its slice of I, and the combined [n, D] float32 outputs are summed
+over `tensor` (one psum, as Megatron's MLP); otherwise the experts are whole on every device.
+
 Capacity rule: exact. C = n K, the most rows one device can send another (every choice of every
 token to one device), so no row is ever dropped and the result equals the unsharded block's
 (the same products, a different float order only in the grouped GEMM's blocking). The price is
@@ -89,9 +94,11 @@ def _dispatch(x, ids, ep: int, el: int, capacity: int):
     return send, local, (dest, slot), order
 
 
-def _exchange_body(x, ids, gates, *weights, local_fn: Callable, ep: int):
+def _exchange_body(x, ids, gates, *weights, local_fn: Callable, ep: int,
+                   width_axis: str | None):
     """Per device (module docstring, steps 2-6): x [n, D], ids int [n, K], gates f32 [n, K],
-    weights [E/P, ...] -> out [n, D]."""
+    weights [E/P, ...] (their width I split over `width_axis` when it is given: the results are
+    partial sums over it, summed after the combine) -> out [n, D]."""
     n, k = ids.shape
     el = weights[0].shape[0]
     send, local, (dest, slot), order = _dispatch(x, ids, ep, el, capacity=n * k)
@@ -103,23 +110,41 @@ def _exchange_body(x, ids, gates, *weights, local_fn: Callable, ep: int):
     back = a2a(y.reshape(recv.shape))
     rows = back.at[dest, slot].get(mode="fill", fill_value=0)      # [n K, D], expert order
     rows = jnp.take(rows, jnp.argsort(order), axis=0).reshape(n, k, -1)
-    return jnp.einsum("nkd,nk->nd", rows.astype(jnp.float32), gates).astype(x.dtype)
+    out = jnp.einsum("nkd,nk->nd", rows.astype(jnp.float32), gates)
+    if width_axis is not None:
+        out = jax.lax.psum(out, width_axis)
+    return out.astype(x.dtype)
+
+
+def expert_width_axis(mesh, width: int) -> str | None:
+    """The mesh axis the experts' width I is split over (logical `expert_mlp`, size > 1 and
+    dividing I), kept split inside the exchange; None: the width is whole on every device."""
+    name = R.logical_table(R.for_mesh("default", mesh))["expert_mlp"]
+    if not isinstance(name, str) or name == AXIS:
+        return None
+    size = dict(mesh.shape).get(name, 1)
+    return name if size > 1 and width % size == 0 else None
 
 
 def experts_on_mesh(local_fn: Callable, x: jax.Array, ids: jax.Array, gates: jax.Array,
-                    *weights: jax.Array) -> jax.Array:
-    """``local_fn(x, ids, gates, *weights)`` (models/moe.experts_ragged or experts_dense: x
-    [N, D], ids int [N, K], gates f32 [N, K], weights [E, ...] -> [N, D]) with the experts split
-    over the ambient mesh's `expert` axis and the tokens exchanged (module docstring); where
-    expert parallelism does not apply, ``local_fn`` itself."""
+                    gate_proj: jax.Array, up_proj: jax.Array, down_proj: jax.Array
+                    ) -> jax.Array:
+    """``local_fn(x, ids, gates, gate_proj, up_proj, down_proj)`` (models/moe.experts_ragged or
+    experts_dense: x [N, D], ids int [N, K], gates f32 [N, K], gate_proj / up_proj [E, D, I],
+    down_proj [E, I, D] -> [N, D]) with the experts split over the ambient mesh's `expert` axis
+    and the tokens exchanged (module docstring), each expert's width I kept split over `tensor`
+    (rules' `expert_mlp`) when that axis divides it; where expert parallelism does not apply,
+    ``local_fn`` itself."""
+    weights = (gate_proj, up_proj, down_proj)
     mesh = jax.sharding.get_abstract_mesh()
-    axes = expert_parallel_specs(mesh, x.shape[0], weights[0].shape[0])
+    axes = expert_parallel_specs(mesh, x.shape[0], gate_proj.shape[0])
     if axes is None:
         return local_fn(x, ids, gates, *weights)
-    ep = R.expert_axis_size(mesh)
     tok = P(axes, None)
-    w_specs = tuple(P(AXIS, *([None] * (w.ndim - 1))) for w in weights)
-    body = lambda *a: _exchange_body(*a, local_fn=local_fn, ep=ep)
+    width = expert_width_axis(mesh, gate_proj.shape[-1])
+    w_specs = (P(AXIS, None, width), P(AXIS, None, width), P(AXIS, width, None))
+    body = lambda *a: _exchange_body(*a, local_fn=local_fn, ep=R.expert_axis_size(mesh),
+                                     width_axis=width)
     return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, *w_specs), out_specs=tok,
                          check_vma=True)(x, ids, gates, *weights)
 
@@ -132,4 +157,5 @@ def exchange_bytes(tokens: int, top_k: int, hidden: int, expert: int, itemsize: 
     return (expert - 1) * capacity * hidden * itemsize if expert > 1 else 0
 
 
-__all__ = ["AXIS", "exchange_bytes", "expert_parallel_specs", "experts_on_mesh"]
+__all__ = ["AXIS", "exchange_bytes", "expert_parallel_specs", "expert_width_axis",
+           "experts_on_mesh"]

@@ -2,8 +2,9 @@
 
 Usage: python _expert_parallel_worker.py OUT.npz
 XLA_FLAGS must hold --xla_force_host_platform_device_count=8 before jax is imported (the test
-sets it). A tiny qwen3_moe model (8 experts, top-2) on a mesh expert=4 x data=2: the experts
-split over `expert` (rules.EXPERT_PARALLEL), the tokens exchanged (parallel/expert_parallel.py).
+sets it). A tiny qwen3_moe model (8 experts, top-2) on a mesh expert=4 x tensor=2: the experts
+split over `expert` (rules.EXPERT_PARALLEL), their width over `tensor`, the tokens exchanged
+(parallel/expert_parallel.py).
 From the same inputs the script computes on one device (plain jax.jit) and on the mesh: the
 logits and routing of a forward with the model's own routing, the logits of one with replayed
 routing (random expert ids, as algo.routing_replay="rollout" hands the update) and the params
@@ -67,7 +68,7 @@ def main(out_path: str) -> None:
     names = ("logits", "routing", "replayed_out", "grads")
     args = (params, tokens, moe, h, replay, weights)
     out = dict(zip((f"ref/{n}" for n in names), jax.jit(step)(*args)))
-    mesh = make_mesh({"data": 2, "expert": 4})
+    mesh = make_mesh({"expert": 4, "tensor": 2})
     param_sh = rules.param_shardings(params, mesh)
     split = rules.logical_to_spec(rules.ARRAY_AXES["rows"], rules.for_mesh("default", mesh))
     rows = NamedSharding(mesh, P(*split, None))

@@ -1,5 +1,5 @@
 """Expert parallelism (parallel/expert_parallel.py, mesh.expert): the layout it resolves, and on 8
-simulated CPU devices (mesh expert=4 x data=2, a tiny qwen3_moe with 8 experts top-2; the
+simulated CPU devices (mesh expert=4 x tensor=2, a tiny qwen3_moe with 8 experts top-2; the
 subprocess is _expert_parallel_worker.py) the forward, the replayed-routing block and its
 gradients against one device."""
 from __future__ import annotations
@@ -12,7 +12,11 @@ from testutil import tiny_model_config
 
 from brorl_jax.config import ConfigError, default_config, validate
 from brorl_jax.parallel import rules as R
-from brorl_jax.parallel.expert_parallel import exchange_bytes, expert_parallel_specs
+from brorl_jax.parallel.expert_parallel import (
+    exchange_bytes,
+    expert_parallel_specs,
+    expert_width_axis,
+)
 from brorl_jax.train.door import check_expert_mesh
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
@@ -32,6 +36,10 @@ def test_expert_axis_of_one_leaves_the_tables_alone_and_above_one_splits_experts
     # the tokens must split over the expert axis (4 split over data only), the experts too;
     # else the block runs as on one device
     assert expert_parallel_specs(ep, 4, 8) is None and expert_parallel_specs(ep, 64, 6) is None
+    # each expert's width stays over tensor inside the exchange when tensor divides it
+    assert expert_width_axis(ep, 32) is None
+    ep_tp = AbstractMesh((1, 1, 4, 2), MESH_AXES)
+    assert expert_width_axis(ep_tp, 32) == "tensor" and expert_width_axis(ep_tp, 33) is None
 
 
 def test_exchange_bytes_count_the_exact_capacity_buffer():
@@ -64,7 +72,7 @@ def test_expert_parallel_forward_replay_and_gradients_equal_one_device(tmp_path)
     r = dict(np.load(out))
     assert r["mesh/all_to_all"]                        # the tokens were exchanged
     assert str(r["mesh/gate_proj_spec"]) == str(P(None, ("expert", "fsdp"), None, "tensor"))
-    assert tuple(r["mesh/gate_proj_shard_shape"]) == (2, 2, 64, 32)    # [L, E/4, D, I]
+    assert tuple(r["mesh/gate_proj_shard_shape"]) == (2, 2, 64, 16)    # [L, E/4, D, I/2]
     np.testing.assert_array_equal(r["mesh/routing"], r["ref/routing"])
     assert len(np.unique(r["ref/routing"])) == 8                 # every expert is used
     np.testing.assert_allclose(r["mesh/logits"], r["ref/logits"], rtol=1e-5, atol=1e-5)
