@@ -151,8 +151,8 @@ def make_sharded_update(model_cfg, algo_cfg, optimizer, mesh: Mesh, state: Train
     state_sh = train_state_shardings(state, mesh, rules)
     batch_sh = R.batch_shardings(batch, mesh, axes)
     repl = _replicated(mesh)
-    fn = jax.jit(traced_on(mesh, update), in_shardings=(state_sh, batch_sh, repl), out_shardings=(state_sh, repl),
-                 donate_argnums=(0,) if donate else ())
+    fn = jax.jit(traced_on(mesh, update), in_shardings=(state_sh, batch_sh, repl),
+                 out_shardings=(state_sh, repl), donate_argnums=(0,) if donate else ())
     return fn, {"state": state_sh, "batch": batch_sh}
 
 
@@ -217,7 +217,8 @@ def make_vocab_parallel_logprob(model_cfg, mesh: Mesh, params: Any,
     params_sh = R.param_shardings(params, mesh, rules)
     batch_sh = R.batch_shardings(batch, mesh, axes)
     tok_sh = batch_sh.input_tokens
-    jitted = jax.jit(traced_on(mesh, logprobs), in_shardings=(params_sh, batch_sh), out_shardings=(tok_sh, tok_sh))
+    jitted = jax.jit(traced_on(mesh, logprobs), in_shardings=(params_sh, batch_sh),
+                     out_shardings=(tok_sh, tok_sh))
     return jitted, {"params": params_sh, "batch": batch_sh}
 
 

@@ -55,8 +55,8 @@ LOGICAL_AXES: dict[str, dict[str, MeshAxes]] = {
         "norm": None,                  # RMSNorm scales (tiny)
         # Mixture of experts (qwen3_moe): whole experts over fsdp (ZeRO-3 along the expert
         # axis: a device keeps E/fsdp experts and XLA gathers a layer's experts for its grouped
-        # GEMM, as it gathers every FSDP weight; the token exchange of expert parallelism is
-        # not used), each expert's width over tensor, as the dense MLP's.
+        # GEMM, as it gathers every FSDP weight; no token exchange: with mesh.expert > 1,
+        # EXPERT_PARALLEL below), each expert's width over tensor, as the dense MLP's.
         "experts": "fsdp",             # E of the router and the stacked experts
         "expert_mlp": "tensor",        # moe_intermediate_size
         "lora_rank": None,             # r of the LoRA adapters (tiny: replicated)

@@ -75,7 +75,8 @@ def main(out_path: str) -> None:
     moe_sh = {k: NamedSharding(mesh, P(None if k == "router" else "expert")) for k in moe}
     mesh_step = jax.jit(algo_sharded.traced_on(mesh, step),
                         in_shardings=(param_sh, rows, moe_sh, rows, rows, rows))
-    args = (sharded.place(params, param_sh), *jax.device_put(args[1:], (rows, moe_sh) + (rows,) * 3))
+    args = (sharded.place(params, param_sh),
+            *jax.device_put(args[1:], (rows, moe_sh) + (rows,) * 3))
     compiled = mesh_step.lower(*args).compile()
     out["mesh/all_to_all"] = "all-to-all" in compiled.as_text()
     out.update(zip((f"mesh/{n}" for n in names), compiled(*args)))
