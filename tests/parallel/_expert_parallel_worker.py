@@ -10,8 +10,8 @@ logits and routing of a forward with the model's own routing, the logits of one 
 routing (random expert ids, as algo.routing_replay="rollout" hands the update) and the params
 after one SGD step through that replayed forward (one program per side: the update's
 make_sharded_update costs 10 s more to compile and adds only its traced_on wrapper, tested
-here); it saves both, the sharding of the experts, and whether the compiled mesh program holds
-the all-to-all exchange. The assertions live in the test.
+here); it saves both, the sharding of the experts, and how many all-to-alls of expert ids the
+compiled mesh program holds. The assertions live in the test.
 """
 from __future__ import annotations
 
@@ -78,7 +78,11 @@ def main(out_path: str) -> None:
     args = (sharded.place(params, param_sh),
             *jax.device_put(args[1:], (rows, moe_sh) + (rows,) * 3))
     compiled = mesh_step.lower(*args).compile()
-    out["mesh/all_to_all"] = "all-to-all" in compiled.as_text()
+    # the exchange's signature: an all-to-all of int32 expert ids (XLA's own resharding moves
+    # float activations with all-to-alls too), in the model's layer and in the block
+    a2a = [line.split("all-to-all(")[0] for line in compiled.as_text().splitlines()
+           if "all-to-all(" in line]
+    out["mesh/id_exchanges"] = sum("s32[" in line for line in a2a)
     out.update(zip((f"mesh/{n}" for n in names), compiled(*args)))
     out["mesh/gate_proj_spec"] = str(param_sh["layers"]["moe"]["gate_proj"].spec)
     out["mesh/gate_proj_shard_shape"] = (

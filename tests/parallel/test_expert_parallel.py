@@ -70,7 +70,7 @@ def test_expert_parallel_forward_replay_and_gradients_equal_one_device(tmp_path)
     out = tmp_path / "ep.npz"
     run_script("_expert_parallel_worker.py", [str(out)], num_devices=8)
     r = dict(np.load(out))
-    assert r["mesh/all_to_all"]                        # the tokens were exchanged
+    assert r["mesh/id_exchanges"] >= 2       # the tokens were exchanged (the layers, the block)
     assert str(r["mesh/gate_proj_spec"]) == str(P(None, ("expert", "fsdp"), None, "tensor"))
     assert tuple(r["mesh/gate_proj_shard_shape"]) == (2, 2, 64, 16)    # [L, E/4, D, I/2]
     np.testing.assert_array_equal(r["mesh/routing"], r["ref/routing"])
