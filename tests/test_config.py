@@ -68,6 +68,7 @@ DYNAMIC_READERS = {
     "mesh.data": "parallel.mesh.mesh_from_config reads every axis of AXES",
     "mesh.fsdp": "parallel.mesh.mesh_from_config reads every axis of AXES",
     "mesh.tensor": "parallel.mesh.mesh_from_config reads every axis of AXES",
+    "mesh.expert": "parallel.mesh.mesh_from_config reads every axis of AXES",
 }
 # Keys validated and resume-checked but read by nothing: none (train.log_every was one until the
 # loop read it, issue 24). A key put here fails the test once something reads it, as a reminder.

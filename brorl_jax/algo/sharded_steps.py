@@ -8,6 +8,9 @@ mu/nu and the reference params by PARAM_RULES (FSDP over `fsdp`, heads / MLP / v
 over ("data", "fsdp"); every micro-batch's rows and hidden states are constrained to the same
 split (sharded_policy_fns), so each device runs its own rows of every micro-batch. Log-probs
 with the lm_head's vocabulary over `tensor` run under shard_map (parallel/vocab_parallel.py).
+With an `expert` axis > 1 (mesh.expert) the rows go over it too, the experts of a MoE model are
+split over it and the steps are traced under the mesh, so the MoE blocks exchange tokens
+(parallel/expert_parallel.py, `traced_on`).
 Every builder takes arrays or jax.ShapeDtypeStructs (ahead-of-time compilation without
 allocating: bench/plan_memory.py).
 """
@@ -82,10 +85,25 @@ def _logprob_hooks(mesh: Mesh, axes, logprob: str) -> dict:
         return {}
     if logprob != "shard_map":
         raise ValueError(f"logprob must be 'shard_map' or 'algo', got {logprob!r}")
-    token_axes = R.logical_to_spec(R.ARRAY_AXES["rows"], axes)[0]
+    token_axes = R.logical_to_spec(R.ARRAY_AXES["rows"], R.for_mesh(axes, mesh))[0]
     token_axes = (token_axes,) if isinstance(token_axes, str) else tuple(token_axes or ())
     return {"logprob_fn": sharded_fused_logprob(mesh, token_axes=token_axes),
             "shard_rows": row_constraint(mesh, axes)}
+
+
+def traced_on(mesh: Mesh, fn):
+    """`fn` traced with `mesh` as the ambient mesh when its expert axis is > 1, so that the
+    mixture-of-experts blocks exchange tokens over it (parallel/expert_parallel.py); otherwise
+    `fn` itself (no ambient mesh: the programs are those of a mesh without expert parallelism)."""
+    if R.expert_axis_size(mesh) == 1:
+        return fn
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return traced
 
 
 # -------------------------------------------------------------------------------------------------
@@ -133,8 +151,8 @@ def make_sharded_update(model_cfg, algo_cfg, optimizer, mesh: Mesh, state: Train
     state_sh = train_state_shardings(state, mesh, rules)
     batch_sh = R.batch_shardings(batch, mesh, axes)
     repl = _replicated(mesh)
-    fn = jax.jit(update, in_shardings=(state_sh, batch_sh, repl), out_shardings=(state_sh, repl),
-                 donate_argnums=(0,) if donate else ())
+    fn = jax.jit(traced_on(mesh, update), in_shardings=(state_sh, batch_sh, repl),
+                 out_shardings=(state_sh, repl), donate_argnums=(0,) if donate else ())
     return fn, {"state": state_sh, "batch": batch_sh}
 
 
@@ -156,7 +174,7 @@ def make_sharded_logprob(model_cfg, algo_cfg, mesh: Mesh, params: Any,
     batch_sh = R.batch_shardings(batch, mesh, axes)
     tok_sh = batch_sh.input_tokens
     stats_sh = {"sum_p2": tok_sh} if with_stats else {}
-    jitted = jax.jit(fn, in_shardings=(params_sh, batch_sh),
+    jitted = jax.jit(traced_on(mesh, fn), in_shardings=(params_sh, batch_sh),
                      out_shardings=(tok_sh, tok_sh, stats_sh))
     return jitted, {"params": params_sh, "batch": batch_sh}
 
@@ -173,7 +191,7 @@ def make_vocab_parallel_logprob(model_cfg, mesh: Mesh, params: Any,
     -> (logprobs(params, batch) -> (logp [B, T], entropy [B, T]), shardings dict).
     Differentiable wrt params (jax.grad through it gives the unsharded reference's gradients)."""
     policy = sharded_policy_fns(model_cfg, mesh, axes, attention=attention, q_chunk=q_chunk)
-    token_axes = R.logical_to_spec(R.ARRAY_AXES["rows"], axes)[0]
+    token_axes = R.logical_to_spec(R.ARRAY_AXES["rows"], R.for_mesh(axes, mesh))[0]
     token_axes = (token_axes,) if isinstance(token_axes, str) else tuple(token_axes or ())
 
     def logprobs(params, batch):
@@ -199,7 +217,8 @@ def make_vocab_parallel_logprob(model_cfg, mesh: Mesh, params: Any,
     params_sh = R.param_shardings(params, mesh, rules)
     batch_sh = R.batch_shardings(batch, mesh, axes)
     tok_sh = batch_sh.input_tokens
-    jitted = jax.jit(logprobs, in_shardings=(params_sh, batch_sh), out_shardings=(tok_sh, tok_sh))
+    jitted = jax.jit(traced_on(mesh, logprobs), in_shardings=(params_sh, batch_sh),
+                     out_shardings=(tok_sh, tok_sh))
     return jitted, {"params": params_sh, "batch": batch_sh}
 
 

@@ -333,11 +333,11 @@ def check_mesh(cfg: ml_collections.ConfigDict, num_devices: int,
                               f"{num_devices} device{'s' if num_devices != 1 else ''} JAX sees "
                               f"to train on; set it below {num_devices} (or 0: colocated).")
     train = num_devices - rollout
-    sizes = {a: int(cfg.mesh[a]) for a in AXES}
+    sizes = {a: int(cfg.mesh.get(a, 1)) for a in AXES}
     try:
         mesh_shape(sizes, train)
-    except ValueError as e:
-        given = ", ".join(f"mesh.{a}={v}" for a, v in sizes.items())
+    except ValueError as e:     # mesh.expert named when set (parallel/expert_parallel.py)
+        given = ", ".join(f"mesh.{a}={v}" for a, v in sizes.items() if a != "expert" or v != 1)
         seen = (f"the {num_devices} device{'s' if num_devices != 1 else ''} JAX sees" if not
                 rollout else f"the {train} training devices ({num_devices} JAX sees less "
                 f"mesh.rollout_devices={rollout})")
@@ -347,14 +347,15 @@ def check_mesh(cfg: ml_collections.ConfigDict, num_devices: int,
 
 
 def check_update_split(cfg: RunConfig, split: int, num_processes: int) -> None:
-    """ConfigError unless the update batch splits over the mesh's batch axes (data x fsdp =
-    `split` devices) and algo.prompts_per_step over the processes (train/runtime.py)."""
-    rows = cfg.update_rows
+    """ConfigError unless the update batch splits over the mesh's batch axes (data x fsdp x
+    expert = `split` devices) and algo.prompts_per_step over the processes (train/runtime.py)."""
+    rows, expert = cfg.update_rows, cfg.mesh.expert
     if rows % split:
         raise ConfigError(
             f"the update batch (algo.prompts_per_step x rollout.rollouts_per_prompt = {rows} "
-            f"rows) does not split over the mesh's data x fsdp = {split} devices; make it a "
-            f"multiple of {split} or change mesh.data / mesh.fsdp.")
+            f"rows) does not split over the mesh's data x fsdp{' x expert' if expert > 1 else ''}"
+            f" = {split} devices; make it a multiple of {split} or change mesh.data / mesh.fsdp"
+            f"{' / mesh.expert' if expert > 1 else ''}.")
     if num_processes > 1 and cfg.algo.prompts_per_step % num_processes:
         raise ConfigError(
             f"algo.prompts_per_step={cfg.algo.prompts_per_step} must be a multiple of the "

@@ -299,6 +299,10 @@ class Mesh(Section):
     data: int = setting(-1)                  # -1 = the rest of the devices
     fsdp: int = setting(1)
     tensor: int = setting(1)
+    # Expert parallelism: a mixture-of-experts layer's experts split over this many devices,
+    # each token sent to its experts' devices and back (parallel/expert_parallel.py; the rows
+    # split over it too). 1 = off: the experts are sharded over fsdp and gathered per layer.
+    expert: int = setting(1, "> 0")
     rules: str = setting("default")          # a rule set of brorl_jax.parallel.rules.PARAM_RULES
     # Disaggregated rollout: R devices decode (their own mesh; with P processes the first R / P
     # of each process's, a multiple of P), the mesh above is laid over the others and trains;

@@ -12,6 +12,8 @@ The experts run as a grouped GEMM: the N*K (token, choice) rows sorted by expert
 ``jax.lax.ragged_dot`` over the groups (``experts_ragged``; XLA lowers it to a grouped GEMM on
 GPU/TPU and to a masked dense dot on CPU). ``experts_dense`` is the plain reference: every
 expert on every token, combined with a [N, E] gate matrix that is zero off the chosen experts.
+Under a mesh with an `expert` axis (config mesh.expert > 1) the block runs its expert function on
+each device's own experts and exchanges the tokens (parallel/expert_parallel.py).
 
 Routing hook (rollout routing replay, R3): ``SparseMoeBlock(h, routing)`` takes optional
 ``routing`` int32[N, K], expert ids chosen elsewhere (the rollout). Given, they replace the
@@ -30,6 +32,8 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from brorl_jax.parallel.expert_parallel import experts_on_mesh
 
 from .config import ModelConfig
 
@@ -135,5 +139,7 @@ class SparseMoeBlock(nn.Module):
         logits = jnp.einsum("nd,de->ne", h, router.astype(self.dtype),
                             preferred_element_type=jnp.float32)
         ids, gates = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, routing)
-        out = EXPERT_FNS[cfg.moe_impl](h, ids, gates, *weights)
+        # one device: the expert function; under a mesh with an expert axis the same function
+        # on each device's experts, the tokens exchanged (parallel/expert_parallel.py)
+        out = experts_on_mesh(EXPERT_FNS[cfg.moe_impl], h, ids, gates, *weights)
         return (out, ids, logits) if with_logits else (out, ids)

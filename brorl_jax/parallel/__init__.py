@@ -4,7 +4,8 @@ Light imports only (this package is imported before jax.distributed is initialis
   mesh            make_mesh, mesh_from_config, use_mesh
   rules           LOGICAL_AXES, PARAM_RULES, ARRAY_AXES, param_shardings, state_shardings
   distributed     maybe_initialize_distributed, initialize, global_batch, log
-Heavier modules, imported by name: sharded (step builders), vocab_parallel.
+Heavier modules, imported by name: sharded (step builders), vocab_parallel, expert_parallel
+(the mixture-of-experts token exchange, mesh.expert > 1).
 See docs/scale.md.
 """
 from brorl_jax.parallel.mesh import AXES, make_mesh, mesh_from_config, use_mesh

@@ -33,7 +33,7 @@ def attention_specs(mesh, q_shape, k_shape, axes: str | dict = "default"
                     ) -> tuple[P, P, P] | None:
     """(q/out spec, k/v spec, segment-ids spec) over `mesh`'s axes of size > 1, or None when
     no axis splits the work (then there is nothing to shard)."""
-    table = R.logical_table(axes)
+    table = R.logical_table(R.for_mesh(axes, mesh))
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     batch, rows = [], q_shape[0]
     for a in _axes(table["batch"]):

@@ -55,8 +55,8 @@ LOGICAL_AXES: dict[str, dict[str, MeshAxes]] = {
         "norm": None,                  # RMSNorm scales (tiny)
         # Mixture of experts (qwen3_moe): whole experts over fsdp (ZeRO-3 along the expert
         # axis: a device keeps E/fsdp experts and XLA gathers a layer's experts for its grouped
-        # GEMM, as it gathers every FSDP weight; the token exchange of expert parallelism is
-        # not used), each expert's width over tensor, as the dense MLP's.
+        # GEMM, as it gathers every FSDP weight; no token exchange: with mesh.expert > 1,
+        # EXPERT_PARALLEL below), each expert's width over tensor, as the dense MLP's.
         "experts": "fsdp",             # E of the router and the stacked experts
         "expert_mlp": "tensor",        # moe_intermediate_size
         "lora_rank": None,             # r of the LoRA adapters (tiny: replicated)
@@ -68,6 +68,31 @@ LOGICAL_AXES: dict[str, dict[str, MeshAxes]] = {
         "experts": None, "expert_mlp": None, "lora_rank": None,
     },
 }
+
+# Expert parallelism (a mesh whose `expert` axis is > 1, config mesh.expert): these entries
+# replace the logical table's (``for_mesh``). The experts go over `expert` (each device holds
+# E / expert of them and runs them on the tokens sent to it: parallel/expert_parallel.py) and
+# then over fsdp (ZeRO-3 within a device's experts, gathered per layer); the rows go over
+# `expert` as well, so every device routes its own tokens. Applied only when the axis is > 1,
+# so a mesh without expert parallelism gets exactly the table above.
+EXPERT_PARALLEL: dict[str, MeshAxes] = {
+    "batch": ("data", "fsdp", "expert"),
+    "experts": ("expert", "fsdp"),
+}
+
+
+def expert_axis_size(mesh) -> int:
+    """The size of `mesh`'s expert axis (1 when it has none)."""
+    return int(dict(mesh.shape).get("expert", 1)) if mesh is not None else 1
+
+
+def for_mesh(axes: str | dict, mesh) -> str | dict:
+    """The logical table `axes` (a name or a table) resolved for `mesh`: unchanged, or with the
+    EXPERT_PARALLEL entries when the mesh's expert axis is > 1 (a name becomes the table)."""
+    if expert_axis_size(mesh) == 1:
+        return axes
+    return {**logical_table(axes), **EXPERT_PARALLEL}
+
 
 # -------------------------------------------------------------------------------------------------
 # Parameter path -> logical names (one per dimension). Shapes: embedding [V, D]; layers/*:
@@ -234,6 +259,9 @@ def fit_spec(spec: P, shape: Sequence[int], mesh, *, check_divisible: bool = Fal
 def param_shardings(params: Any, mesh, rules: str | Sequence = "default",
                     axes: str | dict | None = None, *, check_divisible: bool = False) -> Any:
     """NamedShardings for `params` (arrays or ShapeDtypeStructs) on `mesh`."""
+    if expert_axis_size(mesh) > 1:
+        axes = for_mesh(axes if axes is not None else (
+            rules if isinstance(rules, str) and rules in LOGICAL_AXES else "default"), mesh)
     specs = param_specs(params, rules, axes)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
@@ -245,6 +273,7 @@ def param_shardings(params: Any, mesh, rules: str | Sequence = "default",
 
 def batch_shardings(batch: Any, mesh, axes: str | dict = "default") -> Any:
     """Update/log-prob batch: every leaf [B, ...] split over the "batch" logical axis."""
+    axes = for_mesh(axes, mesh)
     def one(x):
         name = "rows" if len(x.shape) == 1 else "tokens"
         spec = logical_to_spec(ARRAY_AXES[name], axes)

@@ -19,7 +19,7 @@ def _replicated(mesh: Mesh) -> NamedSharding:
 
 
 def _rows_sharding(mesh: Mesh, ndim: int, axes: str | dict = "default") -> NamedSharding:
-    spec = R.logical_to_spec(R.ARRAY_AXES["rows"], axes)
+    spec = R.logical_to_spec(R.ARRAY_AXES["rows"], R.for_mesh(axes, mesh))
     return NamedSharding(mesh, P(*(tuple(spec) + (None,) * (ndim - 1))))
 
 
@@ -35,7 +35,7 @@ def row_constraint(mesh: Mesh, axes: str | dict = "default"):
     """The update's `shard_rows` hook: after a split [R] -> [n, R / n], keep the second (row)
     axis over the batch axes (the reshape alone would put the split on the scanned axis, which
     XLA then gathers)."""
-    spec = R.logical_to_spec(R.ARRAY_AXES["rows"], axes)
+    spec = R.logical_to_spec(R.ARRAY_AXES["rows"], R.for_mesh(axes, mesh))
 
     def one(x):
         want = P(None, *(tuple(spec) + (None,) * (x.ndim - 2)))

@@ -128,6 +128,7 @@ def check_loaded_model(cfg, model_cfg: models.ModelConfig | None, *, update: boo
     check_lora_rank(cfg, model_cfg)
     check_routing_replay(cfg, model_cfg)
     check_moe_aux_loss(cfg, model_cfg)
+    check_expert_mesh(cfg, model_cfg)
     check_at_door(cfg, model_cfg, update=update)
     return DoorFacts(cfg, model_cfg, paused_engine_bytes(
         cfg, model_cfg, num_devices=rollout_device_count(cfg), num_processes=jax.process_count()))
@@ -150,6 +151,24 @@ def check_moe_aux_loss(cfg, model_cfg: models.ModelConfig | None) -> None:
             f"config key 'algo.moe_aux_loss_coef' = {cfg.algo.moe_aux_loss_coef} weights a "
             f"mixture-of-experts router's load-balancing loss, but model_type="
             f"{model_cfg.model_type!r} has no experts. Set algo.moe_aux_loss_coef=0.")
+
+
+def check_expert_mesh(cfg, model_cfg: models.ModelConfig | None) -> None:
+    """mesh.expert > 1 splits a mixture-of-experts model's experts (parallel/expert_parallel.py):
+    the model must have experts, as many on every device."""
+    p = cfg.mesh.expert
+    if model_cfg is None or p == 1:
+        return
+    if not model_cfg.is_moe:
+        raise ConfigError(
+            f"config key 'mesh.expert'={p} splits a mixture-of-experts model's experts, but "
+            f"model_type={model_cfg.model_type!r} has none. Set mesh.expert=1 (mesh.data splits "
+            "the rows).")
+    if model_cfg.num_experts % p:
+        raise ConfigError(
+            f"config key 'mesh.expert'={p} does not divide the model's {model_cfg.num_experts} "
+            "experts: each device of the expert axis holds as many; pick a divisor of "
+            f"{model_cfg.num_experts}.")
 
 
 def check_lora_rank(cfg, model_cfg) -> None:

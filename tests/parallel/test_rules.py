@@ -126,6 +126,7 @@ def test_unknown_rule_set_and_logical_axis_are_named():
 def test_mesh_shape_minus_one_is_the_rest():
     assert mesh_shape({"data": -1, "fsdp": 4, "tensor": 2}, 64) == (8, 4, 2)
     assert mesh_shape({"data": 8, "fsdp": 8, "tensor": 1}, 64) == (8, 8, 1)
+    assert mesh_shape({"data": -1, "expert": 4}, 8) == (2, 1, 4, 1)   # + expert when > 1
     with pytest.raises(ValueError, match="cannot be split"):
         mesh_shape({"data": -1, "fsdp": 3, "tensor": 1}, 8)
     with pytest.raises(ValueError, match="use 4 devices but 8"):

@@ -1,0 +1,161 @@
+"""Expert parallelism: a mixture-of-experts layer's experts split over the `expert` mesh axis, the
+tokens sent to the devices that hold their experts and the results sent back (shard_map).
+
+Layout (mesh.expert = P > 1; rules.EXPERT_PARALLEL): device p of an expert group (the P devices
+that differ only in their `expert` index) holds experts [p E/P, (p+1) E/P) of every layer (then
+split over fsdp, gathered per layer) and its own rows of the batch (rows over data x fsdp x
+expert). Per MoE layer, with n tokens per device, top-K routing, width D:
+
+  1. route   (outside, as on one device: models/moe.route; replayed ids enter the same way)
+  2. pack    the n K (token, choice) rows sorted by expert, so by destination device; row i to
+             device d goes to slot [d, i - start_d] of a send buffer [P, C, D] (C = capacity)
+  3. send    all_to_all over `expert`: buffer [P, C, D] -> [P, C, D], slot [s, :] now holds what
+             device s sent here (with each row's local expert id, [P, C] int32; empty slots have
+             the id E/P, past the last expert, and are left out of the groups)
+  4. experts the received rows through this device's E/P experts (the block's grouped GEMM:
+             models/moe.experts_ragged, or experts_dense, with one choice per row and gate 1)
+  5. return  all_to_all back: each row's result is in the slot it was sent from
+  6. combine each token's K results weighted by its gates (float32), as on one device
+
+With a `tensor` axis > 1 that divides the experts' width I (rules: `expert_mlp` -> tensor) each
+expert stays split over it inside the exchange: the tokens are the same on the tensor devices of
+an expert group, each runs its slice of I, and the combined [n, D] float32 outputs are summed
+over `tensor` (one psum, as Megatron's MLP); otherwise the experts are whole on every device.
+
+Capacity rule: exact. C = n K, the most rows one device can send another (every choice of every
+token to one device), so no row is ever dropped and the result equals the unsharded block's
+(the same products, a different float order only in the grouped GEMM's blocking). The price is
+buffers P times the rows really sent: each all_to_all moves P C D = P n K D values per device
+(the (P-1)/P of it that leaves the device; 2 per layer forward, 2 more backward), where a
+capacity factor c (C = c n K / P, rows past it dropped as in GShard/Switch) would move c n K D
+and change the result whenever a device's share overflows. Exactness first: RL compares the
+update's log-probs with the rollout's, and a dropped row moves them. jax.lax.ragged_all_to_all
+(moves only the rows sent) does not run on XLA:CPU in this jax (0.10), where the tests run.
+
+Used when tracing under an auto-partitioned ambient mesh (jax.sharding.use_abstract_mesh /
+jax.set_mesh; algo/sharded_steps.py sets it when the expert axis is > 1) whose `expert` axis is
+> 1 and divides the number of experts, and when the tokens split over the expert axis; otherwise
+the block's expert function runs as on one device (under a mesh, XLA gathers the experts).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from brorl_jax.parallel import rules as R
+
+AXIS = "expert"
+
+
+def _token_axes(mesh, n: int) -> tuple[str, ...]:
+    """The batch axes of `mesh` (size > 1, rules.EXPERT_PARALLEL order) whose product divides n
+    tokens, taken in order as long as they divide."""
+    table = R.logical_table(R.for_mesh("default", mesh))
+    names = table["batch"]
+    names = (names,) if isinstance(names, str) else tuple(names or ())
+    out, size = [], 1
+    for a in names:
+        s = dict(mesh.shape).get(a, 1)
+        if s > 1 and n % (size * s) == 0:
+            out.append(a)
+            size *= s
+    return tuple(out)
+
+
+def expert_parallel_specs(mesh, n: int, num_experts: int) -> tuple[str, ...] | None:
+    """The token axes of the exchange for n tokens and num_experts experts on `mesh`, or None
+    when expert parallelism does not apply (module docstring: no expert axis > 1, axes already
+    manual, experts or tokens that do not split over it)."""
+    if mesh is None or mesh.empty or R.expert_axis_size(mesh) == 1 or mesh.manual_axes:
+        return None
+    if num_experts % R.expert_axis_size(mesh):
+        return None
+    axes = _token_axes(mesh, n)
+    return axes if AXIS in axes else None
+
+
+def _dispatch(x, ids, ep: int, el: int, capacity: int):
+    """(send buffer [P, C, D], local ids [P, C], (destination, slot) of each sorted row, the
+    sort order): the rows of this device's (token, choice) pairs, sorted by expert."""
+    n, k = ids.shape
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)              # by expert, so by destination device
+    expert = jnp.take(flat, order)
+    dest = expert // el
+    sizes = jnp.bincount(dest, length=ep)
+    slot = jnp.arange(n * k) - jnp.take(jnp.cumsum(sizes) - sizes, dest)
+    rows = jnp.take(x, order // k, axis=0)
+    send = jnp.zeros((ep, capacity, x.shape[1]), x.dtype).at[dest, slot].set(rows, mode="drop")
+    local = jnp.full((ep, capacity), el, jnp.int32).at[dest, slot].set(
+        (expert - dest * el).astype(jnp.int32), mode="drop")
+    return send, local, (dest, slot), order
+
+
+def _exchange_body(x, ids, gates, *weights, local_fn: Callable, ep: int,
+                   width_axis: str | None):
+    """Per device (module docstring, steps 2-6): x [n, D], ids int [n, K], gates f32 [n, K],
+    weights [E/P, ...] (their width I split over `width_axis` when it is given: the results are
+    partial sums over it, summed after the combine) -> out [n, D]."""
+    n, k = ids.shape
+    el = weights[0].shape[0]
+    send, local, (dest, slot), order = _dispatch(x, ids, ep, el, capacity=n * k)
+    a2a = lambda v: jax.lax.all_to_all(v, AXIS, 0, 0)
+    recv, recv_ids = a2a(send), a2a(local)
+    m = recv.shape[0] * recv.shape[1]
+    y = local_fn(recv.reshape(m, -1), recv_ids.reshape(m, 1), jnp.ones((m, 1), jnp.float32),
+                 *weights)
+    back = a2a(y.reshape(recv.shape))
+    rows = back.at[dest, slot].get(mode="fill", fill_value=0)      # [n K, D], expert order
+    rows = jnp.take(rows, jnp.argsort(order), axis=0).reshape(n, k, -1)
+    out = jnp.einsum("nkd,nk->nd", rows.astype(jnp.float32), gates)
+    if width_axis is not None:
+        out = jax.lax.psum(out, width_axis)
+    return out.astype(x.dtype)
+
+
+def expert_width_axis(mesh, width: int) -> str | None:
+    """The mesh axis the experts' width I is split over (logical `expert_mlp`, size > 1 and
+    dividing I), kept split inside the exchange; None: the width is whole on every device."""
+    name = R.logical_table(R.for_mesh("default", mesh))["expert_mlp"]
+    if not isinstance(name, str) or name == AXIS:
+        return None
+    size = dict(mesh.shape).get(name, 1)
+    return name if size > 1 and width % size == 0 else None
+
+
+def experts_on_mesh(local_fn: Callable, x: jax.Array, ids: jax.Array, gates: jax.Array,
+                    gate_proj: jax.Array, up_proj: jax.Array, down_proj: jax.Array
+                    ) -> jax.Array:
+    """``local_fn(x, ids, gates, gate_proj, up_proj, down_proj)`` (models/moe.experts_ragged or
+    experts_dense: x [N, D], ids int [N, K], gates f32 [N, K], gate_proj / up_proj [E, D, I],
+    down_proj [E, I, D] -> [N, D]) with the experts split over the ambient mesh's `expert` axis
+    and the tokens exchanged (module docstring), each expert's width I kept split over `tensor`
+    (rules' `expert_mlp`) when that axis divides it; where expert parallelism does not apply,
+    ``local_fn`` itself."""
+    weights = (gate_proj, up_proj, down_proj)
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = expert_parallel_specs(mesh, x.shape[0], gate_proj.shape[0])
+    if axes is None:
+        return local_fn(x, ids, gates, *weights)
+    tok = P(axes, None)
+    width = expert_width_axis(mesh, gate_proj.shape[-1])
+    w_specs = (P(AXIS, None, width), P(AXIS, None, width), P(AXIS, width, None))
+    body = lambda *a: _exchange_body(*a, local_fn=local_fn, ep=R.expert_axis_size(mesh),
+                                     width_axis=width)
+    return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, *w_specs), out_specs=tok,
+                         check_vma=True)(x, ids, gates, *weights)
+
+
+def exchange_bytes(tokens: int, top_k: int, hidden: int, expert: int, itemsize: int) -> int:
+    """Bytes one device sends in one all_to_all of a MoE layer (each way; a forward has 2 per
+    layer, its backward 2 more): the (P-1)/P of its [P, C, D] buffer that leaves it, with the
+    exact capacity C = tokens x top_k (tokens: this device's)."""
+    capacity = tokens * top_k
+    return (expert - 1) * capacity * hidden * itemsize if expert > 1 else 0
+
+
+__all__ = ["AXIS", "exchange_bytes", "expert_parallel_specs", "expert_width_axis",
+           "experts_on_mesh"]

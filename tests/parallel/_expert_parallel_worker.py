@@ -1,0 +1,101 @@
+"""Subprocess body for test_expert_parallel.py: expert parallelism on 8 simulated CPU devices.
+
+Usage: python _expert_parallel_worker.py OUT.npz
+XLA_FLAGS must hold --xla_force_host_platform_device_count=8 before jax is imported (the test
+sets it). A tiny qwen3_moe model (8 experts, top-2) on a mesh expert=4 x tensor=2: the experts
+split over `expert` (rules.EXPERT_PARALLEL), their width over `tensor`, the tokens exchanged
+(parallel/expert_parallel.py).
+From the same inputs the script computes on one device (plain jax.jit) and on the mesh: the
+logits and routing of a forward with the model's own routing, the logits of one with replayed
+routing (random expert ids, as algo.routing_replay="rollout" hands the update) and the params
+after one SGD step through that replayed forward (one program per side: the update's
+make_sharded_update costs 10 s more to compile and adds only its traced_on wrapper, tested
+here); it saves both, the sharding of the experts, and how many all-to-alls of expert ids the
+compiled mesh program holds. The assertions live in the test.
+"""
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from testutil import small_model_config
+
+from brorl_jax.algo import sharded_steps as algo_sharded
+from brorl_jax.models import forward, init_params
+from brorl_jax.models.moe import SparseMoeBlock
+from brorl_jax.parallel import rules, sharded
+from brorl_jax.parallel.mesh import make_mesh
+
+ROWS, SEQ, EXPERTS, TOP_K = 8, 16, 8, 2
+
+
+def replayed(cfg, rng, lead) -> np.ndarray:
+    """Random top-k expert ids (distinct per token), as a rollout's record would be."""
+    return np.argsort(rng.random((*lead, cfg.num_experts)), axis=-1)[..., :TOP_K].astype(
+        np.int32)
+
+
+def main(out_path: str) -> None:
+    assert len(jax.devices()) == 8, jax.devices()
+    cfg = small_model_config(model_type="qwen3_moe", qk_norm=True, attention_bias=False,
+                             num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                             moe_intermediate_size=32, norm_topk_prob=True)
+    rng = np.random.default_rng(0)
+    # N(0, 0.08) weights: decided routers (no near-ties for the float order to flip), drawn in
+    # numpy from the shapes (init_params compiles for seconds)
+    params = jax.tree.map(
+        lambda s: (0.08 * rng.standard_normal(s.shape) if len(s.shape) >= 2
+                   else np.ones(s.shape)).astype(np.float32),
+        jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0))))
+    tokens = rng.integers(4, cfg.vocab_size, (ROWS, SEQ)).astype(np.int32)
+    moe = jax.tree.map(lambda a: a[0], params["layers"]["moe"])        # layer 0's block
+    h = rng.normal(size=(ROWS * SEQ, cfg.hidden_size)).astype(np.float32)
+    replay = replayed(cfg, rng, (ROWS * SEQ,))
+    weights = rng.normal(size=h.shape).astype(np.float32)
+
+    def step(p, t, m, x, r, w):
+        """The model's logits and routing (its own), and one layer's block with replayed
+        routing: its output and the gradients of a loss through it (the update's backward)."""
+        logits, own = forward(p, cfg, t, return_routing=True)
+        block = lambda q, y: SparseMoeBlock(cfg).apply({"params": q}, y, r)[0]
+        loss = lambda q, y: (jnp.sum(block(q, y) * w), block(q, y))
+        grads, out = jax.grad(loss, argnums=(0, 1), has_aux=True)(m, x)
+        return logits, own, out, grads
+
+    names = ("logits", "routing", "replayed_out", "grads")
+    args = (params, tokens, moe, h, replay, weights)
+    out = dict(zip((f"ref/{n}" for n in names), jax.jit(step)(*args)))
+    mesh = make_mesh({"expert": 4, "tensor": 2})
+    param_sh = rules.param_shardings(params, mesh)
+    split = rules.logical_to_spec(rules.ARRAY_AXES["rows"], rules.for_mesh("default", mesh))
+    rows = NamedSharding(mesh, P(*split, None))
+    moe_sh = {k: NamedSharding(mesh, P(None if k == "router" else "expert")) for k in moe}
+    mesh_step = jax.jit(algo_sharded.traced_on(mesh, step),
+                        in_shardings=(param_sh, rows, moe_sh, rows, rows, rows))
+    args = (sharded.place(params, param_sh),
+            *jax.device_put(args[1:], (rows, moe_sh) + (rows,) * 3))
+    compiled = mesh_step.lower(*args).compile()
+    # the exchange's signature: an all-to-all of int32 expert ids (XLA's own resharding moves
+    # float activations with all-to-alls too), in the model's layer and in the block
+    a2a = [line.split("all-to-all(")[0] for line in compiled.as_text().splitlines()
+           if "all-to-all(" in line]
+    out["mesh/id_exchanges"] = sum("s32[" in line for line in a2a)
+    out.update(zip((f"mesh/{n}" for n in names), compiled(*args)))
+    out["mesh/gate_proj_spec"] = str(param_sh["layers"]["moe"]["gate_proj"].spec)
+    out["mesh/gate_proj_shard_shape"] = (
+        args[0]["layers"]["moe"]["gate_proj"].addressable_shards[0].data.shape)
+    flat = {}
+    for k, v in out.items():
+        if k.endswith("/grads"):
+            for path, leaf in jax.tree_util.tree_flatten_with_path(v)[0]:
+                flat[k + jax.tree_util.keystr(path)] = leaf
+        else:
+            flat[k] = v
+    np.savez(out_path, **{k: np.asarray(v) for k, v in flat.items()})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

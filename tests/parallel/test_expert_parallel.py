@@ -1,0 +1,85 @@
+"""Expert parallelism (parallel/expert_parallel.py, mesh.expert): the layout it resolves, and on 8
+simulated CPU devices (mesh expert=4 x tensor=2, a tiny qwen3_moe with 8 experts top-2; the
+subprocess is _expert_parallel_worker.py) the forward, the replayed-routing block and its
+gradients against one device."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh, PartitionSpec as P
+from parallel_testutil import run_script
+from testutil import tiny_model_config
+
+from brorl_jax.config import ConfigError, default_config, validate
+from brorl_jax.parallel import rules as R
+from brorl_jax.parallel.expert_parallel import (
+    exchange_bytes,
+    expert_parallel_specs,
+    expert_width_axis,
+)
+from brorl_jax.train.door import check_expert_mesh
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+
+
+def test_expert_axis_of_one_leaves_the_tables_alone_and_above_one_splits_experts_and_rows():
+    plain = AbstractMesh((2, 4, 1, 1), MESH_AXES)
+    assert R.for_mesh("default", plain) == "default"
+    assert expert_parallel_specs(plain, 64, 8) is None
+    ep = AbstractMesh((2, 1, 4, 1), MESH_AXES)
+    table = R.for_mesh("default", ep)
+    assert table["batch"] == ("data", "fsdp", "expert") and table["experts"] == ("expert", "fsdp")
+    assert R.logical_to_spec(("layers", "experts", "embed", "expert_mlp"), table) == P(
+        None, ("expert", "fsdp"), None, "tensor")
+    assert expert_parallel_specs(ep, 64, 8) == expert_parallel_specs(ep, 8, 8) == ("data",
+                                                                                   "expert")
+    # the tokens must split over the expert axis (4 split over data only), the experts too;
+    # else the block runs as on one device
+    assert expert_parallel_specs(ep, 4, 8) is None and expert_parallel_specs(ep, 64, 6) is None
+    # each expert's width stays over tensor inside the exchange when tensor divides it
+    assert expert_width_axis(ep, 32) is None
+    ep_tp = AbstractMesh((1, 1, 4, 2), MESH_AXES)
+    assert expert_width_axis(ep_tp, 32) == "tensor" and expert_width_axis(ep_tp, 33) is None
+
+
+def test_exchange_bytes_count_the_exact_capacity_buffer():
+    # 4 devices, 16 tokens x top-2 each: C = 32 rows of 64 floats, 3 of the 4 slices leave
+    assert exchange_bytes(16, 2, 64, 4, 4) == 3 * 32 * 64 * 4
+    assert exchange_bytes(16, 2, 64, 1, 4) == 0
+
+
+def test_an_expert_axis_needs_experts_that_split_over_it():
+    cfg = default_config()
+    cfg.mesh.expert = 4
+    run = validate(cfg)
+    moe = dict(model_type="qwen3_moe", attention_bias=False, qk_norm=True, num_experts_per_tok=2,
+               moe_intermediate_size=16, norm_topk_prob=True)
+    check_expert_mesh(run, tiny_model_config(num_experts=8, **moe))
+    with pytest.raises(ConfigError, match=r"'mesh.expert'=4 does not divide the model's 6 "):
+        check_expert_mesh(run, tiny_model_config(num_experts=6, **moe))
+    with pytest.raises(ConfigError, match=r"'mesh.expert'=4 splits .* model_type='qwen2' has "):
+        check_expert_mesh(run, tiny_model_config())
+    check_expert_mesh(validate(default_config()), tiny_model_config())     # off: fine
+    cfg.mesh.expert = 0
+    with pytest.raises(ConfigError, match=r"'mesh.expert' must be > 0"):
+        validate(cfg)
+
+
+@pytest.mark.slow     # two compiles on 8 devices (about 10 s)
+def test_expert_parallel_forward_replay_and_gradients_equal_one_device(tmp_path):
+    out = tmp_path / "ep.npz"
+    run_script("_expert_parallel_worker.py", [str(out)], num_devices=8)
+    r = dict(np.load(out))
+    assert r["mesh/id_exchanges"] >= 2       # the tokens were exchanged (the layers, the block)
+    assert str(r["mesh/gate_proj_spec"]) == str(P(None, ("expert", "fsdp"), None, "tensor"))
+    assert tuple(r["mesh/gate_proj_shard_shape"]) == (2, 2, 64, 16)    # [L, E/4, D, I/2]
+    np.testing.assert_array_equal(r["mesh/routing"], r["ref/routing"])
+    assert len(np.unique(r["ref/routing"])) == 8                 # every expert is used
+    np.testing.assert_allclose(r["mesh/logits"], r["ref/logits"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(r["mesh/replayed_out"], r["ref/replayed_out"], rtol=1e-5,
+                               atol=1e-6)
+    grads = sorted(k for k in r if k.startswith("ref/grads"))
+    assert len(grads) == 5                 # router, gate/up/down experts, the block's input
+    for k in grads:
+        np.testing.assert_allclose(r["mesh" + k[3:]], r[k], rtol=1e-5, atol=1e-5, err_msg=k)
+        assert np.abs(r[k]).max() > 0.1, k                     # a gradient that can differ
