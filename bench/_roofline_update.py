@@ -2,6 +2,14 @@
 tokens on Qwen2.5-1.5B shapes, compiled for a GPU target without a GPU, walked kernel by kernel.
 
     python bench/_roofline_update.py --target h100 [--json FILE] [--hlo FILE] [--attention reference]
+    python bench/_roofline_update.py --lora_table [--targets h100 v5e] [--models ...] [--layers 2]
+
+--lora_table (issue 42): the update with LoRA (``--lora_rank`` 32, ``--lora_alpha`` 32, all seven
+projections; the state of algo.adapters.lora_train_state) beside full fine-tuning, compiled for
+H100 and TPU v5e (libtpu's v5e:2x2 topology, one chip) at pallas_kernels.targets.MODEL_SHAPES:
+compiled or the compiler's reason, compile seconds, memory_analysis() argument and temp bytes.
+On GPU/TPU the layers are unrolled (models.transformer.layer_loop_form), so compile time grows
+with ``--layers``.
 
 The program is the trainer's (``configs/brorl.py``): bf16 compute over float32 master weights,
 remat on with the policy ``algo.update.plan_remat_policy`` picks for the target's memory (what
@@ -34,6 +42,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -257,7 +266,6 @@ def report_from_hlo(target: str, model: str, built: dict) -> dict:
 def _walk_kernels(hw, module, custom, kernels: list, current: list):
     """hw.walk, plus the (bytes, flops, kind) of every kernel launch times its loop multiplicity
     (the walker's per-kernel items carry bytes only; a kernel's roofline needs both)."""
-    import re
     rec: dict = {}
 
     class Recorder(hw._Walker):
@@ -344,6 +352,7 @@ def _compile_case(target: str, model: str, *, lora_rank: int, lora_alpha: float,
     env = dict(os.environ, JAX_PLATFORMS="cpu", **TPU_ENV)
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     case = dict(target=target, model=model, lora_rank=lora_rank, layers=layers)
+    t0 = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", json.dumps(
             [target, model, None, None, out, 1, lora_rank, lora_alpha, layers])], env=env,
@@ -351,8 +360,12 @@ def _compile_case(target: str, model: str, *, lora_rank: int, lora_alpha: float,
     except subprocess.TimeoutExpired:
         return dict(case, status=f"TIMEOUT after {timeout:.0f} s")
     if proc.returncode != 0 or not os.path.exists(out):
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
-        return dict(case, status="FAILED: " + _short(" ".join(tail) or f"exit {proc.returncode}"))
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        # the exception's own line (the traceback's last "...Error: ..."), else the tail
+        raised = [l for l in lines if re.match(r"\s*[\w.]+(Error|Exception): ", l)]
+        why = raised[-1] if raised else " ".join(lines[-6:]) or f"exit {proc.returncode}"
+        return dict(case, status="FAILED: " + _short(why, limit=300),
+                    compile_s=f"failed after {time.perf_counter() - t0:.0f} s in all")
     with open(out) as f:
         built = json.load(f)
     os.unlink(out)
@@ -437,6 +450,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lora_alpha", type=float, default=32.0)
     ap.add_argument("--layers", type=int, default=None,
                     help="with --lora_table: layers of each model (default its own count)")
+    ap.add_argument("--timeout", type=float, default=1800.0,
+                    help="with --lora_table: seconds per compile")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     _, _, missing_extra, _ = _targets()
@@ -454,7 +469,7 @@ def main(argv=None) -> int:
     if args.lora_table:
         from pallas_kernels.targets import MODEL_SHAPES
         lora_table(args.targets, args.models or list(MODEL_SHAPES), lora_rank=args.lora_rank,
-                   lora_alpha=args.lora_alpha, layers=args.layers)
+                   lora_alpha=args.lora_alpha, layers=args.layers, timeout=args.timeout)
         return 0
     r = update_report(args.target, args.model, attention=args.attention, remat=args.remat,
                       hlo_out=args.hlo or None)
