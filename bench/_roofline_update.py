@@ -374,23 +374,25 @@ def _compile_case(target: str, model: str, *, lora_rank: int, lora_alpha: float,
 
 
 def lora_table(targets, models, *, lora_rank: int = 32, lora_alpha: float = 32.0,
-               layers: int | None = None, timeout: float = 1800.0) -> list[str]:
-    """Markdown rows: the update with LoRA (all seven projections) and with full fine-tuning per
-    target and model, compiled or the compiler's reason, compile seconds, the compiled
-    program's argument bytes (the training state + the 8 x 2048 batch) and temp bytes, and
-    LoRA's argument bytes over full fine-tuning's."""
+               layers: int | None = None, timeout: float = 1800.0,
+               arms=("full", "lora")) -> list[str]:
+    """Markdown rows: the update with LoRA (all seven projections) and with full fine-tuning
+    (``arms``: both, or one) per target and model, compiled or the compiler's reason, compile
+    seconds, the compiled program's argument bytes (the training state + the 8 x 2048 batch)
+    and temp bytes, and LoRA's argument bytes over full fine-tuning's."""
     gib = lambda r, k: f"{r[k] / 2**30:.2f}" if k in r else "-"
     rows = ["| target | model | layers | arm | status | remat | compile s | argument GiB | "
             "temp GiB | LoRA / full arguments |", "|---|---|---|---|---|---|---|---|---|---|"]
     print(rows[0] + "\n" + rows[1], flush=True)
     for target in targets:
         for model in models:
-            full, lo = (_compile_case(target, model, lora_rank=r, lora_alpha=lora_alpha,
-                                      layers=layers, timeout=timeout) for r in (0, lora_rank))
-            for r in (full, lo):
+            full, lo = ((_compile_case(target, model, lora_rank=r, lora_alpha=lora_alpha,
+                                       layers=layers, timeout=timeout) if arm in arms else None)
+                        for arm, r in (("full", 0), ("lora", lora_rank)))
+            for r in (x for x in (full, lo) if x is not None):
                 ratio = (f"{lo['argument_bytes'] / full['argument_bytes']:.3f}"
-                         if r is lo and "argument_bytes" in lo and full.get("argument_bytes")
-                         else "")
+                         if r is lo and full and "argument_bytes" in lo
+                         and full.get("argument_bytes") else "")
                 arm = f"LoRA r{lora_rank} a{lora_alpha:g}" if r["lora_rank"] else "full"
                 rows.append(f"| {target} | {model} | {r.get('layers', layers) or 'all'} | {arm} | "
                             f"{r['status']} | {r.get('remat_policy', '-')} | "
@@ -450,6 +452,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lora_alpha", type=float, default=32.0)
     ap.add_argument("--layers", type=int, default=None,
                     help="with --lora_table: layers of each model (default its own count)")
+    ap.add_argument("--arms", nargs="+", default=["full", "lora"], choices=("full", "lora"),
+                    help="with --lora_table: which of the two to compile")
     ap.add_argument("--timeout", type=float, default=1800.0,
                     help="with --lora_table: seconds per compile")
     ap.add_argument("--one", help=argparse.SUPPRESS)
@@ -469,7 +473,8 @@ def main(argv=None) -> int:
     if args.lora_table:
         from pallas_kernels.targets import MODEL_SHAPES
         lora_table(args.targets, args.models or list(MODEL_SHAPES), lora_rank=args.lora_rank,
-                   lora_alpha=args.lora_alpha, layers=args.layers, timeout=args.timeout)
+                   lora_alpha=args.lora_alpha, layers=args.layers, timeout=args.timeout,
+                   arms=args.arms)
         return 0
     r = update_report(args.target, args.model, attention=args.attention, remat=args.remat,
                       hlo_out=args.hlo or None)
