@@ -104,7 +104,8 @@ def build_update(cfg, mc, *, device_bytes: int | None, remat_policy: str | None 
 def _model(model: str, layers: int | None, lora_rank: int, lora_alpha: float):
     """(run config, ModelConfig): bench/roofline.py's model, or a pallas_kernels.targets
     MODEL_SHAPES name with configs/brorl.py's dtypes (bf16 compute, float32 master weights);
-    ``layers`` replaces the layer count (the layers are a scan: its body compiles once); with
+    ``layers`` replaces the layer count (the layers are unrolled on GPU/TPU: fewer compile
+    faster; the widths, heads and vocabulary stay the model's); with
     ``lora_rank`` > 0 LoRA on all seven projections at ``lora_alpha``."""
     from brorl_jax.models import lora
     from pallas_kernels.targets import MODEL_SHAPES
