@@ -2,6 +2,14 @@
 tokens on Qwen2.5-1.5B shapes, compiled for a GPU target without a GPU, walked kernel by kernel.
 
     python bench/_roofline_update.py --target h100 [--json FILE] [--hlo FILE] [--attention reference]
+    python bench/_roofline_update.py --lora_table [--targets h100 v5e] [--models ...] [--layers 2]
+
+--lora_table (issue 42): the update with LoRA (``--lora_rank`` 32, ``--lora_alpha`` 32, all seven
+projections; the state of algo.adapters.lora_train_state) beside full fine-tuning, compiled for
+H100 and TPU v5e (libtpu's v5e:2x2 topology, one chip) at pallas_kernels.targets.MODEL_SHAPES:
+compiled or the compiler's reason, compile seconds, memory_analysis() argument and temp bytes.
+On GPU/TPU the layers are unrolled (models.transformer.layer_loop_form), so compile time grows
+with ``--layers``.
 
 The program is the trainer's (``configs/brorl.py``): bf16 compute over float32 master weights,
 remat on with the policy ``algo.update.plan_remat_policy`` picks for the target's memory (what
@@ -34,6 +42,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -70,47 +79,92 @@ def packed_batch_shapes(rows: int = ROWS, seq: int = SEQ):
 
 
 def build_update(cfg, mc, *, device_bytes: int | None, remat_policy: str | None = None):
-    """(jitted update, abstract state, algo config) as the trainer builds them (LocalRuntime)."""
+    """(jitted update, abstract state, algo config) as the trainer builds them (LocalRuntime);
+    under LoRA (mc.lora_rank > 0) the state of algo.adapters.lora_train_state (the base frozen in
+    the compute dtype, the adapters alone in the optimizer, no reference copy)."""
     import jax
 
     from brorl_jax import algo
+    from brorl_jax.algo import adapters
     from brorl_jax.config import optimizer_config, update_config
-    from brorl_jax.models import init_params
+    from brorl_jax.models import init_params, lora
     acfg = update_config(cfg)
     opt = algo.make_optimizer(optimizer_config(cfg))
     abstract = jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0)))
-    state = jax.eval_shape(lambda p: algo.create_train_state(p, opt, with_reference=acfg.kl_coef > 0),
-                           abstract)
+    if lora.enabled(mc):
+        state = jax.eval_shape(lambda p: adapters.lora_train_state(p, mc, opt, seed=0), abstract)
+    else:
+        state = jax.eval_shape(
+            lambda p: algo.create_train_state(p, opt, with_reference=acfg.kl_coef > 0), abstract)
     step = algo.make_update_step(mc, acfg, opt, device_bytes=device_bytes,
                                  remat_policy=remat_policy)
     return jax.jit(step, donate_argnums=(0,)), state, acfg
 
 
-def compile_update(target: str, model: str, attention: str | None = None,
-                   remat: str | None = None, micro_per_mini: int = 1) -> dict:
-    """The update compiled and described (``hlo`` and the settings it was built with). With
-    ``micro_per_mini`` M > 1 the batch is M x 8 rows and every mini-batch holds M micro-batches
-    of the 8 x 2048 program's 2 rows (gradients accumulated over them before its optimizer
-    step), as a mini-batch of the recipe holds many."""
+def _model(model: str, layers: int | None, lora_rank: int, lora_alpha: float):
+    """(run config, ModelConfig): bench/roofline.py's model, or a pallas_kernels.targets
+    MODEL_SHAPES name with configs/brorl.py's dtypes (bf16 compute, float32 master weights);
+    ``layers`` replaces the layer count (the layers are unrolled on GPU/TPU: fewer compile
+    faster; the widths, heads and vocabulary stay the model's); with
+    ``lora_rank`` > 0 LoRA on all seven projections at ``lora_alpha``."""
+    from brorl_jax.models import lora
+    from pallas_kernels.targets import MODEL_SHAPES
+    _, _, _, model_config = _targets()
+    if model in MODEL_SHAPES and model != "qwen2.5-1.5b":
+        from _measure import shape_config
+
+        from configs import brorl
+        cfg = brorl.get_config()
+        mc = dataclasses.replace(shape_config(model, layers=layers, dtype=cfg.model.dtype),
+                                 param_dtype=cfg.model.param_dtype)
+    else:
+        cfg, mc = model_config(model)
+    if layers:
+        mc = dataclasses.replace(mc, num_hidden_layers=layers)
+    if lora_rank:
+        mc = dataclasses.replace(mc, lora_rank=lora_rank, lora_alpha=float(lora_alpha),
+                                 lora_targets=tuple(lora.TARGETS))
+    return cfg, mc
+
+
+def _mesh(target: str, platform: str):
+    """A one-device mesh of the target's topology description (no device needed): the GPU's
+    GpuTargetConfig, or libtpu's v5e:2x2 as bench/compile_check.py builds it."""
     import jax
     import numpy as np
     from jax.experimental import topologies
+    if platform == "tpu":
+        topo = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu")
+    else:
+        _, target_config, _, _ = _targets()
+        topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(target),
+                                            topology="1x1x1")
+    return jax.sharding.Mesh(np.asarray(topo.devices[:1]), ("x",))
+
+
+def compile_update(target: str, model: str, attention: str | None = None,
+                   remat: str | None = None, micro_per_mini: int = 1, lora_rank: int = 0,
+                   lora_alpha: float = 32.0, layers: int | None = None) -> dict:
+    """The update compiled and described (``hlo`` and the settings it was built with). With
+    ``micro_per_mini`` M > 1 the batch is M x 8 rows and every mini-batch holds M micro-batches
+    of the 8 x 2048 program's 2 rows (gradients accumulated over them before its optimizer
+    step), as a mini-batch of the recipe holds many. ``lora_rank``, ``layers``: see _model."""
+    import jax
+    import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     import pallas_kernels as pk
     from brorl_jax.algo.update import plan_remat_policy
 
-    targets, target_config, _, model_config = _targets()
+    targets, _, _, _ = _targets()
     tgt = targets[target]
-    cfg, mc = model_config(model)
+    cfg, mc = _model(model, layers, lora_rank, lora_alpha)
     mc = dataclasses.replace(mc, attention_impl=attention or cfg.model.attention_impl)
     rows = ROWS * micro_per_mini
     if micro_per_mini > 1:      # the same micro-batch as the 8-row program, M of them
         cfg.algo.micro_batch_size = ROWS // cfg.algo.ppo_mini_batches
         cfg.algo.micro_batch_tokens = 0
-    topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(target),
-                                        topology="1x1x1")
-    mesh = jax.sharding.Mesh(np.asarray(topo.devices[:1]), ("x",))
+    mesh = _mesh(target, tgt["platform"])
     rep = NamedSharding(mesh, P())
     device_bytes = int(tgt["memory"] * ALLOCATOR_FRACTION)
     t0 = time.perf_counter()
@@ -133,8 +187,8 @@ def compile_update(target: str, model: str, attention: str | None = None,
         policy = remat or plan_remat_policy(mc, micro * SEQ, n_params, device_bytes)
     mem = compiled.memory_analysis()
     return dict(hlo=compiled.as_text(), lower_s=round(t1 - t0, 1), compile_s=round(t2 - t1, 1),
-                n_params=n_params, attention_impl=mc.attention_impl,
-                remat_policy=policy,
+                n_params=n_params, layers=mc.num_hidden_layers, lora_rank=mc.lora_rank,
+                attention_impl=mc.attention_impl, remat_policy=policy,
                 ppo_mini_batches=acfg.ppo_mini_batches, ppo_epochs=acfg.ppo_epochs,
                 micro_rows=micro, rows=rows, micro_per_mini=micro_per_mini,
                 recompute_old_logprobs=acfg.recompute_old_logprobs,
@@ -213,7 +267,6 @@ def report_from_hlo(target: str, model: str, built: dict) -> dict:
 def _walk_kernels(hw, module, custom, kernels: list, current: list):
     """hw.walk, plus the (bytes, flops, kind) of every kernel launch times its loop multiplicity
     (the walker's per-kernel items carry bytes only; a kernel's roofline needs both)."""
-    import re
     rec: dict = {}
 
     class Recorder(hw._Walker):
@@ -290,6 +343,66 @@ def update_report(target: str, model: str, *, attention: str | None = None,
     return r
 
 
+def _compile_case(target: str, model: str, *, lora_rank: int, lora_alpha: float,
+                  layers: int | None, timeout: float) -> dict:
+    """One compile_update in a subprocess (JAX_PLATFORMS=cpu; for TPU, libtpu's deviceless
+    settings of bench/compile_check.py): its description without the HLO, or status FAILED and
+    the compiler's reason."""
+    from compile_check import TPU_ENV, _short
+    out = tempfile.mktemp(prefix="roofline_update_", suffix=".json")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **TPU_ENV)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    case = dict(target=target, model=model, lora_rank=lora_rank, layers=layers)
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", json.dumps(
+            [target, model, None, None, out, 1, lora_rank, lora_alpha, layers])], env=env,
+            capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dict(case, status=f"TIMEOUT after {timeout:.0f} s")
+    if proc.returncode != 0 or not os.path.exists(out):
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        # the exception's own line (the traceback's last "...Error: ..."), else the tail
+        raised = [l for l in lines if re.match(r"\s*[\w.]+(Error|Exception): ", l)]
+        why = raised[-1] if raised else " ".join(lines[-6:]) or f"exit {proc.returncode}"
+        return dict(case, status="FAILED: " + _short(why, limit=300),
+                    compile_s=f"failed after {time.perf_counter() - t0:.0f} s in all")
+    with open(out) as f:
+        built = json.load(f)
+    os.unlink(out)
+    built.pop("hlo")
+    return dict(case, **built, status="compiled")
+
+
+def lora_table(targets, models, *, lora_rank: int = 32, lora_alpha: float = 32.0,
+               layers: int | None = None, timeout: float = 1800.0,
+               arms=("full", "lora")) -> list[str]:
+    """Markdown rows: the update with LoRA (all seven projections) and with full fine-tuning
+    (``arms``: both, or one) per target and model, compiled or the compiler's reason, compile
+    seconds, the compiled program's argument bytes (the training state + the 8 x 2048 batch)
+    and temp bytes, and LoRA's argument bytes over full fine-tuning's."""
+    gib = lambda r, k: f"{r[k] / 2**30:.2f}" if k in r else "-"
+    rows = ["| target | model | layers | arm | status | remat | compile s | argument GiB | "
+            "temp GiB | LoRA / full arguments |", "|---|---|---|---|---|---|---|---|---|---|"]
+    print(rows[0] + "\n" + rows[1], flush=True)
+    for target in targets:
+        for model in models:
+            full, lo = ((_compile_case(target, model, lora_rank=r, lora_alpha=lora_alpha,
+                                       layers=layers, timeout=timeout) if arm in arms else None)
+                        for arm, r in (("full", 0), ("lora", lora_rank)))
+            for r in (x for x in (full, lo) if x is not None):
+                ratio = (f"{lo['argument_bytes'] / full['argument_bytes']:.3f}"
+                         if r is lo and full and "argument_bytes" in lo
+                         and full.get("argument_bytes") else "")
+                arm = f"LoRA r{lora_rank} a{lora_alpha:g}" if r["lora_rank"] else "full"
+                rows.append(f"| {target} | {model} | {r.get('layers', layers) or 'all'} | {arm} | "
+                            f"{r['status']} | {r.get('remat_policy', '-')} | "
+                            f"{r.get('compile_s', '-')} | {gib(r, 'argument_bytes')} | "
+                            f"{gib(r, 'temp_bytes')} | {ratio} |")
+                print(rows[-1], flush=True)
+    return rows
+
+
 def steady_state_report(target: str, model: str, *, micro: tuple[int, int] = (2, 3)) -> dict:
     """The update's cost per 8 x 2048 rows once the optimizer is amortised, as in the recipe
     (each optimizer step there covers a 16,384-sample mini-batch, hundreds of micro-batches):
@@ -328,18 +441,41 @@ def main(argv=None) -> int:
     ap.add_argument("--steady", action="store_true",
                     help="also the cost per 8 x 2048 rows with the optimizer amortised "
                          "(steady_state_report: two more compiles)")
+    ap.add_argument("--lora_table", action="store_true",
+                    help="instead: the update with LoRA (--lora_rank, --lora_alpha, all seven "
+                         "projections) and with full fine-tuning compiled for --targets x "
+                         "--models, a markdown table (lora_table)")
+    ap.add_argument("--targets", nargs="+", default=["h100", "v5e"],
+                    choices=("h100", "h200", "v5e"))
+    ap.add_argument("--models", nargs="+", default=None,
+                    help="default: pallas_kernels.targets.MODEL_SHAPES")
+    ap.add_argument("--lora_rank", type=int, default=32)
+    ap.add_argument("--lora_alpha", type=float, default=32.0)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="with --lora_table: layers of each model (default its own count)")
+    ap.add_argument("--arms", nargs="+", default=["full", "lora"], choices=("full", "lora"),
+                    help="with --lora_table: which of the two to compile")
+    ap.add_argument("--timeout", type=float, default=1800.0,
+                    help="with --lora_table: seconds per compile")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     _, _, missing_extra, _ = _targets()
-    why = missing_extra(args.target)
-    if why:
-        print(why, file=sys.stderr)
-        return 2
+    for target in args.targets if args.lora_table else [args.target]:
+        why = missing_extra(target)
+        if why:
+            print(why, file=sys.stderr)
+            return 2
     if args.one:
-        target, model, attention, remat, out, micro_per_mini = json.loads(args.one)
-        built = compile_update(target, model, attention, remat, micro_per_mini)
+        target, model, attention, remat, out, micro_per_mini, *lora = json.loads(args.one)
+        built = compile_update(target, model, attention, remat, micro_per_mini, *lora)
         with open(out, "w") as f:
             json.dump(built, f)
+        return 0
+    if args.lora_table:
+        from pallas_kernels.targets import MODEL_SHAPES
+        lora_table(args.targets, args.models or list(MODEL_SHAPES), lora_rank=args.lora_rank,
+                   lora_alpha=args.lora_alpha, layers=args.layers, timeout=args.timeout,
+                   arms=args.arms)
         return 0
     r = update_report(args.target, args.model, attention=args.attention, remat=args.remat,
                       hlo_out=args.hlo or None)

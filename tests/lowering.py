@@ -10,9 +10,10 @@ CUSTOM_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 
 
 def packed_update_text(platform: str, *, rows: int, hidden: int, kv_heads: int,
-                       rollouts_per_prompt: int, micro_batch_size: int) -> str:
+                       rollouts_per_prompt: int, micro_batch_size: int, lora_rank: int = 0) -> str:
     """The lowered module text of the step, traced under whatever mesh and compile target the
-    caller has entered."""
+    caller has entered; with lora_rank > 0 LoRA's step (all seven projections, alpha 32, the
+    train state of algo.adapters.lora_train_state)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -30,6 +31,11 @@ def packed_update_text(platform: str, *, rows: int, hidden: int, kv_heads: int,
     opt = optax.adam(1e-3)
     params = jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0)))
     state = jax.eval_shape(lambda p: create_train_state(p, opt, with_reference=False), params)
+    if lora_rank:
+        from brorl_jax.algo.adapters import lora_train_state
+        from brorl_jax.models import lora
+        mc = mc.replace(lora_rank=lora_rank, lora_alpha=32.0, lora_targets=tuple(lora.TARGETS))
+        state = jax.eval_shape(lambda p: lora_train_state(p, mc, opt, seed=0), params)
     i32 = lambda: jax.ShapeDtypeStruct((rows, T), jnp.int32)
     f32 = lambda: jax.ShapeDtypeStruct((rows, T), jnp.float32)
     batch = UpdateBatch(input_tokens=i32(), positions=i32(), targets=i32(), segment_ids=i32(),

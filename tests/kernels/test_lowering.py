@@ -218,6 +218,25 @@ def test_update_and_logprob_steps_lower(platform, model):
     assert text.count(call) - sum(mlp(text).values()) == 1
 
 
+def test_lora_update_lowers_for_tpu_with_the_kernels_and_a_frozen_bf16_base():
+    """LoRA's update step (rank 32 on all seven projections) lowers for TPU with the Mosaic
+    attention and log-prob kernels, and its state is the base in bf16 with the adapters alone
+    in float32: no stacked [L, D_in, D_out] float32 array (master copy, moment) enters. The
+    full compiles at the four model shapes: bench/_roofline_update.py --lora_table."""
+    import re
+
+    from lowering import kernel_names, packed_update_text
+    with target("tpu"):
+        text = packed_update_text("tpu", rows=4, hidden=128, kv_heads=1, rollouts_per_prompt=2,
+                                  micro_batch_size=1, lora_rank=32)
+    for name in kernel_names("tpu") + ("fused_logprob_fwd", "fused_logprob_bwd_hidden"):
+        assert name in text, name
+    main = next(line for line in text.splitlines() if "func.func public @main" in line)
+    f32 = set(re.findall(r"tensor<2x(\d+)x(\d+)xf32>", main))      # 2 layers
+    assert f32 and all("32" in dims for dims in f32), f32                 # A [L, D_in, r], B [L, r, D_out]
+    assert "tensor<2x128x256xbf16>" in main                               # q's kernel, frozen
+
+
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_vocab_parallel_logprob_runs_the_kernel_inside_shard_map(platform):
     """Vocabulary split over `tensor`, tokens over `data` (a 2x2 abstract mesh): forward and
