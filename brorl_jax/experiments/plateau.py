@@ -84,7 +84,7 @@ FLAGS = [cli.Flag("string", "out", "runs/plateau", "Output directory."),
 
 # --quick: every arm at tiny sizes; the flags it sets (the command line's --config.* still apply).
 QUICK = {"seeds": ["0", "1"], "ablations": [], "n_brorl": 128, "prompts": 4, "batch_ratio": 8,
-         "plateau_steps": 4, "plateau_eval_every": 2, "plateau_window": 3, "budget": 1536,
+         "plateau_steps": 3, "plateau_eval_every": 1, "plateau_window": 3, "budget": 1024,
          "eval_prompts": 16, "eval_k": 4}
 QUICK_CONFIG = {"sft.steps": 300, "algo.max_generation_rounds": 2}   # over the config's, if larger
 
@@ -171,6 +171,8 @@ def slope_ci(x, y, per: float = 1.0) -> dict:
     """Least-squares slope of y on x (times `per`) with its 95% t interval."""
     from scipy import stats
     x, y = np.asarray(x, float), np.asarray(y, float)
+    if len(x) > 2 and np.ptp(y) == 0:       # a flat line (scipy gives nan for it): slope 0 exactly
+        return {"slope": 0.0, "ci95": [0.0, 0.0], "points": len(x)}
     fit = stats.linregress(x, y)
     half = stats.t.ppf(0.975, len(x) - 2) * fit.stderr if len(x) > 2 else float("inf")
     return {"slope": fit.slope * per, "ci95": [(fit.slope - half) * per,

@@ -56,6 +56,8 @@ def test_slope_interval_and_bootstrap_difference():
     rng = np.random.default_rng(0)
     flat = plateau.slope_ci(np.arange(8), 0.4 + 0.05 * rng.standard_normal(8))
     assert flat["ci95"][0] < 0 < flat["ci95"][1]
+    assert plateau.slope_ci([0, 1, 2], [0.3, 0.3, 0.3]) == {"slope": 0.0, "ci95": [0.0, 0.0],
+                                                          "points": 3}   # held 0: a plateau
     rising = plateau.slope_ci(np.arange(8), 0.1 * np.arange(8) + 0.01 * rng.standard_normal(8))
     assert rising["ci95"][0] > 0.08
     same = plateau.bootstrap_diff([0.5, 0.5, 0.5], [0.3, 0.3])
