@@ -103,17 +103,21 @@ def test_options_refuse_bad_flags_and_quick_sets_tiny_sizes():
             plateau.options({**values, **bad})
 
 
-def test_the_whole_experiment_at_tiny_sizes_writes_the_public_json(tmp_path, tiny_warm_start):
+def test_the_whole_experiment_at_tiny_sizes_writes_the_public_json(tmp_path, tiny_warm_start,
+                                                                   monkeypatch):
     """Every phase runs: the plateau from the warm start, each arm to its sample budget (not its
     step cap), the differences with their intervals, the table and the plot. One seed keeps it
-    under a minute; the statistics over seeds are tested above."""
+    under a minute; the statistics over seeds are tested above. The adaptive arm is left out
+    (suite time): with no prompt recurring it is the brorl arm run for run, and its config is
+    checked above."""
+    monkeypatch.setattr(plateau, "ARMS", tuple(a for a in plateau.ARMS if a != "adaptive"))
     base = tiny.get_config()
     base.model.path = tiny_warm_start[0].split("=", 1)[1]
     base.sft.steps = 0
     base.train.tensorboard = False
     base.algo.max_generation_rounds = 1
     opts = {"seeds": ["0"], "n_prorl": 4, "prompts": 2, "n_brorl": 8, "batch_ratio": 2,
-            "plateau_steps": 2, "plateau_eval_every": 1, "plateau_window": 3, "budget": 40,
+            "plateau_steps": 2, "plateau_eval_every": 1, "plateau_window": 3, "budget": 24,
             "eval_prompts": 4, "eval_k": 4, "knapsack_probe": 2, "ablations": []}
     out = tmp_path / "plateau"
     plateau.run(validate(base), str(out), opts, command="test")
@@ -122,13 +126,12 @@ def test_the_whole_experiment_at_tiny_sizes_writes_the_public_json(tmp_path, tin
     for arm, runs in result["arms"].items():
         assert set(runs) == {"0"}
         for r in runs.values():
-            assert 40 <= r["generated_samples"] < 40 + 3 * 16, (arm, r)   # stopped by the budget
+            assert 24 <= r["generated_samples"] < 24 + 3 * 16, (arm, r)   # stopped by the budget
             assert set(r["pass_at_k_end"]) == {"1", "2", "4"}
             assert r["pass_at_k_end"]["1"] == r["pass1_end"]
             assert 0 <= r["pass1_start"] <= 1 and r["samples_per_s"] > 0 and r["wall_s"] > 0
             assert r["samples_per_s_median_step"] > 0
-    for key in ("diff_brorl_minus_prorl", "diff_adaptive_minus_prorl",
-                "diff_knapsack_minus_prorl"):
+    for key in ("diff_brorl_minus_prorl", "diff_knapsack_minus_prorl"):
         lo, hi = result[key]["ci95"]
         assert lo <= result[key]["mean"] <= hi
     ends = {a: np.mean([r["pass1_end"] for r in result["arms"][a].values()]) for a in result["arms"]}
