@@ -18,7 +18,7 @@ SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 MOE_MODEL_TYPES = ("qwen3_moe",)
 # The experts' grouped GEMM (models/moe.py): "ragged" (jax.lax.ragged_dot over the tokens
 # sorted by expert), "dense" (the reference: every expert on every token, masked by the gates).
-MOE_IMPLS = ("ragged", "dense")
+MOE_IMPLS = ("grouped", "ragged", "dense")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 ATTENTION_IMPLS = ("reference", "xla", "cudnn", "flash")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
@@ -101,8 +101,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     router_aux_loss_coef: float = 0.0
-    # The experts' grouped GEMM, one of MOE_IMPLS; not part of the checkpoint, like mlp_impl.
-    moe_impl: str = "ragged"
+    # The experts' grouped GEMM, one of MOE_IMPLS (models/moe.py: "grouped" = the Pallas kernels
+    # on an sm_90 GPU / TPU, jax.lax.ragged_dot elsewhere); not part of the checkpoint.
+    moe_impl: str = "grouped"
     # LoRA adapters (models/lora.py; the run config's model.lora_*): rank 0 = off; alpha / rank
     # scales A @ B; the targeted projections' short names (lora.TARGETS). Not part of the
     # checkpoint, like attention_impl.

@@ -8,10 +8,13 @@ One MoE layer (transformers' ``Qwen3MoeSparseMoeBlock``; Shazeer et al. 2017, Sw
 Qwen3-MoE has no shared expert. Params of one layer (the ``moe`` submodule of DecoderLayer):
     router [D, E], gate_proj [E, D, I], up_proj [E, D, I], down_proj [E, I, D]   (I = moe width)
 
-The experts run as a grouped GEMM: the N*K (token, choice) rows sorted by expert and
-``jax.lax.ragged_dot`` over the groups (``experts_ragged``; XLA lowers it to a grouped GEMM on
-GPU/TPU and to a masked dense dot on CPU). ``experts_dense`` is the plain reference: every
-expert on every token, combined with a [N, E] gate matrix that is zero off the chosen experts.
+The experts run as a grouped GEMM: the N*K (token, choice) rows sorted by expert and one GEMM
+per expert group (ModelConfig.moe_impl): "grouped" (the default, ``experts_grouped``:
+pallas_kernels.grouped_gemm, Mosaic GPU kernels on an sm_90 GPU and megablox on TPU,
+``jax.lax.ragged_dot`` on CPU), "ragged" (``experts_ragged``: ``jax.lax.ragged_dot`` everywhere;
+XLA's GPU lowering of it pads the rows against every expert, docs/results.md) or "dense"
+(``experts_dense``, the plain reference: every expert on every token, combined with a [N, E]
+gate matrix that is zero off the chosen experts).
 Under a mesh with an `expert` axis (config mesh.expert > 1) the block runs its expert function on
 each device's own experts and exchanges the tokens (parallel/expert_parallel.py).
 
@@ -34,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from brorl_jax.parallel.expert_parallel import experts_on_mesh
+from pallas_kernels import grouped_gemm as gg
 
 from .config import ModelConfig
 
@@ -72,27 +76,48 @@ def experts_dense(x: jax.Array, ids: jax.Array, gates: jax.Array, gate_proj: jax
     return jnp.einsum("end,ne->nd", y.astype(jnp.float32), combine).astype(x.dtype)
 
 
-def experts_ragged(x: jax.Array, ids: jax.Array, gates: jax.Array, gate_proj: jax.Array,
-                   up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
-    """The grouped GEMM: same arguments and result as ``experts_dense``.
-
-    The N*K (token, choice) rows are sorted by expert (stably), each expert's contiguous group
-    multiplied by its weights with ``jax.lax.ragged_dot``, the rows put back in token order and
-    summed over the K choices with their gates."""
+def _experts_sorted(x, ids, gates, gate_proj, up_proj, down_proj, gemm) -> jax.Array:
+    """The N*K (token, choice) rows sorted by expert (stably), each expert's contiguous group
+    multiplied by its weights with ``gemm(rows, w [E, ...], group_sizes)``, the rows put back in
+    token order and summed over the K choices with their gates."""
     n, k = ids.shape
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)                       # rows grouped by expert
     sizes = jnp.bincount(flat, length=gate_proj.shape[0]).astype(jnp.int32)
     rows = jnp.take(x, order // k, axis=0)                       # [N*K, D]
-    g = jax.lax.ragged_dot(rows, gate_proj, sizes)
-    u = jax.lax.ragged_dot(rows, up_proj, sizes)
-    y = jax.lax.ragged_dot(nn.silu(g) * u, down_proj, sizes)     # [N*K, D], expert order
+    g = gemm(rows, gate_proj, sizes)
+    u = gemm(rows, up_proj, sizes)
+    y = gemm(nn.silu(g) * u, down_proj, sizes)                   # [N*K, D], expert order
     y = jnp.take(y, jnp.argsort(order), axis=0).reshape(n, k, -1)  # token order
     return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), gates).astype(x.dtype)
 
 
-EXPERT_FNS: dict[str, Callable[..., jax.Array]] = {"ragged": experts_ragged,
+def experts_ragged(x: jax.Array, ids: jax.Array, gates: jax.Array, gate_proj: jax.Array,
+                   up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
+    """The grouped GEMM as ``jax.lax.ragged_dot``: same arguments and result as
+    ``experts_dense``."""
+    return _experts_sorted(x, ids, gates, gate_proj, up_proj, down_proj, jax.lax.ragged_dot)
+
+
+def experts_grouped(x: jax.Array, ids: jax.Array, gates: jax.Array, gate_proj: jax.Array,
+                    up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
+    """The grouped GEMM as ``pallas_kernels.grouped_gemm`` (Mosaic GPU kernels on an sm_90 GPU,
+    megablox on TPU; ``jax.lax.ragged_dot`` on CPU, where it is ``experts_ragged`` exactly)."""
+    return _experts_sorted(x, ids, gates, gate_proj, up_proj, down_proj, gg.grouped_gemm)
+
+
+EXPERT_FNS: dict[str, Callable[..., jax.Array]] = {"grouped": experts_grouped,
+                                                   "ragged": experts_ragged,
                                                    "dense": experts_dense}
+
+def runs_kernel(cfg: ModelConfig, tokens: int, gate_proj: jax.Array) -> bool:
+    """Whether the block's expert function runs a Pallas kernel on the platform traced for
+    (moe_impl "grouped" where pallas_kernels.grouped_gemm resolves to one): under a mesh it then
+    runs per device under shard_map (parallel/expert_parallel._per_device)."""
+    rows = (tokens * cfg.num_experts_per_tok, gate_proj.shape[1])
+    return (cfg.moe_impl == "grouped"
+            and gg.resolve("auto", rows, gate_proj.shape, gate_proj.dtype) != "reference")
+
 
 INT8_MAX_EXPERTS = 128     # ids 0..127 fit int8
 
@@ -141,5 +166,6 @@ class SparseMoeBlock(nn.Module):
         ids, gates = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, routing)
         # one device: the expert function; under a mesh with an expert axis the same function
         # on each device's experts, the tokens exchanged (parallel/expert_parallel.py)
-        out = experts_on_mesh(EXPERT_FNS[cfg.moe_impl], h, ids, gates, *weights)
+        out = experts_on_mesh(EXPERT_FNS[cfg.moe_impl], h, ids, gates, *weights,
+                              manual=runs_kernel(cfg, h.shape[0], weights[0]))
         return (out, ids, logits) if with_logits else (out, ids)

@@ -126,19 +126,42 @@ def expert_width_axis(mesh, width: int) -> str | None:
     return name if size > 1 and width % size == 0 else None
 
 
+def _per_device(local_fn: Callable, mesh, x, ids, gates, *weights) -> jax.Array:
+    """``local_fn`` on each device's tokens under shard_map, without an exchange: the tokens over
+    the batch axes that divide them, each expert's width over `tensor` when it divides (the
+    partial outputs summed with one psum), the experts otherwise whole on every device (XLA
+    gathers them, as it gathers any FSDP weight). For an expert function that runs a Mosaic
+    kernel (pallas_kernels.grouped_gemm), which GSPMD cannot partition."""
+    axes = _token_axes(mesh, x.shape[0])
+    tok = P(axes or None, None)
+    width = expert_width_axis(mesh, weights[0].shape[-1])
+    w_specs = (P(None, None, width), P(None, None, width), P(None, width, None))
+
+    def body(x, ids, gates, *w):
+        out = local_fn(x, ids, gates, *w)
+        return jax.lax.psum(out, width) if width is not None else out
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, *w_specs), out_specs=tok,
+                         check_vma=True)(x, ids, gates, *weights)
+
+
 def experts_on_mesh(local_fn: Callable, x: jax.Array, ids: jax.Array, gates: jax.Array,
-                    gate_proj: jax.Array, up_proj: jax.Array, down_proj: jax.Array
-                    ) -> jax.Array:
+                    gate_proj: jax.Array, up_proj: jax.Array, down_proj: jax.Array,
+                    *, manual: bool = False) -> jax.Array:
     """``local_fn(x, ids, gates, gate_proj, up_proj, down_proj)`` (models/moe.experts_ragged or
     experts_dense: x [N, D], ids int [N, K], gates f32 [N, K], gate_proj / up_proj [E, D, I],
     down_proj [E, I, D] -> [N, D]) with the experts split over the ambient mesh's `expert` axis
     and the tokens exchanged (module docstring), each expert's width I kept split over `tensor`
     (rules' `expert_mlp`) when that axis divides it; where expert parallelism does not apply,
-    ``local_fn`` itself."""
+    ``local_fn`` itself, or with ``manual`` (local_fn runs a kernel GSPMD cannot partition) and
+    under an auto-partitioned mesh, ``local_fn`` per device (``_per_device``)."""
     weights = (gate_proj, up_proj, down_proj)
     mesh = jax.sharding.get_abstract_mesh()
     axes = expert_parallel_specs(mesh, x.shape[0], gate_proj.shape[0])
     if axes is None:
+        auto = not mesh.empty and not mesh.manual_axes and mesh.size > 1
+        if manual and auto:
+            return _per_device(local_fn, mesh, x, ids, gates, *weights)
         return local_fn(x, ids, gates, *weights)
     tok = P(axes, None)
     width = expert_width_axis(mesh, gate_proj.shape[-1])
