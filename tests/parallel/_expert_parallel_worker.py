@@ -6,12 +6,13 @@ sets it). A tiny qwen3_moe model (8 experts, top-2) on a mesh expert=4 x tensor=
 split over `expert` (rules.EXPERT_PARALLEL), their width over `tensor`, the tokens exchanged
 (parallel/expert_parallel.py).
 From the same inputs the script computes on one device (plain jax.jit) and on the mesh: the
-logits and routing of a forward with the model's own routing, the logits of one with replayed
-routing (random expert ids, as algo.routing_replay="rollout" hands the update) and the params
-after one SGD step through that replayed forward (one program per side: the update's
-make_sharded_update costs 10 s more to compile and adds only its traced_on wrapper, tested
-here); it saves both, the sharding of the experts, and how many all-to-alls of expert ids the
-compiled mesh program holds. The assertions live in the test.
+logits and routing of a forward with the model's own routing, and one layer's block with
+replayed routing (random expert ids, as algo.routing_replay="rollout" hands the update): its
+output and gradients (one program per side, the mesh one through algo.sharded_steps.traced_on);
+then one full RL update step, algo.make_update_step on one device against
+algo.sharded_steps.make_sharded_update on the same mesh (full_update). It saves both sides, the
+sharding of the experts, and how many all-to-alls of expert ids each compiled mesh program
+holds. The assertions live in the test.
 """
 from __future__ import annotations
 
@@ -20,22 +21,34 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from _sharded_worker import update_batch
 from jax.sharding import NamedSharding, PartitionSpec as P
 from testutil import small_model_config
 
-from brorl_jax.algo import sharded_steps as algo_sharded
+from brorl_jax.algo import create_train_state, make_update_step, sharded_steps as algo_sharded
+from brorl_jax.config import update_config
 from brorl_jax.models import forward, init_params
 from brorl_jax.models.moe import SparseMoeBlock
 from brorl_jax.parallel import rules, sharded
 from brorl_jax.parallel.mesh import make_mesh
 
 ROWS, SEQ, EXPERTS, TOP_K = 8, 16, 8, 2
+UPDATE_LR = 0.5       # SGD: a step of ~1e-2 on the largest entries (the test's floor)
 
 
 def replayed(cfg, rng, lead) -> np.ndarray:
     """Random top-k expert ids (distinct per token), as a rollout's record would be."""
     return np.argsort(rng.random((*lead, cfg.num_experts)), axis=-1)[..., :TOP_K].astype(
         np.int32)
+
+
+def id_exchanges(compiled) -> int:
+    """The all-to-alls of int32 expert ids under a shard_map in a compiled program: the
+    exchange's signature (XLA's own resharding moves float activations with all-to-alls too, and
+    in the update the int routing batch between splits, none of them under a shard_map)."""
+    return sum("all-to-all(" in line and "s32[" in line.split("all-to-all(")[0]
+               and "shard_map/all_to_all" in line for line in compiled.as_text().splitlines())
 
 
 def main(out_path: str) -> None:
@@ -78,11 +91,7 @@ def main(out_path: str) -> None:
     args = (sharded.place(params, param_sh),
             *jax.device_put(args[1:], (rows, moe_sh) + (rows,) * 3))
     compiled = mesh_step.lower(*args).compile()
-    # the exchange's signature: an all-to-all of int32 expert ids (XLA's own resharding moves
-    # float activations with all-to-alls too), in the model's layer and in the block
-    a2a = [line.split("all-to-all(")[0] for line in compiled.as_text().splitlines()
-           if "all-to-all(" in line]
-    out["mesh/id_exchanges"] = sum("s32[" in line for line in a2a)
+    out["mesh/id_exchanges"] = id_exchanges(compiled)     # the model's layer, the block
     out.update(zip((f"mesh/{n}" for n in names), compiled(*args)))
     out["mesh/gate_proj_spec"] = str(param_sh["layers"]["moe"]["gate_proj"].spec)
     out["mesh/gate_proj_shard_shape"] = (
@@ -94,7 +103,40 @@ def main(out_path: str) -> None:
                 flat[k + jax.tree_util.keystr(path)] = leaf
         else:
             flat[k] = v
+    flat.update(full_update(cfg, params, mesh, rng))
     np.savez(out_path, **{k: np.asarray(v) for k, v in flat.items()})
+
+
+def full_update(cfg, params, mesh, rng) -> dict:
+    """One RL update step (algo.make_update_step: the pi_old pass, two PPO mini-batches, the
+    loss with its KL term, SGD) from the same state (reference params in it) and an UpdateBatch
+    carrying int8 routing (algo.routing_replay="rollout"), on one device and through
+    make_sharded_update on `mesh`: the loss, grad norm and params after the step of each, the
+    params before, and the compiled mesh update's int32 all-to-alls."""
+    algo_cfg = update_config(ppo_mini_batches=2, micro_batch_size=4, kl_coef=0.1)
+    optimizer = optax.sgd(UPDATE_LR)
+    batch = update_batch(ROWS, SEQ, cfg.vocab_size, seed=2)
+    batch = batch.replace(routing=replayed(cfg, rng, (ROWS, SEQ, cfg.num_hidden_layers)).astype(
+        np.int8))
+    key = jax.random.PRNGKey(7)
+    state0 = create_train_state(params, optimizer)
+    ref_state, ref_metrics = jax.jit(make_update_step(cfg, algo_cfg, optimizer))(state0, batch,
+                                                                                  key)
+    fn, sh = algo_sharded.make_sharded_update(cfg, algo_cfg, optimizer, mesh, state0, batch)
+    # from host copies: the mesh update donates its state
+    args = (sharded.place(jax.device_get(state0), sh["state"]), sharded.place(batch, sh["batch"]),
+            key)
+    compiled = fn.lower(*args).compile()
+    new_state, metrics = compiled(*args)
+    out = {"update/mesh/id_exchanges": id_exchanges(compiled)}
+    for tag, st, m in (("ref", ref_state, ref_metrics), ("mesh", new_state, metrics)):
+        out[f"update/{tag}/loss"], out[f"update/{tag}/grad_norm"] = m["loss"], m["grad_norm"]
+        out[f"update/{tag}/kl"] = m["kl"]
+        for path, leaf in jax.tree_util.tree_flatten_with_path(st.params)[0]:
+            out[f"update/{tag}/params" + jax.tree_util.keystr(path)] = leaf
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        out["update/before/params" + jax.tree_util.keystr(path)] = leaf
+    return out
 
 
 if __name__ == "__main__":
