@@ -301,7 +301,9 @@ class Mesh(Section):
     tensor: int = setting(1)
     # Expert parallelism: a mixture-of-experts layer's experts split over this many devices,
     # each token sent to its experts' devices and back (parallel/expert_parallel.py; the rows
-    # split over it too). 1 = off: the experts are sharded over fsdp and gathered per layer.
+    # split over it too), in the update and in the rollout (whose copy of the params then holds
+    # E / expert experts a device). 1 = off: the experts are sharded over fsdp and gathered per
+    # layer.
     expert: int = setting(1, "> 0")
     rules: str = setting("default")          # a rule set of brorl_jax.parallel.rules.PARAM_RULES
     # Disaggregated rollout: R devices decode (their own mesh; with P processes the first R / P

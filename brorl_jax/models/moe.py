@@ -153,7 +153,14 @@ class SparseMoeBlock(nn.Module):
                  with_logits: bool = False) -> tuple[jax.Array, ...]:
         cfg = self.cfg
         d, e, i = h.shape[-1], cfg.num_experts, cfg.moe_intermediate_size
-        param = lambda name, shape: self.param(name, self.kernel_init, shape, self.param_dtype)
+
+        def param(name, shape):
+            # given weights are taken as they are: under the rollout's expert parallelism each
+            # device holds E/P experts (parallel/expert_parallel.py), which flax's shape check
+            # of self.param would refuse
+            if self.has_variable("params", name):
+                return self.get_variable("params", name)
+            return self.param(name, self.kernel_init, shape, self.param_dtype)
         router = param("router", (d, e))
         weights = [param("gate_proj", (e, d, i)).astype(self.dtype),
                    param("up_proj", (e, d, i)).astype(self.dtype),
@@ -167,5 +174,5 @@ class SparseMoeBlock(nn.Module):
         # one device: the expert function; under a mesh with an expert axis the same function
         # on each device's experts, the tokens exchanged (parallel/expert_parallel.py)
         out = experts_on_mesh(EXPERT_FNS[cfg.moe_impl], h, ids, gates, *weights,
-                              manual=runs_kernel(cfg, h.shape[0], weights[0]))
+                              manual=runs_kernel(cfg, h.shape[0], weights[0]), num_experts=e)
         return (out, ids, logits) if with_logits else (out, ids)

@@ -147,16 +147,26 @@ def _per_device(local_fn: Callable, mesh, x, ids, gates, *weights) -> jax.Array:
 
 def experts_on_mesh(local_fn: Callable, x: jax.Array, ids: jax.Array, gates: jax.Array,
                     gate_proj: jax.Array, up_proj: jax.Array, down_proj: jax.Array,
-                    *, manual: bool = False) -> jax.Array:
+                    *, manual: bool = False, num_experts: int | None = None) -> jax.Array:
     """``local_fn(x, ids, gates, gate_proj, up_proj, down_proj)`` (models/moe.experts_ragged or
     experts_dense: x [N, D], ids int [N, K], gates f32 [N, K], gate_proj / up_proj [E, D, I],
     down_proj [E, I, D] -> [N, D]) with the experts split over the ambient mesh's `expert` axis
     and the tokens exchanged (module docstring), each expert's width I kept split over `tensor`
     (rules' `expert_mlp`) when that axis divides it; where expert parallelism does not apply,
     ``local_fn`` itself, or with ``manual`` (local_fn runs a kernel GSPMD cannot partition) and
-    under an auto-partitioned mesh, ``local_fn`` per device (``_per_device``)."""
+    under an auto-partitioned mesh, ``local_fn`` per device (``_per_device``). Weights of fewer
+    than ``num_experts`` experts are this device's share inside a shard_map over `expert` (the
+    rollout's programs, rollout_param_specs): the exchange runs directly there."""
     weights = (gate_proj, up_proj, down_proj)
     mesh = jax.sharding.get_abstract_mesh()
+    if num_experts is not None and gate_proj.shape[0] != num_experts:
+        ep = num_experts // gate_proj.shape[0]
+        if AXIS not in mesh.manual_axes or dict(mesh.shape).get(AXIS) != ep:
+            raise ValueError(f"{gate_proj.shape[0]} of {num_experts} experts on this device, "
+                             f"but the trace is not inside a shard_map over a `{AXIS}` axis of "
+                             f"size {ep} (the rollout's expert parallelism)")
+        return _exchange_body(x, ids, gates, *weights, local_fn=local_fn, ep=ep,
+                              width_axis=None)
     axes = expert_parallel_specs(mesh, x.shape[0], gate_proj.shape[0])
     if axes is None:
         auto = not mesh.empty and not mesh.manual_axes and mesh.size > 1
@@ -172,6 +182,28 @@ def experts_on_mesh(local_fn: Callable, x: jax.Array, ids: jax.Array, gates: jax
                          check_vma=True)(x, ids, gates, *weights)
 
 
+def rollout_expert_axis(mesh, num_experts: int) -> str | None:
+    """`expert` when the rollout on ``mesh`` splits a MoE model's experts (an expert axis > 1
+    that divides ``num_experts``; 0 for a dense model), else None."""
+    if mesh is None or not num_experts:
+        return None
+    size = dict(mesh.shape).get(AXIS, 1)
+    return AXIS if size > 1 and num_experts % size == 0 else None
+
+
+def rollout_param_specs(params, num_experts: int):
+    """PartitionSpecs of the rollout's params (the rollout layout: one dict a layer) inside the
+    engine's shard_map: each MoE layer's expert weights ([E, ...] leaves under ``moe`` other
+    than the router) split over `expert`, everything else replicated. Each device then holds
+    E/P experts of every layer and the MoE blocks exchange the tokens (experts_on_mesh)."""
+    def spec(path, leaf):
+        keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        expert = ("moe" in keys and "router" not in keys and leaf.ndim >= 1
+                  and leaf.shape[0] == num_experts)
+        return P(AXIS) if expert else P()
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
 def exchange_bytes(tokens: int, top_k: int, hidden: int, expert: int, itemsize: int) -> int:
     """Bytes one device sends in one all_to_all of a MoE layer (each way; a forward has 2 per
     layer, its backward 2 more): the (P-1)/P of its [P, C, D] buffer that leaves it, with the
@@ -181,4 +213,4 @@ def exchange_bytes(tokens: int, top_k: int, hidden: int, expert: int, itemsize: 
 
 
 __all__ = ["AXIS", "exchange_bytes", "expert_parallel_specs", "expert_width_axis",
-           "experts_on_mesh"]
+           "experts_on_mesh", "rollout_expert_axis", "rollout_param_specs"]

@@ -47,6 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from brorl_jax.models import ModelConfig
 from brorl_jax.models.transformer import dtype_of
+from brorl_jax.parallel import expert_parallel as ep
 from brorl_jax.rollout import programs
 from brorl_jax.rollout.plan import (
     KV_FRACTION,
@@ -172,10 +173,15 @@ class Engine:
         _resolve_attention_impl(out[0], in_shard_map=True), _resolve_sampling_impl(out[1])
         return out
 
-    def _smap(self, fn, n_rep: int, n_dev: int, donate: tuple[int, ...] = ()):
+    def _smap(self, fn, n_rep: int, n_dev: int, donate: tuple[int, ...] = (),
+              params_first: bool = False):
         """jit(shard_map(fn)): the first n_rep arguments replicated, the next n_dev per device
         (leading device axis); fn(dev_index, *rep, *per_device) -> (per_device_out, rep_out).
-        On one device (no mesh) the same body runs under plain jit (device axis of size 1)."""
+        With ``params_first`` the first replicated argument is the model's params: under expert
+        parallelism (a MoE model on a mesh with an `expert` axis) each device then gets its
+        experts only (parallel.expert_parallel.rollout_param_specs) and the MoE blocks exchange
+        the tokens. On one device (no mesh) the same body runs under plain jit (device axis of
+        size 1)."""
         axes = self.axes
 
         def per_device(*args):
@@ -187,9 +193,14 @@ class Engine:
         if self.mesh is None:
             return jax.jit(per_device, donate_argnums=donate)
         dev = P(axes)
-        mapped = jax.shard_map(per_device, mesh=self.mesh,
-                               in_specs=(P(),) * n_rep + (dev,) * n_dev, out_specs=(dev, P()),
-                               check_vma=False)
+        split = params_first and ep.rollout_expert_axis(self.mesh, self.cfg.num_experts)
+
+        def mapped(*args):
+            rep = [P()] * n_rep
+            if split:
+                rep[0] = ep.rollout_param_specs(args[0], self.cfg.num_experts)
+            return jax.shard_map(per_device, mesh=self.mesh, in_specs=(*rep, *(dev,) * n_dev),
+                                 out_specs=(dev, P()), check_vma=False)(*args)
         return jax.jit(mapped, donate_argnums=donate)
 
     def _program(self, name: str, spec: programs.Spec, *extra):
@@ -369,7 +380,7 @@ def _build_admit(engine: Engine, spec: programs.Spec, rows: int):
     del rows    # one program per admission size (the key), traced from the arguments
     return engine._smap(lambda dev, params, tokens, lengths, entries, gids, stop, seed, pool: (
         programs.admit(params, pool, tokens, lengths, entries, gids, stop, seed,
-                       spec=spec, dev=dev), None), 7, 1, donate=(7,))
+                       spec=spec, dev=dev), None), 7, 1, donate=(7,), params_first=True)
 
 
 def _build_release(engine: Engine, spec: programs.Spec):
@@ -382,7 +393,7 @@ def _build_decode(engine: Engine, spec: programs.Spec):
         pool, slots, kv, stats, sm = programs.decode(params, pool, slots, kv, stats, stop,
                                                      seed, final, spec=spec, dev=dev)
         return (pool, slots, kv, stats), sm
-    return engine._smap(decode, 4, 4, donate=(4, 5, 6, 7))
+    return engine._smap(decode, 4, 4, donate=(4, 5, 6, 7), params_first=True)
 
 
 def _build_compact(engine: Engine, spec: programs.Spec, num_slots: int):

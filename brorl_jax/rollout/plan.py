@@ -180,13 +180,21 @@ def default_check_every(platform: str | None = None) -> int:
     return CHECK_EVERY.get(platform or _backend.backend(), max(CHECK_EVERY.values()))
 
 
-def rollout_params_bytes(cfg: ModelConfig, num_params: int) -> int:
+def rollout_params_bytes(cfg: ModelConfig, num_params: int, expert: int = 1) -> int:
     """Device memory of the rollout's copy of the parameters (``Runtime.rollout_params``: the
     compute dtype, one buffer per layer, replicated on every rollout device). It is held by the
     runtime from one update to the next, beside the trainer's master weights, and is not part of
     a rollout memory budget (which covers the working memory only). Under fp8 weights the
-    projections take a byte each (models.precision.rollout_weight_bytes)."""
-    return rollout_weight_bytes(cfg, num_params)
+    projections take a byte each (models.precision.rollout_weight_bytes). A MoE model's rollout
+    on a mesh whose `expert` axis (``expert`` > 1) divides its experts holds E / expert of them
+    a device (parallel.expert_parallel.rollout_param_specs)."""
+    full = rollout_weight_bytes(cfg, num_params)
+    if expert <= 1 or not cfg.is_moe or cfg.num_experts % expert:
+        return full
+    experts = rollout_weight_bytes(cfg, num_params) - rollout_weight_bytes(
+        cfg, num_params - cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.hidden_size
+        * cfg.moe_intermediate_size)
+    return full - experts + experts // expert
 
 
 def slot_buckets(slots: int, min_slots: int | None = None) -> tuple[int, ...]:

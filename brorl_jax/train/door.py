@@ -294,7 +294,11 @@ def _rollout_call(cfg, model_cfg, call: RolloutCall, devices: int, device_bytes,
                 f"{lower}."]
     if device_bytes is None:
         return []
-    params = rollout_plan.rollout_params_bytes(model_cfg, n_params)
+    # one process on the training mesh: its expert axis splits the rollout's experts too
+    # (rollout.Engine, parallel.expert_parallel.rollout_param_specs)
+    split = (cfg.mesh.expert if not cfg.mesh.rollout_devices and jax.process_count() == 1
+             else 1)
+    params = rollout_plan.rollout_params_bytes(model_cfg, n_params, split)
     need = plan.bytes_per_device + params
     if need <= device_bytes:
         return []

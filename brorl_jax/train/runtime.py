@@ -66,7 +66,7 @@ from brorl_jax import algo, rollout
 from brorl_jax.algo import sharded_steps as algo_sharded
 from brorl_jax.config import ConfigError, as_run_config, check_update_split
 from brorl_jax.models.precision import with_precision
-from brorl_jax.parallel import distributed, rules as R, sharded
+from brorl_jax.parallel import distributed, expert_parallel as ep, rules as R, sharded
 from brorl_jax.parallel.mesh import batch_axis_size, make_mesh, mesh_from_config
 
 
@@ -183,7 +183,8 @@ class Runtime:
         if (sharding, cfg) not in self._layout_fns:
             from brorl_jax.rollout.programs import rollout_layout
             self._layout_fns[sharding, cfg] = jax.jit(
-                lambda p: rollout_layout(p, cfg), out_shardings=sharding)
+                lambda p: rollout_layout(p, cfg), out_shardings=getattr(sharding, "tree",
+                                                                        sharding))
         out = self._layout_fns[sharding, cfg](params)
         self._rollout_copy = (params, cfg, out)
         return out
@@ -300,6 +301,14 @@ def _local_replicas(x: jax.Array, sharding: NamedSharding) -> jax.Array:
         x.shape, sharding, [jax.device_put(replica, d) for d in sharding.addressable_devices])
 
 
+class _Split:
+    """A pytree of shardings as a hashable key (by identity; MeshRuntime._expert_split keeps one
+    per rollout config)."""
+
+    def __init__(self, tree):
+        self.tree = tree
+
+
 @dataclasses.dataclass
 class _MeshSteps:
     update: Callable
@@ -375,11 +384,27 @@ class MeshRuntime(Runtime):
             self._rollout_copy = (params, cfg, moved)   # the training devices' copy is dropped
             return moved
         if self.num_processes == 1:
+            if ep.rollout_expert_axis(self.rollout_mesh, self.model_cfg.num_experts):
+                local = self._expert_split(params, precision)
             return self._rollout_layout(params, local, precision)
         full = self._rollout_layout(params, NamedSharding(self.mesh, P()), precision)
         return jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
             x.shape, local, [s.data for s in x.addressable_shards
                              if s.device in local.device_set]), full)
+
+    def _expert_split(self, params, precision):
+        """The rollout copy's shardings under expert parallelism: each MoE layer's experts split
+        over `expert` (as the engine's programs take them), the rest replicated. A hashable
+        stand-in (_Split) keys the cached layout function."""
+        cfg = self.rollout_cfg(self.model_cfg, precision)
+        splits = self.__dict__.setdefault("_splits", {})
+        if cfg not in splits:
+            from brorl_jax.rollout.programs import rollout_layout
+            shapes = jax.eval_shape(lambda p: rollout_layout(p, cfg), params)
+            specs = ep.rollout_param_specs(shapes, cfg.num_experts)
+            splits[cfg] = _Split(jax.tree.map(lambda s: NamedSharding(self.rollout_mesh, s),
+                                              specs))
+        return splits[cfg]
 
     # -- update ---------------------------------------------------------------------------------
     def _compile(self, algo_cfg, state, local_batch: algo.UpdateBatch) -> _MeshSteps:

@@ -12,7 +12,8 @@ output and gradients (one program per side, the mesh one through algo.sharded_st
 then one full RL update step, algo.make_update_step on one device against
 algo.sharded_steps.make_sharded_update on the same mesh (full_update). It saves both sides, the
 sharding of the experts, and how many all-to-alls of expert ids each compiled mesh program
-holds. The assertions live in the test.
+holds; and the expert-parallel rollout against one device's (_expert_rollout.py). The assertions
+live in the test.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _expert_rollout import rollout_checks
 from _sharded_worker import update_batch
 from jax.sharding import NamedSharding, PartitionSpec as P
 from testutil import small_model_config
@@ -104,6 +106,7 @@ def main(out_path: str) -> None:
         else:
             flat[k] = v
     flat.update(full_update(cfg, params, mesh, rng))
+    flat.update(rollout_checks(cfg, params, rng))       # _expert_rollout.py
     np.savez(out_path, **{k: np.asarray(v) for k, v in flat.items()})
 
 
