@@ -37,9 +37,10 @@ on average: a 4k context), ``tail32_ctx8k`` (a 32-slot tail, 8k context), ``mesh
 ``slots256_ctx4k_fp8`` and ``tail32_ctx8k_fp8``: the same shapes, fp8 weights and KV;
 ``moe_slots256_ctx4k``: slots256_ctx4k on Qwen3-30B-A3B (the case's own model, whatever
 --model says; configs/brorl_64gpu.qwen3_30b_a3b, bf16 compute through Runtime.rollout_params),
-its experts as the grouped GEMM (``jax.lax.ragged_dot``, ModelConfig.moe_impl="ragged", the
-default); ``moe_slots256_ctx4k_dense``: the same with every expert on every token
-(moe_impl="dense").
+its experts as the grouped GEMM kernel (pallas_kernels.grouped_gemm, ModelConfig.moe_impl=
+"grouped", the default; its cost declared by ``grouped_gemm_kernel_cost``);
+``moe_slots256_ctx4k_ragged``: XLA's ``jax.lax.ragged_dot`` instead (moe_impl="ragged");
+``moe_slots256_ctx4k_dense``: every expert on every token (moe_impl="dense").
 
 The floor of a mixture-of-experts step reads only the experts some live slot routes to: with
 uniform routing a layer's expert is missed by all S slots with probability (1 - K/E)^S, so the
@@ -87,9 +88,16 @@ CASES = {
     # issue 43: a mixture-of-experts decode step (the case names its model)
     "moe_slots256_ctx4k": dict(slots=256, prompts=1, prompt_len=1024, own_len=3072,
                                model="qwen3-30b-a3b"),
-    # the same with every expert on every token (models/moe.py experts_dense)
+    # the same with XLA's jax.lax.ragged_dot (models/moe.py experts_ragged) and with every expert
+    # on every token (experts_dense)
+    "moe_slots256_ctx4k_ragged": dict(slots=256, prompts=1, prompt_len=1024, own_len=3072,
+                                      model="qwen3-30b-a3b", moe_impl="ragged"),
     "moe_slots256_ctx4k_dense": dict(slots=256, prompts=1, prompt_len=1024, own_len=3072,
                                      model="qwen3-30b-a3b", moe_impl="dense"),
+    # expert parallel: 8 devices (mesh expert = 8), each with 16 experts a layer and 128 slots
+    # of its own (the per-device numbers; the tokens exchanged with all-to-alls)
+    "moe_ep8_slots128_ctx4k": dict(slots=128, prompts=1, prompt_len=1024, own_len=3072,
+                                   model="qwen3-30b-a3b", expert=8),
 }
 MODELS = ("qwen2.5-1.5b", "qwen3-30b-a3b")
 GB = 1e9
@@ -165,10 +173,11 @@ def compile_case(target: str, model: str, case: str) -> dict:
     platform = TARGETS[target]["platform"]
     cfg, mc = model_config(model, case)
     c = dict(CASES[case])
-    n_dev = 64 if case == "mesh64_plan" else 1
+    n_dev = 64 if case == "mesh64_plan" else c.get("expert", 1)
     if platform == "cuda":
         topo = topologies.get_topology_desc(platform="cuda", target_config=_target_config(target),
-                                            topology="1x8x8" if n_dev == 64 else "1x1x1")
+                                            topology={64: "1x8x8", 8: "1x1x8"}.get(n_dev,
+                                                                                  "1x1x1"))
     else:
         topo = topologies.get_topology_desc(topology_name="v5e:8x8" if n_dev == 64 else "v5e:2x2",
                                             platform="tpu")
@@ -203,6 +212,22 @@ def compile_case(target: str, model: str, case: str) -> dict:
             args = jax.tree.unflatten(tree, [
                 jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep if i < n_rep else dev)
                 for i, x in enumerate(leaves)])
+        elif n_dev > 1:     # expert parallel: each device its experts and its own slots
+            from brorl_jax.parallel.expert_parallel import rollout_param_specs
+            mesh = jax.sharding.Mesh(np.asarray(topo.devices[:n_dev]), ("expert",))
+            engine = Engine(runtime.rollout_cfg(mc, precision), mesh=mesh,
+                            impl=runtime.rollout_impl,
+                            record_routing=runtime.record_routing and mc.is_moe)
+            fn, args = engine.decode_program(rparams, rollouts_per_prompt=n,
+                                             num_prompts=c["prompts"], slots=c["slots"], **call)
+            specs = rollout_param_specs(args[0], mc.num_experts)
+            dev = NamedSharding(mesh, P(engine.axes))
+            place = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                      sharding=NamedSharding(mesh, s))
+            args = (jax.tree.map(place, args[0], specs),
+                    *jax.tree.map(lambda x: place(x, P()), args[1:4]),
+                    *jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev),
+                                  args[4:]))
         else:
             mesh = jax.sharding.Mesh(topo.devices[:1], ("x",))
             engine = runtime.rollout_engine(mc, precision)
@@ -234,19 +259,19 @@ def compile_case(target: str, model: str, case: str) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 def floor_bytes(mc, *, slots: int, prompts: int, prompt_len: int, own_len: float,
-                n_params: int) -> dict:
+                n_params: int, expert: int = 1) -> dict:
     """The floor of one decode step (module docstring), term by term, at ``mc``'s rollout
     precision: under fp8 weights the projections at one byte + their per-channel scales
     (models.precision.rollout_weight_bytes; embedding / LM head, norms and biases stay in the
     compute dtype), under an fp8 KV cache a byte per element + a float32 scale per position and
     KV head (rollout.plan.kv_bytes)."""
-    from brorl_jax.models.precision import rollout_weight_bytes
-    from brorl_jax.rollout.plan import kv_bytes
-    weights = rollout_weight_bytes(mc, n_params)
-    if mc.is_moe:       # only the experts some slot routes to (module docstring)
+    from brorl_jax.rollout.plan import kv_bytes, rollout_params_bytes
+    weights = rollout_params_bytes(mc, n_params, expert)     # under EP: this device's experts
+    if mc.is_moe:       # only the experts some slot routes to (module docstring); under expert
+        # parallelism the device's experts serve the slots of all `expert` devices
         experts = (mc.num_hidden_layers * mc.num_experts * 3 * mc.hidden_size
-                   * mc.moe_intermediate_size * 2)          # bf16
-        weights -= round(experts * (1 - expert_coverage(mc, slots)))
+                   * mc.moe_intermediate_size * 2) // expert      # bf16
+        weights -= round(experts * (1 - expert_coverage(mc, slots * expert)))
     return dict(weights=weights,
                 kv=kv_bytes(mc, prompts, prompt_len) + kv_bytes(mc, slots, own_len),
                 new_kv=kv_bytes(mc, slots, 1),
@@ -280,6 +305,7 @@ def decode_report(target: str, model: str, case: str, built: dict) -> dict:
 
     from brorl_jax.models.precision import with_precision
     from pallas_kernels.decode_attention import slot_decode_attention_traffic
+    from pallas_kernels.grouped_gemm import KERNEL_NAMES as GG_KERNELS, grouped_gemm_kernel_cost
     from pallas_kernels.sampling import sample_tokens_traffic
     from pallas_kernels.swiglu_mlp import KERNEL_NAMES as MLP_KERNELS, swiglu_mlp_kernel_cost
     cfg, mc = model_config(model, case)
@@ -302,6 +328,11 @@ def decode_report(target: str, model: str, case: str, built: dict) -> dict:
     }
     custom.update({n: (lambda n: lambda ins: swiglu_mlp_kernel_cost(n, ops(ins), ins.shapes))(n)
                    for n in MLP_KERNELS})
+    # the rows in groups: a device's slots' (token, choice) rows; under expert parallelism the
+    # rows it receives (as many on average) in an exchange buffer expert times that size
+    gg_rows = c["slots"] * max(1, mc.num_experts_per_tok)
+    custom.update({n: (lambda n: lambda ins: grouped_gemm_kernel_cost(
+        n, ops(ins), ins.shapes, gg_rows))(n) for n in GG_KERNELS})
     module = hw.parse(built["hlo"])
     entry = hw.walk(module, custom)
     decode_loops = [lp for lp in entry.loops if lp.trip_count is None and lp.depth == 0]
@@ -316,7 +347,8 @@ def decode_report(target: str, model: str, case: str, built: dict) -> dict:
     it = outer.per_iteration()
     per_step = lambda x: x / k
     floor = floor_bytes(mc, slots=c["slots"], prompts=c["prompts"], prompt_len=c["prompt_len"],
-                        own_len=c["own_len"], n_params=built["n_params"])
+                        own_len=c["own_len"], n_params=built["n_params"],
+                        expert=c.get("expert", 1))
     fl = sum(floor.values())
     tgt = TARGETS[target]
     b, f = per_step(it.bytes), per_step(it.flops)

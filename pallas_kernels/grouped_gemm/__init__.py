@@ -34,12 +34,17 @@ block).
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _backend
 
 IMPLS = ("auto", "hopper", "megablox", "reference")
+# The Hopper kernels' names in the compiled program (a named scope around each call; the roofline
+# declares their cost with grouped_gemm_kernel_cost): the row GEMM (forward and dx), the dw GEMM.
+KERNEL_NAMES = ("grouped_gemm_wgrad", "grouped_gemm_rows")
 # What the lowered programs call (custom-call targets) for each compiled form.
 CUSTOM_CALLS = {"hopper": "mosaic_gpu", "megablox": "tpu_custom_call"}
 # Hopper tiles: rows (wgmma's M), K step, pipeline depth; columns are 128 where N allows, else 64.
@@ -119,19 +124,22 @@ def _pad_rows(a: jax.Array) -> jax.Array:
 
 def _hopper_fwd_call(x, w, sizes):
     from pallas_kernels.grouped_gemm._hopper_ragged_dot import ragged_dot
-    y = ragged_dot(_pad_rows(x), w, group_sizes=sizes, block_m=HOPPER_BLOCK_M,
-                   block_n=_block_n(w.shape[2]), block_k=HOPPER_BLOCK_K,
-                   max_concurrent_steps=HOPPER_STAGES, grid_block_n=1, num_sms=HOPPER_SMS,
-                   interpret=_interpret_gpu())
+    with jax.named_scope(KERNEL_NAMES[1]):
+        y = ragged_dot(_pad_rows(x), w, group_sizes=sizes, block_m=HOPPER_BLOCK_M,
+                       block_n=_block_n(w.shape[2]), block_k=HOPPER_BLOCK_K,
+                       max_concurrent_steps=HOPPER_STAGES, grid_block_n=1, num_sms=HOPPER_SMS,
+                       interpret=_interpret_gpu())
     return _rows_below(y[:x.shape[0]], jnp.sum(sizes))
 
 
 def _hopper_weight_grad(x, dy, sizes):
     from pallas_kernels.grouped_gemm._hopper_transposed import transposed_ragged_dot
-    dw = transposed_ragged_dot(_pad_rows(x), _pad_rows(dy), group_sizes=sizes,
-                               block_m=HOPPER_BLOCK_M, block_n=_block_n(dy.shape[1]),
-                               block_k=HOPPER_BLOCK_K, max_concurrent_steps=HOPPER_STAGES,
-                               grid_block_n=1, num_sms=HOPPER_SMS, interpret=_interpret_gpu())
+    with jax.named_scope(KERNEL_NAMES[0]):
+        dw = transposed_ragged_dot(_pad_rows(x), _pad_rows(dy), group_sizes=sizes,
+                                   block_m=HOPPER_BLOCK_M, block_n=_block_n(dy.shape[1]),
+                                   block_k=HOPPER_BLOCK_K, max_concurrent_steps=HOPPER_STAGES,
+                                   grid_block_n=1, num_sms=HOPPER_SMS,
+                                   interpret=_interpret_gpu())
     return jnp.where((sizes > 0)[:, None, None], dw, jnp.zeros((), dw.dtype))  # empty: unwritten
 
 
@@ -172,6 +180,53 @@ def _megablox(x, w, sizes):
     return _rows_below(y[:m], total)
 
 
+_HLO_ITEMSIZE = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s8": 1, "u8": 1}
+
+
+def _itemsize(dtype: str) -> int:
+    return _HLO_ITEMSIZE.get(dtype) or jnp.dtype(dtype).itemsize
+
+
+def _nbytes(operand) -> int:
+    dtype, dims = operand
+    return _itemsize(dtype) * math.prod(dims)
+
+
+def grouped_gemm_kernel_cost(kernel: str, operands, outputs, rows: int | None = None
+                             ) -> tuple[float, float]:
+    """(bytes, flops) of one launch of a Hopper kernel (KERNEL_NAMES), from its operand and
+    output shapes [(dtype, dims), ...] in the compiled program, at the most tiles the launch can
+    visit with ``rows`` of its M rows in groups (default all; fewer in an expert-parallel
+    exchange buffer, whose empty slots are in no group), every group non-empty (as at 256
+    decode slots over 128 experts).
+
+    grouped_gemm_rows: operands group_sizes [G], x [M, K], w [G, K, N]; output [M, N]. It works
+    on T = rows / 64 + G - 1 row tiles (one more per group boundary inside a tile; tiles past
+    the groups skip their work); each reads its group's whole [K, N] matrix and its [64, K]
+    rows (the rows' re-reads across the N / block_n column blocks of the same tile are taken to
+    hit L2) and writes its rows: bytes = T (64 K + K N) + rows N (itemsize each) + the sizes;
+    flops = 2 T 64 K N (whole tiles: the masked rows of a boundary tile are multiplied too).
+    grouped_gemm_wgrad: operands the five [G] vectors, x [R, m],
+    dy [R, n]; output [G, m, n]. Each (group, m block, n block) reads the group's rows of both
+    (rounded up to 64): R' = R + 64 G rows, bytes = R' (m n / block_n + n m / block_m) + G m n,
+    flops = 2 R' m n."""
+    item = _itemsize(outputs[0][0])
+    if kernel == "grouped_gemm_rows":
+        (_, (g,)), (_, (m, k)), (_, (_, _, n)) = operands[:3]
+        m = m if rows is None else min(m, rows)
+        tiles = -(-m // HOPPER_BLOCK_M) + g - 1
+        nbytes = tiles * (HOPPER_BLOCK_M * k + k * n) * item + m * n * item + _nbytes(operands[0])
+        return float(nbytes), float(2 * tiles * HOPPER_BLOCK_M * k * n)
+    if kernel == "grouped_gemm_wgrad":
+        (_, (r, m)), (_, (_, n)) = operands[-2:]
+        g = operands[0][1][0]
+        rows = r + HOPPER_BLOCK_K * g
+        grid_m, grid_n = m // HOPPER_BLOCK_M, n // _block_n(n)
+        nbytes = rows * (m * grid_n + n * grid_m) * item + g * m * n * item
+        return float(nbytes), float(2 * rows * m * n)
+    raise ValueError(f"unknown kernel {kernel!r}; one of {KERNEL_NAMES}")
+
+
 def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
                  impl: str = "auto") -> jax.Array:
     """x [M, K] rows grouped contiguously by ``group_sizes`` int[G], w [G, K, N] -> [M, N] in
@@ -192,5 +247,6 @@ def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     return grouped_gemm_reference(x, w, sizes)
 
 
-__all__ = ["CUSTOM_CALLS", "IMPLS", "grouped_gemm", "grouped_gemm_reference",
+__all__ = ["CUSTOM_CALLS", "IMPLS", "KERNEL_NAMES", "grouped_gemm", "grouped_gemm_kernel_cost",
+           "grouped_gemm_reference",
            "hopper_unfit", "resolve"]

@@ -19,7 +19,9 @@ for brorl_jax's grouped GEMM (pallas_kernels/grouped_gemm).
 Changes: the kernel takes ``num_sms`` (jax's copy hard-codes 132 or reads
 jax.devices()[0].core_count, which a compile without a GPU does not have) and ``interpret``
 (passed to plgpu.kernel: the tests run the kernel in Mosaic GPU's interpreter on CPU); the
-example main(), the reference and unused imports are left out. The kernel is otherwise jax's.
+example main(), the reference and unused imports are left out; a row tile without rows of any
+group (past the last group, or an empty group's) skips its loads and MMAs (jax's kernel runs
+them and stores nothing). The kernel is otherwise jax's.
 
 The rows of ``lhs`` past ``sum(group_sizes)`` are not written (the caller masks them).
 """
@@ -145,94 +147,98 @@ def ragged_dot(
       )
       group_info = GroupInfo.create(rows_per_expert_gmem, block_m, mi)
 
-      def acc_scope(acc_ref):
-        plgpu.emit_pipeline(
-            lambda _, lhs_smem, rhs_smem: plgpu.wgmma(
-                acc_ref,
-                lhs_smem,
-                plgpu.transpose_ref(rhs_smem, (1, 0)) if transpose_rhs else rhs_smem,
-            ),
-            grid=(k // block_k,),
-            in_specs=[
-                plgpu.BlockSpec(
-                    (block_m, block_k),
-                    lambda k: (group_info.block, k),
-                    delay_release=1,
-                ),
-                plgpu.BlockSpec(
-                    (block_n, block_k) if transpose_rhs else (block_k, block_n),
-                    lambda k: (ni, k) if transpose_rhs else (k, ni),
-                    delay_release=1,
-                ),
-            ],
-            max_concurrent_steps=max_concurrent_steps,
-        )(lhs_gmem, rhs_gmem.at[group_info.group_id])
-        return acc_ref[...]
+      # brorl_jax: a tile without rows (past the last group: the padding rows of an
+      # expert-parallel exchange buffer; an empty group's) does no loads and no MMAs
+      @pl.when(group_info.actual_size > 0)
+      def _tile():
+        def acc_scope(acc_ref):
+          plgpu.emit_pipeline(
+              lambda _, lhs_smem, rhs_smem: plgpu.wgmma(
+                  acc_ref,
+                  lhs_smem,
+                  plgpu.transpose_ref(rhs_smem, (1, 0)) if transpose_rhs else rhs_smem,
+              ),
+              grid=(k // block_k,),
+              in_specs=[
+                  plgpu.BlockSpec(
+                      (block_m, block_k),
+                      lambda k: (group_info.block, k),
+                      delay_release=1,
+                  ),
+                  plgpu.BlockSpec(
+                      (block_n, block_k) if transpose_rhs else (block_k, block_n),
+                      lambda k: (ni, k) if transpose_rhs else (k, ni),
+                      delay_release=1,
+                  ),
+              ],
+              max_concurrent_steps=max_concurrent_steps,
+          )(lhs_gmem, rhs_gmem.at[group_info.group_id])
+          return acc_ref[...]
 
-      acc = pl.run_scoped(acc_scope, plgpu.ACC((block_m, block_n)))
+        acc = pl.run_scoped(acc_scope, plgpu.ACC((block_m, block_n)))
 
-      @functools.partial(
-          pl.run_scoped,
-          o_smem=plgpu.SMEM((block_m, block_n), dtype=o_gmem.dtype)
-      )
-      def store_scope(o_smem):
-        o_smem[...] = acc.astype(o_smem.dtype)
-        plgpu.commit_smem()
+        @functools.partial(
+            pl.run_scoped,
+            o_smem=plgpu.SMEM((block_m, block_n), dtype=o_gmem.dtype)
+        )
+        def store_scope(o_smem):
+          o_smem[...] = acc.astype(o_smem.dtype)
+          plgpu.commit_smem()
 
-        smem_start = group_info.start_within_block
-        remaining_rows = min(block_m, m)
-        # TMA descriptors need to be generated with static tile sizes along each
-        # axis, but we do not know at compile time how many rows we will need to
-        # store. We only know that the number of rows to store is bounded by
-        # min(block_m, m).
-        #
-        # In order to work around that, we construct a logarithmic ladder of
-        # TMA descriptors, where each descriptor can store 2**i rows for some
-        # i between 0 and log2(min(block_m, m)). This allows storing any
-        # number of rows we will need to store, so long as this number of rows
-        # is between `1` and `min(block_m, m)`.
-        #
-        # E.g., imagine we have block_m = 8, m = 16. The loop below will be
-        # unrolled into 4 iterations, where the first one will generate a TMA
-        # descriptor that can store 8 rows, the second one will generate a TMA
-        # descriptor that can store 4 rows, etc. all the way to 1 row.
-        #
-        # At run time, we finally know the actual number of rows we need to
-        # store as we go through the unrolled loop iterations. Let's imagine
-        # that we need to store 5 rows.
-        #
-        # The first unrolled iteration will check whether we can store 8 rows.
-        # Since we only need to store 5 rows, we won't store anything then.
-        #
-        # The second unrolled iteration will check whether we can store 4 rows.
-        # We're able to store 4 rows, and are left with a single remaining row.
-        #
-        # The fourth unrolled iteration will store the single remaining row, and
-        # we end up with a storing scheme as follows for our 5 rows:
-        #
-        #     -----------------------------------------------------------
-        #  0  |                                                         |
-        #  1  |                                                         |
-        #  2  |                       Store 4 rows                      |
-        #  3  |                                                         |
-        #     -----------------------------------------------------------
-        #  4  |                       Store 1 row                       |
-        #     -----------------------------------------------------------
-        while remaining_rows > 0:
-          const_rows_len = 1 << int(math.log2(remaining_rows))
-          remaining_rows //= 2
+          smem_start = group_info.start_within_block
+          remaining_rows = min(block_m, m)
+          # TMA descriptors need to be generated with static tile sizes along each
+          # axis, but we do not know at compile time how many rows we will need to
+          # store. We only know that the number of rows to store is bounded by
+          # min(block_m, m).
+          #
+          # In order to work around that, we construct a logarithmic ladder of
+          # TMA descriptors, where each descriptor can store 2**i rows for some
+          # i between 0 and log2(min(block_m, m)). This allows storing any
+          # number of rows we will need to store, so long as this number of rows
+          # is between `1` and `min(block_m, m)`.
+          #
+          # E.g., imagine we have block_m = 8, m = 16. The loop below will be
+          # unrolled into 4 iterations, where the first one will generate a TMA
+          # descriptor that can store 8 rows, the second one will generate a TMA
+          # descriptor that can store 4 rows, etc. all the way to 1 row.
+          #
+          # At run time, we finally know the actual number of rows we need to
+          # store as we go through the unrolled loop iterations. Let's imagine
+          # that we need to store 5 rows.
+          #
+          # The first unrolled iteration will check whether we can store 8 rows.
+          # Since we only need to store 5 rows, we won't store anything then.
+          #
+          # The second unrolled iteration will check whether we can store 4 rows.
+          # We're able to store 4 rows, and are left with a single remaining row.
+          #
+          # The fourth unrolled iteration will store the single remaining row, and
+          # we end up with a storing scheme as follows for our 5 rows:
+          #
+          #     -----------------------------------------------------------
+          #  0  |                                                         |
+          #  1  |                                                         |
+          #  2  |                       Store 4 rows                      |
+          #  3  |                                                         |
+          #     -----------------------------------------------------------
+          #  4  |                       Store 1 row                       |
+          #     -----------------------------------------------------------
+          while remaining_rows > 0:
+            const_rows_len = 1 << int(math.log2(remaining_rows))
+            remaining_rows //= 2
 
-          @pl.when(group_info.actual_size & const_rows_len != 0)
-          def _():
-            o_smem_slice = o_smem.at[pl.ds(smem_start, const_rows_len)]
-            o_gref_slice = o_gmem.at[
-                pl.ds(group_info.block_start + smem_start, const_rows_len),
-                pl.ds(ni * block_n, block_n),
-            ]
-            plgpu.copy_smem_to_gmem(o_smem_slice, o_gref_slice)
+            @pl.when(group_info.actual_size & const_rows_len != 0)
+            def _():
+              o_smem_slice = o_smem.at[pl.ds(smem_start, const_rows_len)]
+              o_gref_slice = o_gmem.at[
+                  pl.ds(group_info.block_start + smem_start, const_rows_len),
+                  pl.ds(ni * block_n, block_n),
+              ]
+              plgpu.copy_smem_to_gmem(o_smem_slice, o_gref_slice)
 
-          smem_start += group_info.actual_size & const_rows_len
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            smem_start += group_info.actual_size & const_rows_len
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   kernel = plgpu.kernel(
       body,
