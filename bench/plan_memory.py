@@ -73,7 +73,11 @@ DEVICE_BYTES = 80 * 10**9         # an 80 GB GPU (H100 / A100 80GB)
 # (the dense plan's data=8 x fsdp=8 shards the state 8 ways only; fsdp=64 is the 30B's layout)
 MOE_LAYOUTS = {"8 x 80 GB": (dict(data=1, fsdp=8), 8, 8),
                "64 x 80 GB, data=8 x fsdp=8": (brorl_64gpu.MESH, brorl_64gpu.NUM_DEVICES, 64),
-               "64 x 80 GB, fsdp=64": (dict(data=1, fsdp=64), brorl_64gpu.NUM_DEVICES, 64)}
+               "64 x 80 GB, fsdp=64": (dict(data=1, fsdp=64), brorl_64gpu.NUM_DEVICES, 64),
+               # expert parallel (mesh.expert): experts over expert x fsdp, the rest over fsdp;
+               # the rollout's experts over expert (parallel/expert_parallel.py)
+               "64 x 80 GB, fsdp=8 x expert=8": (dict(data=1, fsdp=8, expert=8),
+                                                 brorl_64gpu.NUM_DEVICES, 64)}
 
 
 def abstract_batch(rows: int, seq: int) -> UpdateBatch:
@@ -148,6 +152,9 @@ def moe_plan(mesh: dict, devices: int, prompts: int) -> dict:
                             q_chunk=512)
     n_params = hand["n_params"]
     tokens = rows // devices * seq
+    ep = mesh.get("expert", 1)
+    if ep > 1:
+        hand.update(_expert_parallel_terms(mc, n_params, fsdp=fsdp, expert=ep, seq=seq))
     upd = {k: hand[k] for k in ("params_f32", "ref_params_f32", "adam_mu_nu_f32",
                                 "grad_accumulator_f32", "micro_step_grads_f32",
                                 "remat_layer_inputs_bf16", "gathered_layer_weights_f32",
@@ -172,11 +179,37 @@ def moe_plan(mesh: dict, devices: int, prompts: int) -> dict:
                 route_bytes(rmc, p, True) + record) + record,
             "train_state_resident (params, ref, Adam)": sum(
                 hand[k] for k in ("params_f32", "ref_params_f32", "adam_mu_nu_f32"))}
+    if ep > 1:
+        upd.update({k: hand[k] for k in EP_ITEMS})
+        roll["rollout_params_bf16_replicated"] = rollout_params_bytes(rmc, n_params, ep)
     return dict(n_params=n_params, update=upd, rollout=roll, slots=plans[0].slots,
                 slots_without_record=plans[1].slots,
                 pool=plans[0].pool, share=plans[0].share, g=g, rows=rows, tokens=tokens,
                 state_bytes_f32_plan=update.train_state_bytes(mc, n_params) / fsdp,
-                rollout_params_sharded=rollout_params_bytes(rmc, n_params) / fsdp)
+                rollout_params_sharded=rollout_params_bytes(rmc, n_params, ep) / fsdp)
+
+
+EP_ITEMS = ("expert_exchange_buffers (exact capacity)", "expert_gemm_rows_[P C, I]")
+
+
+def _expert_parallel_terms(mc, n_params: int, *, fsdp: int, expert: int, seq: int) -> dict:
+    """hand_calculation's items under expert parallelism (mesh.expert = P): the experts split
+    over expert x fsdp, the rest over fsdp; a layer's gather holds its E/P experts; the exact
+    capacity's buffers of a one-sequence micro-batch (docs/scale.md section 1: send, received,
+    results, returned [P, C, D] bf16 with C = seq K) and the expert GEMMs' [P C, I] rows (gate,
+    up, their product; bf16)."""
+    from brorl_jax.rollout.plan import rollout_params_bytes
+    l, e, d, w = mc.num_hidden_layers, mc.num_experts, mc.hidden_size, mc.moe_intermediate_size
+    experts = l * e * 3 * d * w
+    shard = (n_params - experts) * 4 / fsdp + experts * 4 / (fsdp * expert)
+    layer_rest = (n_params - experts - mc.vocab_size * d * (1 if mc.tie_word_embeddings else 2)
+                  - d) / l
+    rows = expert * seq * mc.num_experts_per_tok
+    return {"params_f32": shard, "ref_params_f32": shard, "adam_mu_nu_f32": 2 * shard,
+            "grad_accumulator_f32": shard, "micro_step_grads_f32": shard,
+            "gathered_layer_weights_f32": 2 * (layer_rest + e // expert * 3 * d * w) * 4,
+            "rollout_params_copy_held": rollout_params_bytes(mc, n_params, expert),
+            EP_ITEMS[0]: 4 * rows * d * 2, EP_ITEMS[1]: 3 * rows * w * 2}
 
 
 def print_moe_plan() -> dict:
@@ -187,10 +220,10 @@ def print_moe_plan() -> dict:
         print(f"\nQwen3-30B-A3B ({plan['n_params']:,} parameters), {name}: mesh {mesh}, "
               f"{prompts} prompts x N=1024 = {plan['rows']:,} rows x 16384 tokens a step "
               f"({plan['tokens']:,} tokens per device), routing replay on; per device:")
-        copy = rollout_params_bytes(brorl_64gpu.qwen3_30b_a3b(param_dtype="bfloat16"),
-                                    plan["n_params"])
         for part in ("update", "rollout"):
             total = sum(b for k, b in plan[part].items() if not k.startswith("  "))
+            copy = plan[part].get("rollout_params_copy_held",
+                                  plan[part].get("rollout_params_bf16_replicated"))
             for k, b in plan[part].items():
                 print(f"  {part:8s} {k:48s} {_fmt(b)}")
             for what, t in (("TOTAL", total), ("TOTAL, rollout copy sharded over fsdp",
