@@ -33,7 +33,7 @@ def choices() -> dict[str, tuple[str, ...]]:
     implement them (adding an estimator, filter or verifier there adds it here)."""
     from brorl_jax import algo
     from brorl_jax.algo import policies, routing_replay
-    from brorl_jax.models.config import ATTENTION_IMPLS, MLP_IMPLS, ROLLOUT_PRECISIONS
+    from brorl_jax.models.config import ATTENTION_IMPLS, MLP_IMPLS, MOE_IMPLS, ROLLOUT_PRECISIONS
     from brorl_jax.parallel.rules import PARAM_RULES
     from pallas_kernels.fused_logprob import IMPLS as LOGPROB_IMPLS
     from pallas_kernels.sampling import IMPLS as ROLLOUT_IMPLS
@@ -42,6 +42,7 @@ def choices() -> dict[str, tuple[str, ...]]:
         "model.param_dtype": ("float32", "bfloat16"),
         "model.attention_impl": ATTENTION_IMPLS,
         "model.mlp_impl": MLP_IMPLS,
+        "model.moe_impl": MOE_IMPLS,
         "rollout.impl": ROLLOUT_IMPLS,
         "rollout.select_rule": policies.SELECT_RULES,
         "rollout.weight_dtype": ROLLOUT_PRECISIONS,

@@ -57,6 +57,9 @@ class Model(Section):
     attention_impl: str = setting("flash")
     # auto (fused SwiGLU Triton kernels on GPU, XLA on CPU/TPU) | reference | pallas
     mlp_impl: str = setting("auto")
+    # mixture-of-experts models: the experts' grouped GEMM, grouped (Pallas: Hopper GPU, TPU;
+    # jax.lax.ragged_dot elsewhere) | ragged (jax.lax.ragged_dot) | dense (every expert on every token)
+    moe_impl: str = setting("grouped")
     # LoRA (models/lora.py; docs/algo.md "LoRA"): adapters of this rank train, the base is frozen
     # in the compute dtype and is the KL reference; 0 = off (full fine-tuning)
     lora_rank: int = setting(0, ">= 0", note=" (0 = off)")
@@ -305,6 +308,11 @@ class Mesh(Section):
     # E / expert experts a device). 1 = off: the experts are sharded over fsdp and gathered per
     # layer.
     expert: int = setting(1, "> 0")
+    # Under expert parallelism, the rows a device may send each other device in one exchange:
+    # capacity_factor x tokens x top_k / expert, rows past it dropped (their expert output 0,
+    # as GShard / Switch). 0 = exact: tokens x top_k, nothing ever dropped (buffers `expert`
+    # times the rows sent); docs/scale.md section 1 "Capacity".
+    expert_capacity_factor: float = setting(0.0, ">= 0", note=" (0 = exact)")
     rules: str = setting("default")          # a rule set of brorl_jax.parallel.rules.PARAM_RULES
     # Disaggregated rollout: R devices decode (their own mesh; with P processes the first R / P
     # of each process's, a multiple of P), the mesh above is laid over the others and trains;

@@ -104,6 +104,9 @@ class ModelConfig:
     # The experts' grouped GEMM, one of MOE_IMPLS (models/moe.py: "grouped" = the Pallas kernels
     # on an sm_90 GPU / TPU, jax.lax.ragged_dot elsewhere); not part of the checkpoint.
     moe_impl: str = "grouped"
+    # Expert parallelism's capacity (parallel/expert_parallel.py; the run config's
+    # mesh.expert_capacity_factor): 0 = exact, else rows past factor x tokens x K / P dropped.
+    expert_capacity_factor: float = 0.0
     # LoRA adapters (models/lora.py; the run config's model.lora_*): rank 0 = off; alpha / rank
     # scales A @ B; the targeted projections' short names (lora.TARGETS). Not part of the
     # checkpoint, like attention_impl.
@@ -168,6 +171,9 @@ class ModelConfig:
     def _check_moe(self) -> None:
         if self.moe_impl not in MOE_IMPLS:
             raise ValueError(f"ModelConfig.moe_impl={self.moe_impl!r}; use one of {MOE_IMPLS}")
+        if not self.expert_capacity_factor >= 0:
+            raise ValueError(f"ModelConfig.expert_capacity_factor={self.expert_capacity_factor}"
+                             "; use 0 (exact) or a positive factor")
         if not self.is_moe:
             if self.num_experts or self.num_experts_per_tok or self.moe_intermediate_size:
                 raise ValueError(f"ModelConfig.num_experts={self.num_experts}: model_type="

@@ -174,5 +174,6 @@ class SparseMoeBlock(nn.Module):
         # one device: the expert function; under a mesh with an expert axis the same function
         # on each device's experts, the tokens exchanged (parallel/expert_parallel.py)
         out = experts_on_mesh(EXPERT_FNS[cfg.moe_impl], h, ids, gates, *weights,
-                              manual=runs_kernel(cfg, h.shape[0], weights[0]), num_experts=e)
+                              manual=runs_kernel(cfg, h.shape[0], weights[0]), num_experts=e,
+                              capacity_factor=cfg.expert_capacity_factor)
         return (out, ids, logits) if with_logits else (out, ids)

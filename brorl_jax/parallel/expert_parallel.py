@@ -22,14 +22,18 @@ expert stays split over it inside the exchange: the tokens are the same on the t
 an expert group, each runs its slice of I, and the combined [n, D] float32 outputs are summed
 over `tensor` (one psum, as Megatron's MLP); otherwise the experts are whole on every device.
 
-Capacity rule: exact. C = n K, the most rows one device can send another (every choice of every
-token to one device), so no row is ever dropped and the result equals the unsharded block's
-(the same products, a different float order only in the grouped GEMM's blocking). The price is
-buffers P times the rows really sent: each all_to_all moves P C D = P n K D values per device
-(the (P-1)/P of it that leaves the device; 2 per layer forward, 2 more backward), where a
-capacity factor c (C = c n K / P, rows past it dropped as in GShard/Switch) would move c n K D
-and change the result whenever a device's share overflows. Exactness first: RL compares the
-update's log-probs with the rollout's, and a dropped row moves them. jax.lax.ragged_all_to_all
+Capacity rule: exact by default. C = n K, the most rows one device can send another (every
+choice of every token to one device), so no row is ever dropped and the result equals the
+unsharded block's (the same products, a different float order only in the grouped GEMM's
+blocking). The price is buffers P times the rows really sent: each all_to_all moves P C D =
+P n K D values per device (the (P-1)/P of it that leaves the device; 2 per layer forward, 2
+more backward). A capacity factor c > 0 (ModelConfig.expert_capacity_factor, the run config's
+mesh.expert_capacity_factor) sets C = ceil(c n K / P): it moves c n K D, and the rows a device
+sends one destination past C (in expert order, so the highest expert ids of the busiest
+destinations first) are dropped, their expert output 0 in the token's gated sum (GShard /
+Switch; no renormalisation). Exactness is the default: RL compares the update's log-probs with
+the rollout's, and a dropped row moves them (the rollout and the update group tokens
+differently, so they drop different rows). jax.lax.ragged_all_to_all
 (moves only the rows sent) does not run on XLA:CPU in this jax (0.10), where the tests run.
 
 Used when tracing under an auto-partitioned ambient mesh (jax.sharding.use_abstract_mesh /
@@ -39,6 +43,7 @@ the block's expert function runs as on one device (under a mesh, XLA gathers the
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax
@@ -94,14 +99,23 @@ def _dispatch(x, ids, ep: int, el: int, capacity: int):
     return send, local, (dest, slot), order
 
 
+def capacity(tokens: int, top_k: int, expert: int, factor: float = 0.0) -> int:
+    """Rows one device may send another in one exchange (module docstring): tokens x top_k when
+    ``factor`` is 0 (exact), else ceil(factor x tokens x top_k / expert), at most that."""
+    exact = tokens * top_k
+    return exact if factor <= 0 else min(exact, math.ceil(factor * exact / expert))
+
+
 def _exchange_body(x, ids, gates, *weights, local_fn: Callable, ep: int,
-                   width_axis: str | None):
+                   width_axis: str | None, capacity_factor: float = 0.0):
     """Per device (module docstring, steps 2-6): x [n, D], ids int [n, K], gates f32 [n, K],
     weights [E/P, ...] (their width I split over `width_axis` when it is given: the results are
-    partial sums over it, summed after the combine) -> out [n, D]."""
+    partial sums over it, summed after the combine) -> out [n, D]. Rows past the capacity are
+    dropped (mode "drop" on the way out, 0 on the way back)."""
     n, k = ids.shape
     el = weights[0].shape[0]
-    send, local, (dest, slot), order = _dispatch(x, ids, ep, el, capacity=n * k)
+    send, local, (dest, slot), order = _dispatch(x, ids, ep, el,
+                                                 capacity(n, k, ep, capacity_factor))
     a2a = lambda v: jax.lax.all_to_all(v, AXIS, 0, 0)
     recv, recv_ids = a2a(send), a2a(local)
     m = recv.shape[0] * recv.shape[1]
@@ -141,13 +155,17 @@ def _per_device(local_fn: Callable, mesh, x, ids, gates, *weights) -> jax.Array:
         out = local_fn(x, ids, gates, *w)
         return jax.lax.psum(out, width) if width is not None else out
 
+    # check_vma=False: the Pallas kernels (megablox's out_shape) are not vma-typed, as in
+    # parallel.vocab_parallel; the gradients through the psum / all-to-alls are the same
+    # (tests/parallel/test_expert_parallel.py compares them with one device's)
     return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, *w_specs), out_specs=tok,
-                         check_vma=True)(x, ids, gates, *weights)
+                         check_vma=False)(x, ids, gates, *weights)
 
 
 def experts_on_mesh(local_fn: Callable, x: jax.Array, ids: jax.Array, gates: jax.Array,
                     gate_proj: jax.Array, up_proj: jax.Array, down_proj: jax.Array,
-                    *, manual: bool = False, num_experts: int | None = None) -> jax.Array:
+                    *, manual: bool = False, num_experts: int | None = None,
+                    capacity_factor: float = 0.0) -> jax.Array:
     """``local_fn(x, ids, gates, gate_proj, up_proj, down_proj)`` (models/moe.experts_ragged or
     experts_dense: x [N, D], ids int [N, K], gates f32 [N, K], gate_proj / up_proj [E, D, I],
     down_proj [E, I, D] -> [N, D]) with the experts split over the ambient mesh's `expert` axis
@@ -166,7 +184,7 @@ def experts_on_mesh(local_fn: Callable, x: jax.Array, ids: jax.Array, gates: jax
                              f"but the trace is not inside a shard_map over a `{AXIS}` axis of "
                              f"size {ep} (the rollout's expert parallelism)")
         return _exchange_body(x, ids, gates, *weights, local_fn=local_fn, ep=ep,
-                              width_axis=None)
+                              width_axis=None, capacity_factor=capacity_factor)
     axes = expert_parallel_specs(mesh, x.shape[0], gate_proj.shape[0])
     if axes is None:
         auto = not mesh.empty and not mesh.manual_axes and mesh.size > 1
@@ -177,9 +195,12 @@ def experts_on_mesh(local_fn: Callable, x: jax.Array, ids: jax.Array, gates: jax
     width = expert_width_axis(mesh, gate_proj.shape[-1])
     w_specs = (P(AXIS, None, width), P(AXIS, None, width), P(AXIS, width, None))
     body = lambda *a: _exchange_body(*a, local_fn=local_fn, ep=R.expert_axis_size(mesh),
-                                     width_axis=width)
+                                     width_axis=width, capacity_factor=capacity_factor)
+    # check_vma=False: the Pallas kernels (megablox's out_shape) are not vma-typed, as in
+    # parallel.vocab_parallel; the gradients through the psum / all-to-alls are the same
+    # (tests/parallel/test_expert_parallel.py compares them with one device's)
     return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, *w_specs), out_specs=tok,
-                         check_vma=True)(x, ids, gates, *weights)
+                         check_vma=False)(x, ids, gates, *weights)
 
 
 def rollout_expert_axis(mesh, num_experts: int) -> str | None:
@@ -204,13 +225,14 @@ def rollout_param_specs(params, num_experts: int):
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
-def exchange_bytes(tokens: int, top_k: int, hidden: int, expert: int, itemsize: int) -> int:
+def exchange_bytes(tokens: int, top_k: int, hidden: int, expert: int, itemsize: int,
+                   capacity_factor: float = 0.0) -> int:
     """Bytes one device sends in one all_to_all of a MoE layer (each way; a forward has 2 per
-    layer, its backward 2 more): the (P-1)/P of its [P, C, D] buffer that leaves it, with the
-    exact capacity C = tokens x top_k (tokens: this device's)."""
-    capacity = tokens * top_k
-    return (expert - 1) * capacity * hidden * itemsize if expert > 1 else 0
+    layer, its backward 2 more): the (P-1)/P of its [P, C, D] buffer that leaves it, C =
+    ``capacity`` (exact: tokens x top_k; tokens: this device's)."""
+    c = capacity(tokens, top_k, expert, capacity_factor)
+    return (expert - 1) * c * hidden * itemsize if expert > 1 else 0
 
 
-__all__ = ["AXIS", "exchange_bytes", "expert_parallel_specs", "expert_width_axis",
+__all__ = ["AXIS", "capacity", "exchange_bytes", "expert_parallel_specs", "expert_width_axis",
            "experts_on_mesh", "rollout_expert_axis", "rollout_param_specs"]

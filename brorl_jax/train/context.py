@@ -48,10 +48,15 @@ def check_model_path(path: str) -> None:
 
 
 def with_config_impls(mcfg: models.ModelConfig, cfg) -> models.ModelConfig:
-    """``mcfg`` with the config's model implementations (model.attention_impl, model.mlp_impl):
-    implementations of the same model, not part of the checkpoint."""
+    """``mcfg`` with the config's model implementations (model.attention_impl, mlp_impl,
+    moe_impl, mesh.expert_capacity_factor): implementations of the same model, not part of the
+    checkpoint."""
     want = dict(attention_impl=cfg.model.get("attention_impl", mcfg.attention_impl),
-                mlp_impl=cfg.model.get("mlp_impl", mcfg.mlp_impl), **lora_settings(cfg))
+                mlp_impl=cfg.model.get("mlp_impl", mcfg.mlp_impl),
+                moe_impl=cfg.model.get("moe_impl", mcfg.moe_impl),
+                expert_capacity_factor=cfg.mesh.get("expert_capacity_factor",
+                                                    mcfg.expert_capacity_factor),
+                **lora_settings(cfg))
     changes = {f: v for f, v in want.items() if getattr(mcfg, f) != v}
     return dataclasses.replace(mcfg, **changes) if changes else mcfg
 

@@ -17,6 +17,7 @@ live in the test.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import jax
@@ -107,7 +108,44 @@ def main(out_path: str) -> None:
             flat[k] = v
     flat.update(full_update(cfg, params, mesh, rng))
     flat.update(rollout_checks(cfg, params, rng))       # _expert_rollout.py
+    flat.update(capacity_checks(cfg, moe, h, mesh, (moe_sh, rows)))
     np.savez(out_path, **{k: np.asarray(v) for k, v in flat.items()})
+
+
+def capacity_checks(cfg, moe, h, mesh, shardings) -> dict:
+    """One MoE block on the mesh with mesh.expert_capacity_factor = 1 (C = n K / 4 rows to each
+    destination: some dropped) against the dense reference whose dropped choices' gates are 0,
+    the drops found as parallel/expert_parallel._dispatch makes them: per device (its n tokens,
+    the expert axis's share), the n K rows sorted by expert stably, each destination's first C
+    rows kept."""
+    from brorl_jax.models.moe import experts_dense, route
+    from brorl_jax.parallel.expert_parallel import capacity
+    out = {}
+    for factor in (0.0, 1.0):
+        c = dataclasses.replace(cfg, expert_capacity_factor=factor)
+        block = lambda q, y, c=c: SparseMoeBlock(c).apply({"params": q}, y)
+        fn = jax.jit(algo_sharded.traced_on(mesh, block), in_shardings=shardings)
+        out[f"capacity/{factor}/out"], ids = fn(moe, h)
+    logits = jnp.einsum("nd,de->ne", h, moe["router"])
+    ids, gates = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    ids = np.asarray(ids)
+    p, n = 4, h.shape[0] // 4                               # the expert axis splits the tokens
+    el, k = cfg.num_experts // p, cfg.num_experts_per_tok
+    cap = capacity(n, k, p, 1.0)
+    kept = np.zeros(ids.shape, bool)
+    for d in range(p):
+        flat = ids[d * n:(d + 1) * n].reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        dest = flat[order] // el
+        slot = np.arange(n * k) - np.searchsorted(dest, dest)     # rank within its destination
+        keep = np.zeros(n * k, bool)
+        keep[order] = slot < cap
+        kept[d * n:(d + 1) * n] = keep.reshape(n, k)
+    weights = (moe["gate_proj"], moe["up_proj"], moe["down_proj"])
+    out["capacity/kept_frac"] = kept.mean()
+    out["capacity/ref_dropped"] = experts_dense(h, ids, gates * kept, *weights)
+    out["capacity/ref_exact"] = experts_dense(h, ids, gates, *weights)
+    return out
 
 
 def full_update(cfg, params, mesh, rng) -> dict:

@@ -113,3 +113,9 @@ def test_expert_parallel_forward_replay_gradients_and_update_equal_one_device(tm
         np.testing.assert_array_equal(r[f"mesh/roll_{k}"], r[f"ref/roll_{k}"], err_msg=k)
     assert len(np.unique(r["ref/roll_routing"])) == 8                # every expert is used
     np.testing.assert_allclose(r["mesh/roll_logprobs"], r["ref/roll_logprobs"], atol=1e-5)
+    # mesh.expert_capacity_factor: exact (0) keeps every row; 1.0 drops the rows past each
+    # destination's C = n K / 4 and equals the reference without their gates
+    assert 0.5 < r["capacity/kept_frac"] < 1.0                        # some rows were dropped
+    np.testing.assert_allclose(r["capacity/0.0/out"], r["capacity/ref_exact"], atol=1e-5)
+    np.testing.assert_allclose(r["capacity/1.0/out"], r["capacity/ref_dropped"], atol=1e-5)
+    assert np.abs(r["capacity/1.0/out"] - r["capacity/ref_exact"]).max() > 1e-2
