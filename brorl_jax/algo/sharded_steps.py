@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import jax
 from jax.sharding import Mesh
 
+import pallas_kernels
 from brorl_jax.algo.batch import TokenRows, UpdateBatch
 from brorl_jax.algo.routing_replay import routed
 from brorl_jax.algo.update import (
@@ -91,11 +92,16 @@ def _logprob_hooks(mesh: Mesh, axes, logprob: str) -> dict:
             "shard_rows": row_constraint(mesh, axes)}
 
 
-def traced_on(mesh: Mesh, fn):
+def traced_on(mesh: Mesh, fn, model_cfg=None):
     """`fn` traced with `mesh` as the ambient mesh when its expert axis is > 1, so that the
-    mixture-of-experts blocks exchange tokens over it (parallel/expert_parallel.py); otherwise
-    `fn` itself (no ambient mesh: the programs are those of a mesh without expert parallelism)."""
-    if R.expert_axis_size(mesh) == 1:
+    mixture-of-experts blocks exchange tokens over it (parallel/expert_parallel.py), or when
+    ``model_cfg``'s experts run a Pallas kernel on the platform traced for (moe_impl "grouped"
+    on a Hopper GPU or a TPU: the block then runs it per device under shard_map, GSPMD cannot
+    split it); otherwise `fn` itself (no ambient mesh: the programs are those of a mesh without
+    expert parallelism, as before)."""
+    kernel = (model_cfg is not None and model_cfg.is_moe and model_cfg.moe_impl == "grouped"
+              and pallas_kernels.backend() in ("gpu", "tpu"))
+    if R.expert_axis_size(mesh) == 1 and not kernel:
         return fn
 
     @functools.wraps(fn)
@@ -151,7 +157,7 @@ def make_sharded_update(model_cfg, algo_cfg, optimizer, mesh: Mesh, state: Train
     state_sh = train_state_shardings(state, mesh, rules)
     batch_sh = R.batch_shardings(batch, mesh, axes)
     repl = _replicated(mesh)
-    fn = jax.jit(traced_on(mesh, update), in_shardings=(state_sh, batch_sh, repl),
+    fn = jax.jit(traced_on(mesh, update, model_cfg), in_shardings=(state_sh, batch_sh, repl),
                  out_shardings=(state_sh, repl), donate_argnums=(0,) if donate else ())
     return fn, {"state": state_sh, "batch": batch_sh}
 
@@ -174,7 +180,7 @@ def make_sharded_logprob(model_cfg, algo_cfg, mesh: Mesh, params: Any,
     batch_sh = R.batch_shardings(batch, mesh, axes)
     tok_sh = batch_sh.input_tokens
     stats_sh = {"sum_p2": tok_sh} if with_stats else {}
-    jitted = jax.jit(traced_on(mesh, fn), in_shardings=(params_sh, batch_sh),
+    jitted = jax.jit(traced_on(mesh, fn, model_cfg), in_shardings=(params_sh, batch_sh),
                      out_shardings=(tok_sh, tok_sh, stats_sh))
     return jitted, {"params": params_sh, "batch": batch_sh}
 
@@ -217,7 +223,7 @@ def make_vocab_parallel_logprob(model_cfg, mesh: Mesh, params: Any,
     params_sh = R.param_shardings(params, mesh, rules)
     batch_sh = R.batch_shardings(batch, mesh, axes)
     tok_sh = batch_sh.input_tokens
-    jitted = jax.jit(traced_on(mesh, logprobs), in_shardings=(params_sh, batch_sh),
+    jitted = jax.jit(traced_on(mesh, logprobs, model_cfg), in_shardings=(params_sh, batch_sh),
                      out_shardings=(tok_sh, tok_sh))
     return jitted, {"params": params_sh, "batch": batch_sh}
 

@@ -121,3 +121,23 @@ def test_the_moe_forward_lowers_to_the_kernel_for_gpu_and_tpu_also_under_a_mesh(
         assert gg.CUSTOM_CALLS["hopper"] in text and "manual" in text
     with pk.compile_target("tpu"), jax.sharding.use_abstract_mesh(pk.tpu_abstract_mesh()):
         assert gg.CUSTOM_CALLS["megablox"] in lowered("tpu")
+
+
+def test_sharded_steps_trace_a_kernel_moe_model_under_its_mesh_even_without_an_expert_axis():
+    """algo.sharded_steps.traced_on: a MoE model whose experts run the kernel (GPU/TPU) is traced
+    under the mesh, so its blocks run the kernel per device (shard_map); a dense model, or the
+    same model where the kernel does not run (CPU), keeps the plain trace."""
+    from testutil import tiny_model_config
+
+    from brorl_jax.algo.sharded_steps import traced_on
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("fsdp",))
+    moe = tiny_model_config(model_type="qwen3_moe", attention_bias=False, qk_norm=True,
+                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                            norm_topk_prob=True)
+    ambient = jax.sharding.get_abstract_mesh
+    assert traced_on(mesh, ambient, moe)().empty                                # CPU: ragged_dot
+    with pk.compile_target("cuda"):
+        assert traced_on(mesh, ambient, moe)() == mesh.abstract_mesh
+        assert traced_on(mesh, ambient, tiny_model_config())().empty           # dense
+        ragged = moe.replace(moe_impl="ragged")
+        assert traced_on(mesh, ambient, ragged)().empty
