@@ -3,8 +3,8 @@
     PYTHONPATH=<compile extra>:. python bench/moe_compile.py --target h100 --json FILE
     PYTHONPATH=<libtpu dir>:. python bench/moe_compile.py --target v5e --layers 2 --json FILE
 
-For a GPU target: 8 H100s (topology 1x1x8), mesh expert = 8; for TPU: the 4 chips of libtpu's
-v5e:2x2, mesh expert = 4 (a 16 GB chip holds 2 of the 48 layers: --layers 2). The model is
+For a GPU target: 8 H100s (topology 1x1x8), mesh expert = 8; for TPU: 16 chips of libtpu's
+v5e:4x4, mesh fsdp = 4 x expert = 4 (a 16 GB chip holds 2 of the 48 layers: --layers 2). The model is
 configs/brorl_64gpu.qwen3_30b_a3b (128 experts of width 768, top-8; bf16 compute, float32 master
 weights; --layers replaces the layer count, nothing else). Two programs, each compiled by XLA for
 the target (no device):
@@ -16,7 +16,7 @@ the target (no device):
   docs/scale.md section 1).
 * ``decode``: the rollout's decode program (rollout.Engine on the mesh, configs/brorl.py's
   rollout settings, the routing recorded), each device its own ``--slots`` slots of one
-  1024-token prompt and its 16 (GPU) / 32 (TPU) experts a layer.
+  1024-token prompt and its 16 (GPU) / 32 (TPU) experts a layer (replicated over fsdp).
 
 Per program: lower and compile seconds, XLA's memory analysis per device (arguments, temporaries),
 the all-to-alls of the token exchange and the grouped-GEMM kernel calls in the compiled program.
@@ -43,7 +43,7 @@ SEQ = 2048                    # packed row width of the update batch
 PROMPT_LEN, MAX_NEW = 1024, 3072
 
 
-def _mesh(target: str):
+def _mesh(target: str, expert: int | None = None):
     import jax
     import numpy as np
     from jax.experimental import topologies
@@ -51,11 +51,13 @@ def _mesh(target: str):
     if TARGETS[target]["platform"] == "cuda":
         topo = topologies.get_topology_desc(platform="cuda", target_config=_target_config(target),
                                             topology="1x1x8")
-    else:
-        topo = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu")
-    devices = np.asarray(topo.devices)
-    return jax.sharding.Mesh(devices.reshape(1, 1, len(devices), 1),
-                             ("data", "fsdp", "expert", "tensor"))
+        ep = 8 if expert is None else expert                  # expert = 8 (or fsdp = 8 / ep)
+        devices = np.asarray(topo.devices).reshape(1, 8 // ep, ep, 1)
+    else:     # 16 v5e chips: fsdp = 4 (a 16 GB chip holds a quarter of the embeddings)
+        topo = topologies.get_topology_desc(topology_name="v5e:4x4", platform="tpu")
+        ep = 4 if expert is None else expert                  # x expert = 4
+        devices = np.asarray(topo.devices).reshape(1, 16 // ep, ep, 1)
+    return jax.sharding.Mesh(devices, ("data", "fsdp", "expert", "tensor"))
 
 
 def _model(layers: int | None):
@@ -93,7 +95,8 @@ def _summary(compiled, t0, t1, t2) -> dict:
                 **_kernel_calls(compiled.as_text()))
 
 
-def compile_update(target: str, layers: int | None, tokens: int) -> dict:
+def compile_update(target: str, layers: int | None, tokens: int, expert: int | None = None
+                   ) -> dict:
     import jax
     import numpy as np
     from _roofline_update import packed_batch_shapes
@@ -107,7 +110,7 @@ def compile_update(target: str, layers: int | None, tokens: int) -> dict:
     from brorl_jax.models import init_params
     from brorl_jax.models.moe import route_dtype
     cfg, mc = _model(layers)
-    mesh = _mesh(target)
+    mesh = _mesh(target, expert)
     n_dev = mesh.devices.size
     rows = n_dev * max(1, tokens // SEQ)
     cfg.algo.ppo_mini_batches = 1          # one mini-batch of one micro-batch: the rows of
@@ -139,7 +142,8 @@ def compile_update(target: str, layers: int | None, tokens: int) -> dict:
     return out
 
 
-def compile_decode(target: str, layers: int | None, slots: int) -> dict:
+def compile_decode(target: str, layers: int | None, slots: int, expert: int | None = None
+                   ) -> dict:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
     from roofline import TARGETS
@@ -150,7 +154,7 @@ def compile_decode(target: str, layers: int | None, slots: int) -> dict:
     from brorl_jax.rollout import Engine
     from brorl_jax.train.runtime import LocalRuntime
     cfg, mc = _model(layers)
-    mesh = _mesh(target)
+    mesh = _mesh(target, expert)
     t0 = time.perf_counter()
     with pk.compile_target(TARGETS[target]["platform"]):
         runtime = LocalRuntime(cfg, mc, None, diagnostics_n=None)
@@ -185,6 +189,9 @@ def main(argv=None) -> int:
     ap.add_argument("--slots", type=int, default=128, help="decode slots per device")
     ap.add_argument("--programs", nargs="+", default=["update", "decode"],
                     choices=["update", "decode"])
+    ap.add_argument("--expert", type=int, default=None,
+                    help="the expert axis (default 8 on GPU, 4 on TPU; 1: no expert parallelism, "
+                         "the experts over fsdp and the kernel per device)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     why = missing_extra(args.target)
@@ -196,7 +203,7 @@ def main(argv=None) -> int:
     for prog in args.programs:
         fn = compile_update if prog == "update" else compile_decode
         size = args.tokens if prog == "update" else args.slots
-        report[prog] = fn(args.target, args.layers, size)
+        report[prog] = fn(args.target, args.layers, size, args.expert)
         print(prog, json.dumps(report[prog]), flush=True)
     if args.json:
         with open(args.json, "w") as f:

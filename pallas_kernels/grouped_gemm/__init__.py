@@ -176,7 +176,8 @@ def _megablox(x, w, sizes):
     # makes their gradient 0 (a select, whatever gmm left there)
     xp = _rows_below(x, total)
     xp = jnp.pad(xp, ((0, pad), (0, 0))) if pad else xp
-    y = gmm(xp, w, sizes, x.dtype, tiling, None, None, False, _backend.interpret_mode())
+    with jax.named_scope("grouped_gemm_megablox"):
+        y = gmm(xp, w, sizes, x.dtype, tiling, None, None, False, _backend.interpret_mode())
     return _rows_below(y[:m], total)
 
 
