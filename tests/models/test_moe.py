@@ -214,10 +214,16 @@ def test_the_shared_expert_adds_its_gated_mlp_and_leaves_the_routing_alone():
     assert {k: v.shape for k, v in params.items() if k.startswith("shared")} == {
         "shared_gate_proj": (D, s), "shared_up_proj": (D, s), "shared_down_proj": (s, D),
         "shared_expert_gate": (D, 1)}
-    out, ids = SparseMoeBlock(cfg).apply({"params": params}, x)
-    routed = {k: v for k, v in params.items() if not k.startswith("shared")}
     plain = cfg.replace(model_type="qwen3_moe", shared_expert_intermediate_size=0)
-    base, base_ids = SparseMoeBlock(plain).apply({"params": routed}, x)
+
+    @jax.jit      # one compile
+    def run(params, x):
+        out, ids = SparseMoeBlock(cfg).apply({"params": params}, x)
+        routed = {k: v for k, v in params.items() if not k.startswith("shared")}
+        return (out, ids, SparseMoeBlock(plain).apply({"params": routed}, x),
+                SparseMoeBlock(cfg).apply({"params": params}, x, ids))
+
+    out, ids, (base, base_ids), (replayed, used) = run(params, x)
     np.testing.assert_array_equal(ids, base_ids)
     xn, p = np.asarray(x, np.float64), {k: np.asarray(v, np.float64) for k, v in params.items()}
     g, u = xn @ p["shared_gate_proj"], xn @ p["shared_up_proj"]
@@ -225,7 +231,6 @@ def test_the_shared_expert_adds_its_gated_mlp_and_leaves_the_routing_alone():
     shared = shared / (1 + np.exp(-(xn @ p["shared_expert_gate"])))
     assert np.abs(shared).max() > 0.1
     np.testing.assert_allclose(out, np.asarray(base) + shared, rtol=1e-5, atol=1e-5)
-    replayed, used = SparseMoeBlock(cfg).apply({"params": params}, x, ids)
     np.testing.assert_array_equal(used, ids)
     np.testing.assert_array_equal(replayed, out)
 
