@@ -213,12 +213,14 @@ def _mlp_saved_bytes(c, tokens: int, policy: str, dtype) -> int:
     d, item = c.hidden_size, dtype.itemsize
     if c.is_moe:
         e, k, i = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
+        s = c.shared_expert_intermediate_size    # Qwen2-MoE's shared expert: as a dense MLP's
         if policy == "dots":    # the router's float32 logits (the grouped GEMMs are no dots)
-            return 4 * e
+            return 4 * e + ((d + 2 * s) * item + 4 if s else 0)   # + the shared expert's dots
         # softmax's exp and two float32 scalars, the top-k gates and ids, the K gathered rows
         # and their ids, gate, up, silu's three residuals and the product of each chosen
         # expert, the ids putting rows back, the K float32 expert outputs (models/moe.py)
-        return 4 * e + 8 + 16 * k + k * d * (item + 4) + 6 * k * i * item
+        return (4 * e + 8 + 16 * k + k * d * (item + 4) + 6 * k * i * item
+                + (6 * s * item + 4 * d + 8 if s else 0))   # the shared expert's, its f32 sum
     i = c.intermediate_size
     if policy == "dots":        # down's output, gate's and up's
         return (d + 2 * i) * item

@@ -1,7 +1,7 @@
 """ModelConfig: the frozen, hashable description of a decoder-only transformer.
 
 It covers the Hugging Face families used by BroRL-style RLVR runs (Qwen2/Qwen2.5, Qwen3,
-Llama 3.x, and the mixture-of-experts Qwen3-MoE) and converts to and from a HF ``config.json``
+Llama 3.x, and the mixture-of-experts Qwen3-MoE and Qwen2-MoE) and converts to and from a HF ``config.json``
 dict. Being a frozen dataclass of plain hashable fields, a ``ModelConfig`` can be a static
 argument of ``jax.jit``.
 """
@@ -13,9 +13,14 @@ from typing import Any
 
 from pallas_kernels.swiglu_mlp import IMPLS as MLP_IMPLS
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe")
 # Families whose MLP is a sparse mixture of experts (models/moe.py).
-MOE_MODEL_TYPES = ("qwen3_moe",)
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
+# MoE families with a shared expert beside the routed ones (shared_expert_intermediate_size).
+SHARED_EXPERT_MODEL_TYPES = ("qwen2_moe",)
+# Families whose attention_bias is on q/k/v only (HF's Qwen2 always, Qwen2-MoE's qkv_bias);
+# for the others HF's attention_bias also adds an o_proj bias.
+_QKV_BIAS_ONLY = ("qwen2", "qwen2_moe")
 # The experts' grouped GEMM (models/moe.py): "ragged" (jax.lax.ragged_dot over the tokens
 # sorted by expert), "dense" (the reference: every expert on every token, masked by the gates).
 MOE_IMPLS = ("grouped", "ragged", "dense")
@@ -34,12 +39,15 @@ _DEFAULTS = {
     "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "tie_word_embeddings": False},
     "qwen3_moe": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
                   "tie_word_embeddings": False},
+    "qwen2_moe": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+                  "tie_word_embeddings": False},
 }
 _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 
 
@@ -50,8 +58,9 @@ class ModelConfig:
     Attributes follow HF ``config.json`` names. ``rope_scaling`` is the hashable form of HF's rope
     scaling dict without ``rope_type == "default"`` (then ``None``), as a sorted tuple of
     ``(key, value)`` pairs, e.g. ``(("factor", 8.0), ..., ("rope_type", "llama3"))``.
-    ``attention_bias`` means bias on q/k/v projections; for qwen2 that is the only bias (o_proj has
-    none), for qwen3/llama HF's ``attention_bias=True`` also adds an o_proj bias.
+    ``attention_bias`` means bias on q/k/v projections; for qwen2 and qwen2_moe (HF's ``qkv_bias``)
+    that is the only bias (o_proj has none), for qwen3/llama HF's ``attention_bias=True`` also
+    adds an o_proj bias (``o_proj_bias``).
     ``param_dtype`` is the storage dtype of the params, ``dtype`` the compute dtype; logits are
     always float32.
     """
@@ -101,6 +110,10 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     router_aux_loss_coef: float = 0.0
+    # Qwen2-MoE's shared expert (SHARED_EXPERT_MODEL_TYPES; HF's name): a SwiGLU MLP of this
+    # width on every token, scaled by sigmoid(shared_expert_gate(h)) and added to the routed
+    # experts' output; 0 = none (Qwen3-MoE, the dense families).
+    shared_expert_intermediate_size: int = 0
     # The experts' grouped GEMM, one of MOE_IMPLS (models/moe.py: "grouped" = the Pallas kernels
     # on an sm_90 GPU / TPU, jax.lax.ragged_dot elsewhere); not part of the checkpoint.
     moe_impl: str = "grouped"
@@ -120,11 +133,17 @@ class ModelConfig:
         return self.model_type in MOE_MODEL_TYPES
 
     @property
+    def o_proj_bias(self) -> bool:
+        """Whether o_proj has a bias (attention_bias, except for the q/k/v-only families)."""
+        return self.attention_bias and self.model_type not in _QKV_BIAS_ONLY
+
+    @property
     def mlp_width(self) -> int:
         """A token's MLP width (what the memory plans count per token): intermediate_size, or
-        the widths of the num_experts_per_tok experts it goes to."""
+        the widths of the num_experts_per_tok experts it goes to and of the shared expert."""
         if self.is_moe:
-            return self.num_experts_per_tok * self.moe_intermediate_size
+            return (self.num_experts_per_tok * self.moe_intermediate_size
+                    + self.shared_expert_intermediate_size)
         return self.intermediate_size
 
     def __post_init__(self) -> None:
@@ -174,6 +193,13 @@ class ModelConfig:
         if not self.expert_capacity_factor >= 0:
             raise ValueError(f"ModelConfig.expert_capacity_factor={self.expert_capacity_factor}"
                              "; use 0 (exact) or a positive factor")
+        if self.shared_expert_intermediate_size and (
+                self.model_type not in SHARED_EXPERT_MODEL_TYPES
+                or self.shared_expert_intermediate_size < 0):
+            raise ValueError(
+                f"ModelConfig.shared_expert_intermediate_size={self.shared_expert_intermediate_size}"
+                f" for model_type={self.model_type!r}: a shared expert (width >= 1) is for "
+                f"{SHARED_EXPERT_MODEL_TYPES} only; use 0 (none)")
         if not self.is_moe:
             if self.num_experts or self.num_experts_per_tok or self.moe_intermediate_size:
                 raise ValueError(f"ModelConfig.num_experts={self.num_experts}: model_type="
@@ -206,7 +232,7 @@ class ModelConfig:
         dtype: str = "float32",
         source: str = "config.json",
     ) -> "ModelConfig":
-        """Build from a HF ``config.json`` dict (qwen2, qwen3, llama or qwen3_moe).
+        """Build from a HF ``config.json`` dict (qwen2, qwen3, llama, qwen3_moe or qwen2_moe).
 
         Accepts both the transformers-5 ``rope_parameters`` layout and the older
         ``rope_theta`` + ``rope_scaling`` layout. ``source`` names the file in error messages.
@@ -240,6 +266,8 @@ class ModelConfig:
         if model_type == "qwen2":
             # transformers' Qwen2Attention always has q/k/v biases and no o_proj bias.
             attention_bias = True
+        elif model_type == "qwen2_moe":   # q/k/v biases unless qkv_bias=false (HF's default true)
+            attention_bias = bool(hf.get("qkv_bias", True))
         else:
             attention_bias = bool(hf.get("attention_bias", False))
 
@@ -309,6 +337,8 @@ class ModelConfig:
         }
         if self.model_type == "qwen2":
             hf["use_sliding_window"] = False
+        elif self.model_type == "qwen2_moe":
+            hf["qkv_bias"] = self.attention_bias
         else:
             hf["attention_bias"] = self.attention_bias
         if self.model_type == "llama":
@@ -319,21 +349,30 @@ class ModelConfig:
                       norm_topk_prob=self.norm_topk_prob,
                       router_aux_loss_coef=self.router_aux_loss_coef,
                       decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False)
+        if self.model_type in SHARED_EXPERT_MODEL_TYPES:
+            hf["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         return hf
 
 
 def _parse_moe(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    """The ModelConfig's mixture-of-experts fields from a qwen3_moe ``config.json``.
+    """The ModelConfig's mixture-of-experts fields from a qwen3_moe or qwen2_moe ``config.json``.
 
     transformers writes ``num_local_experts`` (its attribute map for ``num_experts``). Only
     checkpoints whose every layer is sparse load: the layers run as one ``lax.scan`` over
     identically shaped params, so dense MLP layers among them (mlp_only_layers,
-    decoder_sparse_step > 1) are refused; Qwen3-MoE's released checkpoints have none.
+    decoder_sparse_step > 1) are refused; Qwen3-MoE's and Qwen2-MoE's (Qwen1.5-MoE-A2.7B,
+    Qwen2-57B-A14B) released checkpoints have none. A qwen2_moe config.json must name its
+    shared expert's width (shared_expert_intermediate_size).
     """
     num_experts = hf.get("num_experts", hf.get("num_local_experts"))
-    for key, value in (("num_experts", num_experts),
-                       ("num_experts_per_tok", hf.get("num_experts_per_tok")),
-                       ("moe_intermediate_size", hf.get("moe_intermediate_size"))):
+    required = [("num_experts", num_experts),
+                ("num_experts_per_tok", hf.get("num_experts_per_tok")),
+                ("moe_intermediate_size", hf.get("moe_intermediate_size"))]
+    shared = hf.get("model_type") in SHARED_EXPERT_MODEL_TYPES
+    if shared:
+        required.append(("shared_expert_intermediate_size",
+                         hf.get("shared_expert_intermediate_size")))
+    for key, value in required:
         if value is None:
             raise ValueError(f"{source}: required field {key!r} is missing")
     if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step") or 1) != 1:
@@ -347,6 +386,8 @@ def _parse_moe(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "moe_intermediate_size": int(hf["moe_intermediate_size"]),
         "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
         "router_aux_loss_coef": float(hf.get("router_aux_loss_coef") or 0.0),
+        "shared_expert_intermediate_size": (int(hf["shared_expert_intermediate_size"])
+                                            if shared else 0),
     }
 
 

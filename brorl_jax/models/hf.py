@@ -3,7 +3,7 @@
 ``load_directory`` reads a LOCAL HF model directory (nothing is downloaded; the public
 ``brorl_jax.models.from_pretrained`` in pretrained.py also takes ``.gguf`` files and built-in
 names and ends here):
-    config.json                          -> ModelConfig (qwen2 | qwen3 | llama | qwen3_moe)
+    config.json                   -> ModelConfig (qwen2 | qwen3 | llama | qwen3_moe | qwen2_moe)
     model.safetensors, or shards listed in model.safetensors.index.json -> params
     generation_config.json (optional)    -> Model.generation_eos_ids
     tokenizer files (optional)           -> Model.tokenizer (transformers AutoTokenizer)
@@ -17,9 +17,13 @@ Weight names (HF -> params; torch Linear weights are [out, in], our Dense kernel
     model.layers.{i}.self_attn.{q,k}_norm.weight       -> layers/{q,k}_norm/scale[i]   (qwen3)
     model.layers.{i}.post_attention_layernorm.weight   -> layers/post_attn_norm/scale[i]
     model.layers.{i}.mlp.{gate,up,down}_proj.weight    -> layers/{gate,up,down}_proj/kernel[i] (T)
-    qwen3_moe (every layer sparse), what transformers 5 writes and Qwen's checkpoints hold:
+    qwen3_moe, qwen2_moe (every layer sparse), what transformers 5 writes and Qwen's checkpoints
+    hold (transformers fuses the experts in memory, not on disk):
     model.layers.{i}.mlp.gate.weight [E,D]             -> layers/moe/router[i] [D,E] (T)
     model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight -> layers/moe/{...}_proj[i, e] (T)
+    qwen2_moe's shared expert:
+    model.layers.{i}.mlp.shared_expert.{gate,up,down}_proj.weight -> layers/moe/shared_{...}[i] (T)
+    model.layers.{i}.mlp.shared_expert_gate.weight [1,D] -> layers/moe/shared_expert_gate[i] (T)
     model.norm.weight                                  -> final_norm/scale
     lm_head.weight [V,D]                               -> lm_head/kernel [D,V] (T; untied only)
 """
@@ -76,6 +80,10 @@ _MOE_NAMES: dict[tuple[str, str], tuple[str, bool]] = {
     ("moe", "gate_proj"): ("mlp.experts.{e}.gate_proj.weight", True),
     ("moe", "up_proj"): ("mlp.experts.{e}.up_proj.weight", True),
     ("moe", "down_proj"): ("mlp.experts.{e}.down_proj.weight", True),
+    ("moe", "shared_gate_proj"): ("mlp.shared_expert.gate_proj.weight", True),
+    ("moe", "shared_up_proj"): ("mlp.shared_expert.up_proj.weight", True),
+    ("moe", "shared_down_proj"): ("mlp.shared_expert.down_proj.weight", True),
+    ("moe", "shared_expert_gate"): ("mlp.shared_expert_gate.weight", True),
 }
 _TOP_NAMES: dict[tuple[str, str], tuple[str, bool]] = {
     ("embed", "embedding"): ("model.embed_tokens.weight", False),
@@ -253,7 +261,8 @@ def _read_file(file: Path, entries: list, shapes: dict, cfg: ModelConfig):
                 f"{cfg.num_key_value_heads}, head_dim={cfg.head_dim}, "
                 f"intermediate_size={cfg.intermediate_size}, vocab_size={cfg.vocab_size}"
                 + (f", num_experts={cfg.num_experts}, moe_intermediate_size="
-                   f"{cfg.moe_intermediate_size})" if cfg.is_moe else ")")
+                   f"{cfg.moe_intermediate_size}, shared_expert_intermediate_size="
+                   f"{cfg.shared_expert_intermediate_size})" if cfg.is_moe else ")")
             )
     # safetensors' numpy backend has no bfloat16: such files are read through its flax backend
     # and converted to numpy (ml_dtypes bfloat16).

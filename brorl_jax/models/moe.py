@@ -1,12 +1,23 @@
-"""The sparse mixture-of-experts MLP of Qwen3-MoE: router, top-k experts, grouped GEMM.
+"""The sparse mixture-of-experts MLP of Qwen3-MoE and Qwen2-MoE: router, top-k experts, grouped
+GEMM, and Qwen2-MoE's shared expert.
 
 One MoE layer (transformers' ``Qwen3MoeSparseMoeBlock``; Shazeer et al. 2017, Switch/GShard):
     p = softmax(h @ W_router)                      f32[N, E], from float32 router logits
     ids, w = top_k(p, K)                           ids int32[N, K], gates w f32[N, K]
     w = w / sum(w)                                 when norm_topk_prob
     out_n = sum_k w[n,k] * down_e(silu(gate_e(h_n)) * up_e(h_n))     with e = ids[n, k]
-Qwen3-MoE has no shared expert. Params of one layer (the ``moe`` submodule of DecoderLayer):
+Params of one layer (the ``moe`` submodule of DecoderLayer):
     router [D, E], gate_proj [E, D, I], up_proj [E, D, I], down_proj [E, I, D]   (I = moe width)
+
+Qwen2-MoE (transformers' ``Qwen2MoeSparseMoeBlock``; model_type "qwen2_moe", gates not
+renormalised by default) adds a shared expert, a SwiGLU MLP of width S =
+ModelConfig.shared_expert_intermediate_size that every token goes through, gated per token:
+    out_n += sigmoid(h_n @ w_shared_gate) * shared_down(silu(shared_gate(h_n)) * shared_up(h_n))
+with params shared_gate_proj [D, S], shared_up_proj [D, S], shared_down_proj [S, D],
+shared_expert_gate [D, 1] (S = 0: none, Qwen3-MoE). It is a plain dense MLP on every token
+(XLA's GEMMs; outside the routing, the routing record and the expert exchange), summed with the
+routed output in float32. Not supported (refused by ModelConfig.from_hf_config): dense MLP layers
+among the sparse ones (mlp_only_layers, decoder_sparse_step > 1) and sliding-window attention.
 
 The experts run as a grouped GEMM: the N*K (token, choice) rows sorted by expert and one GEMM
 per expert group (ModelConfig.moe_impl): "grouped" (the default, ``experts_grouped``:
@@ -119,6 +130,16 @@ def runs_kernel(cfg: ModelConfig, tokens: int, gate_proj: jax.Array) -> bool:
             and gg.resolve("auto", rows, gate_proj.shape, gate_proj.dtype) != "reference")
 
 
+def shared_expert(h: jax.Array, gate_proj: jax.Array, up_proj: jax.Array, down_proj: jax.Array,
+                  expert_gate: jax.Array) -> jax.Array:
+    """Qwen2-MoE's shared expert on every token: h[N, D], gate_proj / up_proj [D, S],
+    down_proj [S, D], expert_gate [D, 1] -> f32[N, D] =
+    sigmoid(h @ expert_gate) * down(silu(gate(h)) * up(h)) (float32 gate and product)."""
+    y = (nn.silu(h @ gate_proj) * (h @ up_proj)) @ down_proj
+    g = jnp.einsum("nd,do->no", h, expert_gate, preferred_element_type=jnp.float32)
+    return jax.nn.sigmoid(g) * y.astype(jnp.float32)
+
+
 INT8_MAX_EXPERTS = 128     # ids 0..127 fit int8
 
 
@@ -165,6 +186,10 @@ class SparseMoeBlock(nn.Module):
         weights = [param("gate_proj", (e, d, i)).astype(self.dtype),
                    param("up_proj", (e, d, i)).astype(self.dtype),
                    param("down_proj", (e, i, d)).astype(self.dtype)]
+        s = cfg.shared_expert_intermediate_size
+        shared = [param("shared_gate_proj", (d, s)), param("shared_up_proj", (d, s)),
+                  param("shared_down_proj", (s, d)),
+                  param("shared_expert_gate", (d, 1))] if s else None
         if self.is_initializing():   # the params are made: no need to compile the experts
             return jnp.zeros_like(h), jnp.zeros((h.shape[0], cfg.num_experts_per_tok), jnp.int32)
         h = h.astype(self.dtype)
@@ -176,4 +201,7 @@ class SparseMoeBlock(nn.Module):
         out = experts_on_mesh(EXPERT_FNS[cfg.moe_impl], h, ids, gates, *weights,
                               manual=runs_kernel(cfg, h.shape[0], weights[0]), num_experts=e,
                               capacity_factor=cfg.expert_capacity_factor)
+        if shared is not None:
+            out = (out.astype(jnp.float32)
+                   + shared_expert(h, *(w.astype(self.dtype) for w in shared))).astype(out.dtype)
         return (out, ids, logits) if with_logits else (out, ids)

@@ -12,9 +12,9 @@ Per-layer leaves (before stacking): ``input_norm/scale [D]``, ``q_proj/kernel [D
 (+ ``bias [H*Dh]``), ``k_proj/kernel [D, Hkv*Dh]``, ``v_proj/kernel [D, Hkv*Dh]`` (+ biases),
 ``o_proj/kernel [H*Dh, D]`` (+ ``bias`` for llama/qwen3 with attention_bias), ``q_norm/scale [Dh]``,
 ``k_norm/scale [Dh]`` (qwen3 only), ``post_attn_norm/scale [D]``, ``gate_proj/kernel [D, I]``,
-``up_proj/kernel [D, I]``, ``down_proj/kernel [I, D]``; a mixture-of-experts family (qwen3_moe)
-has ``moe/{router [D, E], gate_proj [E, D, I], up_proj [E, D, I], down_proj [E, I, D]}`` instead
-of the three MLP kernels (models/moe.py).
+``up_proj/kernel [D, I]``, ``down_proj/kernel [I, D]``; a mixture-of-experts family (qwen3_moe,
+qwen2_moe) has ``moe/{router [D, E], gate_proj [E, D, I], up_proj [E, D, I], down_proj [E, I, D]}``
+(+ qwen2_moe's shared expert ``moe/shared_*``) instead of the three MLP kernels (models/moe.py).
 
 One layer (pre-norm, Llama/Qwen):
     x = x + o_proj(Attn(RoPE(q), RoPE(k), v))      with q,k,v = proj(RMSNorm(x))
@@ -162,8 +162,7 @@ class DecoderLayer(nn.Module):
         self.k_proj = dense(hkv * dh, use_bias=cfg.attention_bias)
         self.v_proj = dense(hkv * dh, use_bias=cfg.attention_bias)
         # Qwen2 has q/k/v biases only; Llama/Qwen3 attention_bias covers o_proj too.
-        o_bias = cfg.attention_bias and cfg.model_type != "qwen2"
-        self.o_proj = dense(cfg.hidden_size, use_bias=o_bias)
+        self.o_proj = dense(cfg.hidden_size, use_bias=cfg.o_proj_bias)
         if cfg.qk_norm:
             self.q_norm = norm()
             self.k_norm = norm()

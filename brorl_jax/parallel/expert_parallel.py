@@ -212,6 +212,10 @@ def rollout_expert_axis(mesh, num_experts: int) -> str | None:
     return AXIS if size > 1 and num_experts % size == 0 else None
 
 
+# The names of a MoE layer's routed-expert weights [E, ...] (models/moe.SparseMoeBlock's params).
+EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")
+
+
 def rollout_param_specs(params, num_experts: int):
     """PartitionSpecs of the rollout's params (the rollout layout: one dict a layer) inside the
     engine's shard_map: each MoE layer's expert weights ([E, ...] leaves under ``moe`` other
@@ -219,7 +223,9 @@ def rollout_param_specs(params, num_experts: int):
     E/P experts of every layer and the MoE blocks exchange the tokens (experts_on_mesh)."""
     def spec(path, leaf):
         keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-        expert = ("moe" in keys and "router" not in keys and leaf.ndim >= 1
+        # the routed experts' leaves only: a shared expert's (moe/shared_*, Qwen2-MoE) and the
+        # router stay replicated even where their first dimension happens to equal E
+        expert = ("moe" in keys and keys[-1] in EXPERT_LEAVES and leaf.ndim >= 1
                   and leaf.shape[0] == num_experts)
         return P(AXIS) if expert else P()
     return jax.tree_util.tree_map_with_path(spec, params)

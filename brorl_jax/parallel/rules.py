@@ -113,6 +113,11 @@ _TRANSFORMER_PARAMS: list[tuple[str, Any]] = [
     (r"^layers/moe/router$", ("layers", "embed", "experts")),
     (r"^layers/moe/(gate_proj|up_proj)$", ("layers", "experts", "embed", "expert_mlp")),
     (r"^layers/moe/down_proj$", ("layers", "experts", "expert_mlp", "embed")),
+    # Qwen2-MoE's shared expert (a dense SwiGLU MLP on every token) as the dense MLP's kernels;
+    # its sigmoid gate [L, D, 1] like a norm's output
+    (r"^layers/moe/shared_(gate_proj|up_proj)$", ("layers", "embed", "mlp")),
+    (r"^layers/moe/shared_down_proj$", ("layers", "mlp", "embed")),
+    (r"^layers/moe/shared_expert_gate$", ("layers", "embed", None)),
     (r"^final_norm/scale$", ("norm",)),
     (r"^lm_head/kernel$", ("embed", "vocab")),
     # LoRA adapters (models/lora.py, params["lora"][target]): A [L, in, r] splits its input like

@@ -446,11 +446,12 @@ def test_remat_policy_from_the_memory_plan():
     assert plan_remat_policy(qwen, 4096, n, None) == "full"          # unknown memory (CPU)
 
 
-@pytest.mark.parametrize("mlp_impl", ["auto", "reference", "qwen3_moe"])
+@pytest.mark.parametrize("mlp_impl", ["auto", "reference", "qwen3_moe", "qwen2_moe"])
 def test_no_remat_estimate_is_what_autodiff_keeps_on_the_gpu_path(mlp_impl):
     """remat_saved_bytes(..., "none") per token and layer equals the activations jax's saved
     residuals list for an un-rematerialised forward traced for cuda (flash attention; the fused
-    MLP kernels or the XLA MLP; a mixture of experts with q/k norms): the slope over layers and
+    MLP kernels or the XLA MLP; a mixture of experts with q/k norms, one with a shared expert and
+    q/k/v biases): the slope over layers and
     tokens, so per-layer constants (weights, norm scales) drop out; for the mixture of experts
     "dots" too."""
     from jax._src.ad_checkpoint import saved_residuals
@@ -461,6 +462,9 @@ def test_no_remat_estimate_is_what_autodiff_keeps_on_the_gpu_path(mlp_impl):
 
     moe = dict(model_type="qwen3_moe", attention_bias=False, qk_norm=True, num_experts=4,
                num_experts_per_tok=2, moe_intermediate_size=32) if mlp_impl == "qwen3_moe" else {}
+    if mlp_impl == "qwen2_moe":     # q/k/v biases, no q/k norms, a shared expert of width 48
+        moe = dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=32, shared_expert_intermediate_size=48)
 
     def cfg_for(layers):
         fields = dict(model_type="qwen2", vocab_size=64, hidden_size=64,

@@ -40,6 +40,10 @@ def hf_config(kind: str, *, heads: int = 4, kv_heads: int = 2, tie: bool = False
                    norm_topk_prob=True)
         return transformers.Qwen3MoeConfig(head_dim=16, rope_theta=1_000_000.0,
                                            **dict(moe, **common))
+    if kind == "qwen2_moe":  # q/k/v biases, a shared expert of width 48, gates as they come
+        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=48, norm_topk_prob=False)
+        return transformers.Qwen2MoeConfig(rope_theta=10000.0, **dict(moe, **common))
     if kind == "llama":
         return transformers.LlamaConfig(
             rope_theta=500_000.0,
@@ -57,7 +61,7 @@ def hf_config(kind: str, *, heads: int = 4, kv_heads: int = 2, tie: bool = False
 
 
 _CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM"}
+            "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 # A MoE router's weights are scaled by this: N(0, 0.02) logits are nearly uniform, and float
 # noise could flip a near-tie between the k-th and the next expert.
 ROUTER_SCALE = 10.0
@@ -65,7 +69,8 @@ ROUTER_SCALE = 10.0
 
 def make_hf_model(kind: str, path: Path, seed: int = 0, **config_kwargs):
     """Build a random tiny HF model, perturb its norms/biases (so they are not trivially 1/0),
-    scale a MoE router (ROUTER_SCALE), save it with save_pretrained to ``path`` and return the
+    scale a MoE router and Qwen2-MoE's shared-expert gate (ROUTER_SCALE: a sigmoid that varies
+    between tokens, not ~0.5 everywhere), save it with save_pretrained to ``path`` and return the
     eager-attention torch model."""
     torch.manual_seed(seed)
     cfg = hf_config(kind, **config_kwargs)
@@ -75,7 +80,7 @@ def make_hf_model(kind: str, path: Path, seed: int = 0, **config_kwargs):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
                 p.add_(0.1 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):
+            elif name.endswith(("mlp.gate.weight", "mlp.shared_expert_gate.weight")):
                 p.mul_(ROUTER_SCALE)
     model.save_pretrained(path)
     return model

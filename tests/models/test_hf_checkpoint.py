@@ -16,7 +16,8 @@ TOL_F32 = 1e-4
 BATCH, LENGTH = 3, 11
 
 # (family, query heads, kv heads, tied embeddings): every family, tied and untied, GQA group
-# sizes 1 (4/4), 2 (4/2) and 4 (8/2); Qwen3-MoE (8 experts, top-2) untied as it ships.
+# sizes 1 (4/4), 2 (4/2) and 4 (8/2); Qwen3-MoE (8 experts, top-2) and Qwen2-MoE (the same
+# with a shared expert, q/k/v biases, gates not renormalised) untied as they ship.
 CASES = [
     ("qwen2", 4, 2, False),
     ("qwen2", 4, 4, True),
@@ -25,6 +26,7 @@ CASES = [
     ("llama", 8, 2, False),
     ("llama", 4, 4, True),
     ("qwen3_moe", 4, 2, False),
+    ("qwen2_moe", 4, 2, False),
 ]
 
 

@@ -1,7 +1,8 @@
 """The mixture-of-experts block (brorl_jax/models/moe.py): the grouped GEMM against its dense
-reference, the router's top-k and gates, and the routing hook of forward() (routing replay).
-Parity with transformers' Qwen3-MoE is in test_hf_checkpoint.py (logits, save and reload) and
-tests/rollout/test_hf_greedy.py (greedy generation)."""
+reference, the router's top-k and gates, Qwen2-MoE's shared expert, and the routing hook of
+forward() (routing replay). Parity with transformers' Qwen3-MoE and Qwen2-MoE is in
+test_hf_checkpoint.py (logits, save and reload) and tests/rollout/test_hf_greedy.py (greedy
+generation)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from models_testutil import hf_config
+from models_testutil import hf_config, transformers
 from testutil import tiny_model_config
 
 import pallas_kernels as pk
 from brorl_jax.models import ModelConfig, forward, init_params, layer_finish, layer_finish_routed
-from brorl_jax.models.moe import experts_dense, experts_ragged, route
+from brorl_jax.models.moe import SparseMoeBlock, experts_dense, experts_ragged, route
 from brorl_jax.models.transformer import layer_loop_form
 
 N, D, E, K, I = 10, 16, 4, 2, 8     # tokens, hidden, experts, top-k, expert width
@@ -175,6 +176,63 @@ def test_qwen3_moe_config_round_trips_and_dense_layers_among_sparse_are_refused(
             ModelConfig.from_hf_config({**hf, **bad}, source="m/config.json")
     with pytest.raises(ValueError, match="'moe_intermediate_size' is missing"):
         ModelConfig.from_hf_config({k: v for k, v in hf.items() if k != "moe_intermediate_size"})
+
+
+def test_qwen2_moe_config_round_trips_and_dense_layers_among_sparse_are_refused():
+    hf = hf_config("qwen2_moe").to_dict()
+    cfg = ModelConfig.from_hf_config(hf)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+            cfg.shared_expert_intermediate_size, cfg.mlp_width) == (8, 2, 32, 48, 2 * 32 + 48)
+    assert cfg.is_moe and cfg.attention_bias and not cfg.o_proj_bias  # q/k/v biases only
+    assert not (cfg.qk_norm or cfg.norm_topk_prob) and cfg.router_aux_loss_coef == 0.001
+    back = cfg.to_hf_config()
+    assert ModelConfig.from_hf_config(back) == cfg
+    assert ModelConfig.from_hf_config(transformers.AutoConfig.for_model(**back).to_dict()) == cfg
+    assert not ModelConfig.from_hf_config({**hf, "qkv_bias": False}).attention_bias
+    for bad in ({"mlp_only_layers": [1]}, {"decoder_sparse_step": 2}):
+        with pytest.raises(ValueError, match="m/config.json: mlp_only_layers=.*every layer must "
+                                             "be sparse"):
+            ModelConfig.from_hf_config({**hf, **bad}, source="m/config.json")
+    with pytest.raises(ValueError, match="'shared_expert_intermediate_size' is missing"):
+        ModelConfig.from_hf_config({k: v for k, v in hf.items()
+                                    if k != "shared_expert_intermediate_size"})
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size=48 for model_type="
+                                         "'qwen3_moe'"):
+        _moe_config(shared_expert_intermediate_size=48)
+
+
+def test_the_shared_expert_adds_its_gated_mlp_and_leaves_the_routing_alone():
+    """Qwen2-MoE's block = the routed experts (the same block without the shared expert, same
+    ids) + sigmoid(h w) * down(silu(gate(h)) * up(h)) (numpy); replaying its ids changes
+    nothing."""
+    s = 12
+    cfg = _moe_config(model_type="qwen2_moe", qk_norm=False, attention_bias=True,
+                      norm_topk_prob=False, shared_expert_intermediate_size=s)
+    x = jax.random.normal(jax.random.PRNGKey(3), (N, D))
+    params = jax.tree.map(lambda p: 10 * p,       # N(0, 0.2): a shared term far above noise
+                          SparseMoeBlock(cfg).init(jax.random.PRNGKey(4), x)["params"])
+    assert {k: v.shape for k, v in params.items() if k.startswith("shared")} == {
+        "shared_gate_proj": (D, s), "shared_up_proj": (D, s), "shared_down_proj": (s, D),
+        "shared_expert_gate": (D, 1)}
+    plain = cfg.replace(model_type="qwen3_moe", shared_expert_intermediate_size=0)
+
+    @jax.jit      # one compile
+    def run(params, x):
+        out, ids = SparseMoeBlock(cfg).apply({"params": params}, x)
+        routed = {k: v for k, v in params.items() if not k.startswith("shared")}
+        return (out, ids, SparseMoeBlock(plain).apply({"params": routed}, x),
+                SparseMoeBlock(cfg).apply({"params": params}, x, ids))
+
+    out, ids, (base, base_ids), (replayed, used) = run(params, x)
+    np.testing.assert_array_equal(ids, base_ids)
+    xn, p = np.asarray(x, np.float64), {k: np.asarray(v, np.float64) for k, v in params.items()}
+    g, u = xn @ p["shared_gate_proj"], xn @ p["shared_up_proj"]
+    shared = (g / (1 + np.exp(-g)) * u) @ p["shared_down_proj"]
+    shared = shared / (1 + np.exp(-(xn @ p["shared_expert_gate"])))
+    assert np.abs(shared).max() > 0.1
+    np.testing.assert_allclose(out, np.asarray(base) + shared, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(used, ids)
+    np.testing.assert_array_equal(replayed, out)
 
 
 # Qwen/Qwen3-30B-A3B's config.json as the Hub ships it (written out: nothing is downloaded).

@@ -17,6 +17,7 @@ from brorl_jax.parallel.expert_parallel import (
     exchange_bytes,
     expert_parallel_specs,
     expert_width_axis,
+    rollout_param_specs,
 )
 from brorl_jax.train.door import check_expert_mesh
 
@@ -64,6 +65,24 @@ def test_an_expert_axis_needs_experts_that_split_over_it():
     cfg.mesh.expert = 0
     with pytest.raises(ConfigError, match=r"'mesh.expert' must be > 0"):
         validate(cfg)
+
+
+def test_the_rollout_splits_the_routed_experts_only():
+    """A rollout layer's params (one dict a layer) whose hidden size and shared-expert width
+    equal the number of experts (32): only the routed experts' [E, ...] leaves go over `expert`;
+    Qwen2-MoE's shared expert and the router stay whole."""
+    import jax
+
+    from brorl_jax.models import init_params
+    cfg = tiny_model_config(model_type="qwen2_moe", num_experts=32, num_experts_per_tok=2,
+                            moe_intermediate_size=16, shared_expert_intermediate_size=32)
+    assert cfg.hidden_size == 32
+    layer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), jax.eval_shape(
+        lambda: init_params(cfg, jax.random.PRNGKey(0)))["layers"])
+    specs = rollout_param_specs(layer, cfg.num_experts)["moe"]
+    assert {k for k, s in specs.items() if s == P("expert")} == {"gate_proj", "up_proj",
+                                                                  "down_proj"}
+    assert len(specs) == 8 and all(specs[k] == P() for k in specs if k.startswith("shared"))
 
 
 @pytest.mark.slow     # four compiles on 8 devices (about 20 s)

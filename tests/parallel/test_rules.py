@@ -25,6 +25,8 @@ ALL_FAMILIES = {
     "llama_bias": _cfg(model_type="llama", attention_bias=True),
     "qwen3_moe": _cfg(model_type="qwen3_moe", qk_norm=True, attention_bias=False, num_experts=4,
                       num_experts_per_tok=2, moe_intermediate_size=32),
+    "qwen2_moe": _cfg(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=48),
 }
 
 
@@ -76,6 +78,12 @@ def test_logical_names_map_to_mesh_axes():
     assert moe["gate_proj"] == moe["up_proj"] == P(None, "fsdp", None, "tensor")
     assert moe["down_proj"] == P(None, "fsdp", "tensor", None)
     assert moe["router"] == P(None, "fsdp", None)
+    # Qwen2-MoE's shared expert: split as the dense MLP is
+    shared = R.param_specs(jax.eval_shape(
+        lambda: init_params(ALL_FAMILIES["qwen2_moe"], jax.random.PRNGKey(0))))["layers"]["moe"]
+    assert shared["shared_gate_proj"] == shared["shared_up_proj"] == P(None, "fsdp", "tensor")
+    assert shared["shared_down_proj"] == P(None, "tensor", "fsdp")
+    assert shared["shared_expert_gate"] == P(None, "fsdp", None)
     replicated = R.param_specs(params, "replicated")
     assert all(s == P() for s in jax.tree.leaves(replicated, is_leaf=lambda x: isinstance(x, P)))
     # the update batch: rows over data and fsdp, the sequence whole

@@ -27,6 +27,11 @@ def _tiny_hf_model(kind: str, path, seed: int):
         cfg = transformers.Qwen3MoeConfig(rope_theta=1e6, num_experts=8, num_experts_per_tok=2,
                                           moe_intermediate_size=32, norm_topk_prob=True, **common)
         cls = transformers.Qwen3MoeForCausalLM
+    elif kind == "qwen2_moe":  # the same experts, gates as they come, a shared expert of 40
+        cfg = transformers.Qwen2MoeConfig(rope_theta=1e6, num_experts=8, num_experts_per_tok=2,
+                                          moe_intermediate_size=32,
+                                          shared_expert_intermediate_size=40, **common)
+        cls = transformers.Qwen2MoeForCausalLM
     else:
         cfg = transformers.LlamaConfig(rope_theta=500000.0, **common)
         cls = transformers.LlamaForCausalLM
@@ -43,9 +48,10 @@ def _tiny_hf_model(kind: str, path, seed: int):
     return model
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3_moe", "qwen2_moe"])
 def test_greedy_matches_transformers_generate(kind, tmp_path):
-    hf = _tiny_hf_model(kind, tmp_path, seed={"qwen2": 1, "llama": 2, "qwen3_moe": 3}[kind])
+    hf = _tiny_hf_model(kind, tmp_path,
+                        seed={"qwen2": 1, "llama": 2, "qwen3_moe": 3, "qwen2_moe": 4}[kind])
     model = from_pretrained(tmp_path)
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(3, 211, n)] for n in (3, 17, 9)]
