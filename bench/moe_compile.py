@@ -60,10 +60,14 @@ def _mesh(target: str, expert: int | None = None):
     return jax.sharding.Mesh(devices, ("data", "fsdp", "expert", "tensor"))
 
 
+CAPACITY_FACTOR = 0.0        # --capacity-factor: mesh.expert_capacity_factor (0 = exact)
+
+
 def _model(layers: int | None):
     from configs import brorl, brorl_64gpu
     cfg = brorl.get_config()
     mc = brorl_64gpu.qwen3_30b_a3b(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+    mc = dataclasses.replace(mc, expert_capacity_factor=CAPACITY_FACTOR)
     if layers:
         mc = dataclasses.replace(mc, num_hidden_layers=layers)
     cfg.algo.routing_replay = "rollout"
@@ -192,14 +196,19 @@ def main(argv=None) -> int:
     ap.add_argument("--expert", type=int, default=None,
                     help="the expert axis (default 8 on GPU, 4 on TPU; 1: no expert parallelism, "
                          "the experts over fsdp and the kernel per device)")
+    ap.add_argument("--capacity-factor", type=float, default=0.0,
+                    help="mesh.expert_capacity_factor (0 = exact: every row sent)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
+    global CAPACITY_FACTOR
+    CAPACITY_FACTOR = args.capacity_factor
     why = missing_extra(args.target)
     if why:
         print(why, file=sys.stderr)
         return 2
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    report = dict(target=TARGETS[args.target]["desc"], layers=args.layers or 48)
+    report = dict(target=TARGETS[args.target]["desc"], layers=args.layers or 48,
+                  capacity_factor=args.capacity_factor, expert=args.expert)
     for prog in args.programs:
         fn = compile_update if prog == "update" else compile_decode
         size = args.tokens if prog == "update" else args.slots
