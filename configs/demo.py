@@ -13,7 +13,7 @@ docs/results.md reports both parts of the gain). BroRL itself continues a strong
 only makes the loop's effect visible in minutes.
 Preset arguments: configs/demo.py:n=16,steps=40 (used by the N=16 vs N=512 comparison);
 configs/demo.py:moe=1 trains the demo model's mixture-of-experts sibling instead
-(model.path="builtin:demo_moe": Qwen3-MoE shaped, 64 experts, top-8; models/demo_model.py), e.g.
+(model.path="builtin:demo_moe": Qwen3-MoE shaped, 8 experts, top-2; models/demo_model.py), e.g.
 with --config.algo.routing_replay=rollout (docs/results.md, "Mixture of experts: the tiny MoE
 demo trains").
 """

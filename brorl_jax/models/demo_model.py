@@ -28,9 +28,8 @@ from .transformer import init_params
 DEMO_MODEL_NAME = "demo_model_v3"  # bump the suffix whenever the recipe below changes
 DEMO_MOE_MODEL_NAME = "demo_moe_model_v1"  # the same rule, for demo_moe_model_config's recipe
 DEMO_SEED = 0
-# The MoE sibling's experts: fine-grained as Qwen3-30B-A3B's (128 of width 768, top-8, normalised
-# gates), at half the count; many experts make near ties, where routing is fragile (R3).
-DEMO_MOE_EXPERTS, DEMO_MOE_TOP_K, DEMO_MOE_WIDTH = 64, 8, 16
+# The MoE sibling's experts (Qwen3-30B-A3B's norm_topk_prob; 8 experts, 2 per token).
+DEMO_MOE_EXPERTS, DEMO_MOE_TOP_K, DEMO_MOE_WIDTH = 8, 2, 64
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")

@@ -121,11 +121,11 @@ def test_the_moe_demo_model_loads_as_qwen3_moe_and_its_preset_passes_the_door(de
     c = model.config
     assert c.model_type == "qwen3_moe" and c.is_moe and c.norm_topk_prob and c.qk_norm
     assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (
-        DEMO_MOE_EXPERTS, DEMO_MOE_TOP_K, DEMO_MOE_WIDTH) == (64, 8, 16)
+        DEMO_MOE_EXPERTS, DEMO_MOE_TOP_K, DEMO_MOE_WIDTH) == (8, 2, 64)
     shared = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "tie_word_embeddings", "eos_token_ids")
     assert [getattr(c, k) for k in shared] == [getattr(dense.config, k) for k in shared]
-    assert model.params["layers"]["moe"]["gate_proj"].shape == (4, 64, 128, 16)
+    assert model.params["layers"]["moe"]["gate_proj"].shape == (4, 8, 128, 64)
 
     text = "What is 23 + 45?\nGive the answer.  <answer>68</answer></s>\n~`{}"
     theirs = AutoTokenizer.from_pretrained(moe_dir)       # a qwen3_moe directory, the user's way
