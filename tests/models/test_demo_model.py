@@ -91,3 +91,46 @@ def test_demo_tokenizer_loads_the_users_way_with_transformers_autotokenizer(demo
         "<|user|>What is 23 + 45?</s>\n<|assistant|>"
     assert (theirs.eos_token_id, theirs.pad_token_id) == (ours.eos_token_id, ours.pad_token_id)
 
+
+
+def test_the_moe_demo_model_loads_as_qwen3_moe_and_its_preset_passes_the_door(demo_dir, tmp_path,
+                                                                            monkeypatch):
+    """configs/demo.py:moe=1 names builtin:demo_moe: the dense demo's tokenizer and shapes as a
+    Qwen3-MoE, built into the cache, read by the door and loaded as a real checkpoint is."""
+    from transformers import AutoTokenizer
+
+    from brorl_jax.models.demo_model import (
+        DEMO_MOE_EXPERTS,
+        DEMO_MOE_MODEL_NAME,
+        DEMO_MOE_TOP_K,
+        DEMO_MOE_WIDTH,
+    )
+    from brorl_jax.train import door
+    from configs import demo
+
+    monkeypatch.setenv("BRORL_JAX_CACHE", str(tmp_path))
+    assert demo.get_config().model.path == ""                       # the default is the dense
+    cfg = demo.get_config("moe=1")
+    cfg.algo.routing_replay = "rollout"                              # refused for a dense model
+    model_cfg = door.check_training(cfg).model_cfg                  # builds it into the cache
+    moe_dir = str(tmp_path / DEMO_MOE_MODEL_NAME)
+    model = from_pretrained(moe_dir)
+    dense = from_pretrained(demo_dir)
+    assert model.config == model_cfg.replace(attention_impl=model.config.attention_impl,
+                                             mlp_impl=model.config.mlp_impl)
+    c = model.config
+    assert c.model_type == "qwen3_moe" and c.is_moe and c.norm_topk_prob and c.qk_norm
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (
+        DEMO_MOE_EXPERTS, DEMO_MOE_TOP_K, DEMO_MOE_WIDTH) == (8, 2, 64)
+    shared = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "tie_word_embeddings", "eos_token_ids")
+    assert [getattr(c, k) for k in shared] == [getattr(dense.config, k) for k in shared]
+    assert model.params["layers"]["moe"]["gate_proj"].shape == (4, 8, 128, 64)
+
+    text = "What is 23 + 45?\nGive the answer.  <answer>68</answer></s>\n~`{}"
+    theirs = AutoTokenizer.from_pretrained(moe_dir)       # a qwen3_moe directory, the user's way
+    assert theirs.encode(text) == model.tokenizer.encode(text) == dense.tokenizer.encode(text)
+    assert model.tokenizer.chat_template == dense.tokenizer.chat_template
+    ids = model.tokenizer.encode("<|user|>What is 2 + 3?</s>\n<|assistant|>")
+    logits = np.asarray(model(np.asarray([ids], np.int32)))
+    assert logits.shape == (1, len(ids), c.vocab_size) and np.isfinite(logits).all()
