@@ -41,7 +41,7 @@ from .config import ModelConfig
 # The projections quantized in each decoder layer (module names in transformer.DecoderLayer).
 QUANTIZED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                          "down_proj")
-_LAYER_METHODS = ("qkv", "finish")
+_LAYER_METHODS = ("qkv", "finish", "finish_routed")
 
 
 def with_precision(cfg: ModelConfig, weights: str = "bf16", kv: str = "bf16") -> ModelConfig:
@@ -65,7 +65,7 @@ def _rules(qtype) -> list:
 @functools.lru_cache(maxsize=None)
 def quantized_layer_module(layer_cls, cfg: ModelConfig, qtype_name: str):
     """``layer_cls(cfg)`` (transformer.DecoderLayer) under qwix's PTQ interception of its
-    methods qkv and finish."""
+    methods qkv, finish and finish_routed (a MoE model whose rollout records its routing)."""
     import qwix
     return qwix.quantize_model(layer_cls(cfg), qwix.PtqProvider(_rules(jnp.dtype(qtype_name))),
                                methods=_LAYER_METHODS)

@@ -270,8 +270,8 @@ def layer_finish_routed(layer_params: dict, cfg: ModelConfig, x: jax.Array, attn
     """
     if not cfg.is_moe:
         raise ValueError(f"layer_finish_routed: model_type={cfg.model_type!r} has no experts")
-    return DecoderLayer(cfg).apply({"params": layer_params}, x, attn, routing, with_logits,
-                                   method="finish_routed")
+    return precision.layer_module(DecoderLayer, cfg, layer_params).apply(
+        {"params": layer_params}, x, attn, routing, with_logits, method="finish_routed")
 
 
 def quantize_layers(layers, cfg: ModelConfig) -> tuple:

@@ -168,3 +168,20 @@ def test_training_rollouts_take_the_precision_and_evaluation_stays_bf16():
     assert eval_sampling(validate(cfg)).precision == ("fp8", "fp8")
     assert dataclasses.replace(training_call(run)).model_config(
         tiny_model_config()).kv_precision == "fp8"
+
+
+def test_fp8_weights_with_a_recorded_moe_routing_quantize_the_layer_that_records_it():
+    """A MoE rollout under fp8 weights that records its routing (algo.routing_replay="rollout")
+    runs its layers' finish through the quantized module too (transformer.layer_finish_routed):
+    the same tokens and routing whether it records or not, and a routing of the right shape."""
+    cfg = tiny_model_config(model_type="qwen3_moe", attention_bias=False, qk_norm=True,
+                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                            norm_topk_prob=True, dtype="bfloat16")
+    params = transformer.init_params(cfg, jax.random.PRNGKey(1))
+    fp8 = with_precision(cfg, "fp8")
+    kw = dict(rollouts_per_prompt=2, max_new_tokens=4, temperature=1.0, seed=0)
+    plain = Engine(fp8).generate(params, PROMPTS, **kw)
+    recorded = Engine(fp8, record_routing=True).generate(params, PROMPTS, **kw)
+    np.testing.assert_array_equal(recorded.tokens, plain.tokens)
+    assert recorded.routing.shape == (3, 2, 4, cfg.num_hidden_layers, 2)
+    assert recorded.routing.max() < cfg.num_experts and recorded.routing.min() >= 0
