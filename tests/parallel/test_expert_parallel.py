@@ -14,6 +14,7 @@ from testutil import tiny_model_config
 from brorl_jax.config import ConfigError, default_config, validate
 from brorl_jax.parallel import rules as R
 from brorl_jax.parallel.expert_parallel import (
+    capacity,
     exchange_bytes,
     expert_parallel_specs,
     expert_width_axis,
@@ -48,6 +49,29 @@ def test_exchange_bytes_count_the_exact_capacity_buffer():
     # 4 devices, 16 tokens x top-2 each: C = 32 rows of 64 floats, 3 of the 4 slices leave
     assert exchange_bytes(16, 2, 64, 4, 4) == 3 * 32 * 64 * 4
     assert exchange_bytes(16, 2, 64, 1, 4) == 0
+    # a capacity factor c: C = ceil(c x 32 / 4) rows a destination, never above the exact 32
+    assert capacity(16, 2, 4, 1.0) == 8 and capacity(16, 2, 4, 1.5) == 12
+    assert capacity(16, 2, 4, 0.0) == capacity(16, 2, 4, 100.0) == 32
+    assert exchange_bytes(16, 2, 64, 4, 4, capacity_factor=1.0) == 3 * 8 * 64 * 4
+
+
+def test_the_rollout_copy_holds_the_devices_experts():
+    """rollout.plan.rollout_params_bytes under expert parallelism (what the door counts):
+    Qwen3-30B-A3B's bf16 copy, 56.9 GiB whole, 9.6 GiB with 16 of its 128 experts a device."""
+    import jax
+
+    from brorl_jax.models import init_params
+    from brorl_jax.rollout.plan import rollout_params_bytes
+    from configs import brorl_64gpu
+    mc = brorl_64gpu.qwen3_30b_a3b(param_dtype="bfloat16", dtype="bfloat16")
+    n = sum(x.size for x in jax.tree.leaves(jax.eval_shape(
+        lambda: init_params(mc, jax.random.PRNGKey(0)))))
+    whole, split = rollout_params_bytes(mc, n), rollout_params_bytes(mc, n, 8)
+    experts = mc.num_hidden_layers * mc.num_experts * 3 * mc.hidden_size * mc.moe_intermediate_size
+    assert whole == 2 * n and whole - split == 2 * experts * 7 // 8
+    assert round(whole / 2**30, 1) == 56.9 and round(split / 2**30, 1) == 9.6
+    assert rollout_params_bytes(mc, n, 3) == whole                # 3 does not divide 128
+    assert rollout_params_bytes(tiny_model_config(), 1000, 8) == 4000      # dense, float32
 
 
 def test_an_expert_axis_needs_experts_that_split_over_it():
