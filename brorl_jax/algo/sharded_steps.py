@@ -22,7 +22,6 @@ from typing import Any, Sequence
 import jax
 from jax.sharding import Mesh
 
-import pallas_kernels
 from brorl_jax.algo.batch import TokenRows, UpdateBatch
 from brorl_jax.algo.routing_replay import routed
 from brorl_jax.algo.update import (
@@ -36,6 +35,7 @@ from brorl_jax.algo.update import (
 )
 from brorl_jax.models import lora
 from brorl_jax.models.chunked_attention import forward_hidden
+from brorl_jax.models.moe import may_run_kernel
 from brorl_jax.parallel import rules as R
 from brorl_jax.parallel.sharded import _replicated, constrain_rows, row_constraint
 from brorl_jax.parallel.vocab_parallel import sharded_fused_logprob, vocab_parallel_logprob
@@ -99,8 +99,7 @@ def traced_on(mesh: Mesh, fn, model_cfg=None):
     on a Hopper GPU or a TPU: the block then runs it per device under shard_map, GSPMD cannot
     split it); otherwise `fn` itself (no ambient mesh: the programs are those of a mesh without
     expert parallelism, as before)."""
-    kernel = (model_cfg is not None and model_cfg.is_moe and model_cfg.moe_impl == "grouped"
-              and pallas_kernels.backend() in ("gpu", "tpu"))
+    kernel = model_cfg is not None and may_run_kernel(model_cfg)
     if R.expert_axis_size(mesh) == 1 and not kernel:
         return fn
 

@@ -121,6 +121,13 @@ EXPERT_FNS: dict[str, Callable[..., jax.Array]] = {"grouped": experts_grouped,
                                                    "ragged": experts_ragged,
                                                    "dense": experts_dense}
 
+def may_run_kernel(cfg: ModelConfig) -> bool:
+    """Whether a MoE model's experts may run a Pallas kernel on the platform traced for
+    (moe_impl "grouped" on a GPU or TPU; runs_kernel decides per call from the shapes): its
+    sharded steps are then traced under their mesh (algo.sharded_steps.traced_on)."""
+    return cfg.is_moe and cfg.moe_impl == "grouped" and gg.kernel_platform()
+
+
 def runs_kernel(cfg: ModelConfig, tokens: int, gate_proj: jax.Array) -> bool:
     """Whether the block's expert function runs a Pallas kernel on the platform traced for
     (moe_impl "grouped" where pallas_kernels.grouped_gemm resolves to one): under a mesh it then

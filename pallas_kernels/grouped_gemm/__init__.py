@@ -81,6 +81,12 @@ def _gpu_is_hopper() -> bool:
         return False
 
 
+def kernel_platform() -> bool:
+    """Whether the platform traced for has a grouped-GEMM kernel (GPU or TPU; resolve decides
+    per call, e.g. falling back on a non-Hopper GPU)."""
+    return _backend.backend() in ("gpu", "tpu")
+
+
 def resolve(impl: str, x_shape, w_shape, dtype) -> str:
     """The implementation ``impl`` means for this call (module docstring)."""
     if impl not in IMPLS:
@@ -250,4 +256,4 @@ def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
 
 __all__ = ["CUSTOM_CALLS", "IMPLS", "KERNEL_NAMES", "grouped_gemm", "grouped_gemm_kernel_cost",
            "grouped_gemm_reference",
-           "hopper_unfit", "resolve"]
+           "hopper_unfit", "kernel_platform", "resolve"]
