@@ -40,7 +40,8 @@ on average: a 4k context), ``tail32_ctx8k`` (a 32-slot tail, 8k context), ``mesh
 its experts as the grouped GEMM kernel (pallas_kernels.grouped_gemm, ModelConfig.moe_impl=
 "grouped", the default; its cost declared by ``grouped_gemm_kernel_cost``);
 ``moe_slots256_ctx4k_ragged``: XLA's ``jax.lax.ragged_dot`` instead (moe_impl="ragged");
-``moe_slots256_ctx4k_dense``: every expert on every token (moe_impl="dense").
+``moe_slots256_ctx4k_dense``: every expert on every token (moe_impl="dense");
+``moe_tail32_ctx8k``: the MoE decode's long tail (32 slots, 8k context).
 
 The floor of a mixture-of-experts step reads only the experts some live slot routes to: with
 uniform routing a layer's expert is missed by all S slots with probability (1 - K/E)^S, so the
@@ -94,6 +95,9 @@ CASES = {
                                       model="qwen3-30b-a3b", moe_impl="ragged"),
     "moe_slots256_ctx4k_dense": dict(slots=256, prompts=1, prompt_len=1024, own_len=3072,
                                      model="qwen3-30b-a3b", moe_impl="dense"),
+    # the long tail: 32 slots left at an 8k context (few tokens a step, most experts still read)
+    "moe_tail32_ctx8k": dict(slots=32, prompts=1, prompt_len=1024, own_len=7168,
+                             model="qwen3-30b-a3b"),
     # expert parallel: 8 devices (mesh expert = 8), each with 16 experts a layer and 128 slots
     # of its own (the per-device numbers; the tokens exchanged with all-to-alls)
     "moe_ep8_slots128_ctx4k": dict(slots=128, prompts=1, prompt_len=1024, own_len=3072,
