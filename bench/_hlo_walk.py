@@ -472,7 +472,7 @@ class _Walker:
         target = target.group(1) if target else ""
         text = ins.op_name + " " + (re.search(r'\bname = "([^"]*)"', ins.attrs) or
                                     re.search(r"()", "")).group(1)
-        for key, fn in self.custom.items():
+        for key, fn in sorted(self.custom.items(), key=lambda kv: -len(kv[0])):  # longest first
             if key in text:
                 b, f = fn(ins)
                 cost.bytes += b

@@ -65,7 +65,7 @@ device_description_str: "NVIDIA H100 80GB HBM3"
 TPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-4",
            "TPU_WORKER_HOSTNAMES": "localhost"}
 # Pallas kernel names (pallas_call name=...) whose resources are reported.
-_KERNEL_NAMES = ("sample_tokens", "fused_logprob", "slot_decode_attention", "swiglu_")
+_KERNEL_NAMES = ("sample_tokens", "fused_logprob", "slot_decode_attention", "swiglu_", "fp8_")
 
 
 def _short(msg: str, limit: int = 220) -> str:

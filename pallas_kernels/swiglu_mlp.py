@@ -63,10 +63,10 @@ def swiglu_mlp_reference(x: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Arr
     return jnp.dot(jax.nn.silu(jnp.dot(x, wg)) * jnp.dot(x, wu), wd)
 
 
-def _divisor_tile(n: int, cap: int) -> int | None:
-    """The largest power-of-two tile in [16, cap] dividing n (None: none does)."""
+def _divisor_tile(n: int, cap: int, low: int = 16) -> int | None:
+    """The largest power-of-two tile in [low, cap] dividing n (None: none does)."""
     blk = cap
-    while blk >= 16:
+    while blk >= low:
         if n % blk == 0:
             return blk
         blk //= 2
@@ -113,7 +113,9 @@ def _silu32(g):
     return g / (1.0 + jnp.exp(-g))
 
 
-def _gate_up_kernel(x_ref, wg_ref, wu_ref, *out_refs, bk: int, n_k: int, save: bool):
+def accumulate_gate_up(x_ref, wg_ref, wu_ref, bk: int, n_k: int):
+    """Inside a kernel: x Wg and x Wu of the program's blocks in float32 accumulators, over
+    n_k steps of bk (fp8_mlp's gate/up kernel shares it)."""
     bt, bi = x_ref.shape[0], wg_ref.shape[1]
 
     def body(k, acc):
@@ -125,7 +127,11 @@ def _gate_up_kernel(x_ref, wg_ref, wu_ref, *out_refs, bk: int, n_k: int, save: b
         return ag, au
 
     zero = jnp.zeros((bt, bi), jnp.float32)
-    g, u = lax.fori_loop(0, n_k, body, (zero, zero))
+    return lax.fori_loop(0, n_k, body, (zero, zero))
+
+
+def _gate_up_kernel(x_ref, wg_ref, wu_ref, *out_refs, bk: int, n_k: int, save: bool):
+    g, u = accumulate_gate_up(x_ref, wg_ref, wu_ref, bk, n_k)
     a_ref = out_refs[0]
     g = g.astype(a_ref.dtype)
     u = u.astype(a_ref.dtype)
@@ -251,7 +257,8 @@ def swiglu_mlp(x: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array, *,
 # ------------------------------------------------------------------------------------------------
 
 # HLO and numpy dtype names (the walkers give either)
-_ITEMSIZE = {"bf16": 2, "f16": 2, "f32": 4, "bfloat16": 2, "float16": 2, "float32": 4}
+_ITEMSIZE = {"bf16": 2, "f16": 2, "f32": 4, "bfloat16": 2, "float16": 2, "float32": 4,
+             "f8e4m3fn": 1, "float8_e4m3fn": 1}
 
 
 def _nbytes(shape) -> int:

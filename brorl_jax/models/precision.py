@@ -111,6 +111,20 @@ def quantize_layers(layer_cls, layers, cfg: ModelConfig) -> tuple:
                  for lp in layers)
 
 
+def fused_mlp(cfg: ModelConfig, hidden: jax.Array, params: dict) -> jax.Array | None:
+    """A quantized layer's SwiGLU MLP as pallas_kernels.fp8_mlp's two kernels where they run
+    (GPU, e4m3 weights, ``cfg.mlp_impl`` "auto" or "pallas"): the down projection's input handed
+    over in e4m3 with a scale per (token, 128 channels), never written in the compute dtype.
+    None elsewhere (CPU, TPU's int8, mlp_impl "reference"): the layer's qwix GEMMs run it."""
+    from pallas_kernels import fp8_mlp
+    gate, up, down = (params[n]["kernel"].array for n in ("gate_proj", "up_proj", "down_proj"))
+    if fp8_mlp.resolve_impl(cfg.mlp_impl, hidden.shape, gate.qvalue.shape,
+                            gate.qvalue.dtype) != "pallas":
+        return None
+    return fp8_mlp.fp8_swiglu_mlp(hidden, gate.qvalue, gate.scale, up.qvalue, up.scale,
+                                  down.qvalue, down.scale)
+
+
 def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(inputs, outputs) of each quantized projection of one layer."""
     d, i = cfg.hidden_size, cfg.intermediate_size

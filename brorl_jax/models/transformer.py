@@ -215,8 +215,11 @@ class DecoderLayer(nn.Module):
         parameters; elsewhere (and while the parameters are created) the Dense layers do."""
         cfg = self.cfg
         p = None if self.is_initializing() else self.variables["params"]
-        # (qwix-quantized projections, models/precision.py, take the Dense path: its GEMMs)
-        if p is not None and isinstance(p["gate_proj"]["kernel"], jax.Array) and \
+        if p is not None and precision.is_quantized(p):    # the rollout's fp8 weights
+            y = precision.fused_mlp(cfg, hidden, p)
+            if y is not None:
+                return y
+        elif p is not None and \
                 swiglu_mlp.resolve_impl(cfg.mlp_impl, hidden.shape,
                                         (cfg.hidden_size, cfg.intermediate_size),
                                         hidden.dtype) == "pallas":

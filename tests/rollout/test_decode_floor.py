@@ -251,6 +251,25 @@ def test_the_walker_groups_traffic_by_the_operation_that_made_it():
     assert [b for b, _, _ in groups] == sorted((b for b, _, _ in groups), reverse=True)
 
 
+def test_the_fp8_decode_step_hands_the_mlp_activations_over_in_e4m3():
+    """With fp8 weights the decode step's MLP is pallas_kernels.fp8_mlp's two kernels (traced
+    for cuda): no bf16 SwiGLU kernel, and no [slots, I] tensor converted to e4m3 by XLA (the
+    down projection's input comes out of the gate/up kernel in e4m3); bf16 runs neither."""
+    from brorl_jax.models.precision import with_precision
+    cfg = tiny_config(**dict(GPU_TINY, intermediate_size=256))   # no projection is as wide
+    inter = cfg.intermediate_size
+    for precision, want in [(("fp8", "fp8"), True), (("bf16", "bf16"), False)]:
+        _, module = _lower_hlo(with_precision(cfg, *precision))
+        comps = _reachable(module, _step_loop(module)[1])
+        names = [i.kernel_name for c in comps for i in c.instrs if i.opcode == "custom-call"]
+        for kernel in ("fp8_swiglu_gate_up", "fp8_down"):
+            assert any(kernel in n for n in names) == want, (precision, kernel)
+        assert any("swiglu_gate_up" in n and "fp8" not in n for n in names) != want
+        wide = [i.type for c in comps for i in c.instrs if i.opcode == "convert" and i.shapes
+                and i.shapes[0][0] == "f8e4m3fn" and inter in i.shapes[0][1]]
+        assert not wide, wide
+
+
 def test_the_fp8_floor_counts_the_fp8_rollout_copy_and_a_byte_per_kv_element():
     """bench/roofline.py's floor under fp8 weights and KV (issue 41): the weights term is the
     bytes of the rollout's quantized copy as rollout_layout builds it (e4m3 projections + their
