@@ -309,7 +309,7 @@ def decode_report(target: str, model: str, case: str, built: dict) -> dict:
 
     from brorl_jax.models.precision import with_precision
     from pallas_kernels.decode_attention import slot_decode_attention_traffic
-    from pallas_kernels.fp8_mlp import KERNEL_NAMES as FP8_MLP_KERNELS, fp8_mlp_kernel_cost
+    from pallas_kernels.fp8_gemm import KERNEL_NAMES as FP8_KERNELS, fp8_gemm_kernel_cost
     from pallas_kernels.grouped_gemm import KERNEL_NAMES as GG_KERNELS, grouped_gemm_kernel_cost
     from pallas_kernels.sampling import sample_tokens_traffic
     from pallas_kernels.swiglu_mlp import KERNEL_NAMES as MLP_KERNELS, swiglu_mlp_kernel_cost
@@ -333,8 +333,8 @@ def decode_report(target: str, model: str, case: str, built: dict) -> dict:
     }
     custom.update({n: (lambda n: lambda ins: swiglu_mlp_kernel_cost(n, ops(ins), ins.shapes))(n)
                    for n in MLP_KERNELS})
-    custom.update({n: (lambda n: lambda ins: fp8_mlp_kernel_cost(n, ops(ins), ins.shapes))(n)
-                   for n in FP8_MLP_KERNELS})
+    custom.update({n: (lambda n: lambda ins: fp8_gemm_kernel_cost(n, ops(ins), ins.shapes))(n)
+                   for n in FP8_KERNELS})
     # the rows in groups: a device's slots' (token, choice) rows; under expert parallelism the
     # rows it receives (as many on average) in an exchange buffer expert times that size
     gg_rows = c["slots"] * max(1, mc.num_experts_per_tok)

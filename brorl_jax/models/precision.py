@@ -111,18 +111,41 @@ def quantize_layers(layer_cls, layers, cfg: ModelConfig) -> tuple:
                  for lp in layers)
 
 
-def fused_mlp(cfg: ModelConfig, hidden: jax.Array, params: dict) -> jax.Array | None:
-    """A quantized layer's SwiGLU MLP as pallas_kernels.fp8_mlp's two kernels where they run
-    (GPU, e4m3 weights, ``cfg.mlp_impl`` "auto" or "pallas"): the down projection's input handed
-    over in e4m3 with a scale per (token, 128 channels), never written in the compute dtype.
-    None elsewhere (CPU, TPU's int8, mlp_impl "reference"): the layer's qwix GEMMs run it."""
-    from pallas_kernels import fp8_mlp
-    gate, up, down = (params[n]["kernel"].array for n in ("gate_proj", "up_proj", "down_proj"))
-    if fp8_mlp.resolve_impl(cfg.mlp_impl, hidden.shape, gate.qvalue.shape,
-                            gate.qvalue.dtype) != "pallas":
+def _kernels_run(cfg: ModelConfig, x: jax.Array, qarray, swiglu: bool = False) -> bool:
+    """True where pallas_kernels.fp8_gemm's kernels run a quantized projection: e4m3 weights on
+    GPU, ``cfg.mlp_impl`` "auto" or "pallas" (elsewhere the layer's qwix GEMMs do)."""
+    from pallas_kernels import fp8_gemm
+    return fp8_gemm.resolve_impl(cfg.mlp_impl, x.shape, qarray.qvalue.shape, qarray.qvalue.dtype,
+                                 swiglu=swiglu) == "pallas"
+
+
+def fused_linear(cfg: ModelConfig, x: jax.Array, layer_params: dict | None,
+                 name: str) -> jax.Array | None:
+    """A quantized layer's projection ``name`` as pallas_kernels.fp8_gemm's fp8_linear kernel
+    where it runs (``_kernels_run``): x [T, K] quantized in the kernel, the output written once
+    in x's dtype. None elsewhere (or for a layer not quantized): its Dense layer runs it."""
+    from pallas_kernels import fp8_gemm
+    if layer_params is None or not is_quantized(layer_params):
         return None
-    return fp8_mlp.fp8_swiglu_mlp(hidden, gate.qvalue, gate.scale, up.qvalue, up.scale,
-                                  down.qvalue, down.scale)
+    params = layer_params[name]
+    w = params["kernel"].array
+    if not _kernels_run(cfg, x, w):
+        return None
+    return fp8_gemm.fp8_linear(x, w.qvalue, w.scale, params.get("bias"))
+
+
+def fused_mlp(cfg: ModelConfig, hidden: jax.Array, params: dict | None) -> jax.Array | None:
+    """A quantized layer's SwiGLU MLP as pallas_kernels.fp8_gemm's gate/up and down kernels
+    where they run (``_kernels_run``): the down projection's input handed over in e4m3 with a
+    scale per (token, 128 channels), never written in the compute dtype. None elsewhere."""
+    from pallas_kernels import fp8_gemm
+    if params is None or not is_quantized(params):
+        return None
+    gate, up, down = (params[n]["kernel"].array for n in ("gate_proj", "up_proj", "down_proj"))
+    if not _kernels_run(cfg, hidden, gate, swiglu=True):
+        return None
+    return fp8_gemm.fp8_swiglu_mlp(hidden, gate.qvalue, gate.scale, up.qvalue, up.scale,
+                                   down.qvalue, down.scale)
 
 
 def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:

@@ -174,15 +174,23 @@ class DecoderLayer(nn.Module):
         self.up_proj = dense(cfg.intermediate_size, use_bias=False)
         self.down_proj = dense(cfg.hidden_size, use_bias=False)
 
+    def proj(self, name: str, x: jax.Array) -> jax.Array:
+        """q/k/v/o_proj of x [N, K]; fp8 weights: precision.fused_linear's kernel if it runs."""
+        y = precision.fused_linear(self.cfg, x, self.params_or_none(), name)
+        return getattr(self, name)(x) if y is None else y
+
+    def params_or_none(self) -> dict | None:
+        return None if self.is_initializing() else self.variables["params"]
+
     def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.cfg
         b, t, _ = x.shape
         # Dense layers see [B*T, D]: XLA:CPU's weight-gradient matmul contracting over one
         # flattened axis is about twice as fast as over (B, T); the math is identical.
         hidden = self.input_norm(x).reshape(b * t, -1)
-        q = self.q_proj(hidden).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
-        k = self.k_proj(hidden).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-        v = self.v_proj(hidden).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        q = self.proj("q_proj", hidden).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
+        k = self.proj("k_proj", hidden).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        v = self.proj("v_proj", hidden).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         if cfg.qk_norm:  # Qwen3: RMSNorm over each head's Dh before RoPE.
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -193,7 +201,7 @@ class DecoderLayer(nn.Module):
         if self.cfg.is_moe:
             return self.finish_routed(x, attn)[0]
         b, t, d = x.shape
-        x = x.reshape(b * t, d) + self.o_proj(attn.reshape(b * t, -1))
+        x = x.reshape(b * t, d) + self.proj("o_proj", attn.reshape(b * t, -1))
         hidden = self.post_attn_norm(x)
         return (x + self.mlp(hidden)).reshape(b, t, d)
 
@@ -203,7 +211,7 @@ class DecoderLayer(nn.Module):
         routing int[B,T,K] (optional) replaces the router's top-k (moe.SparseMoeBlock)
         -> (x[B,T,D], expert ids int32[B,T,K]) (+ router logits f32[B,T,E] with_logits)."""
         b, t, d = x.shape
-        x = x.reshape(b * t, d) + self.o_proj(attn.reshape(b * t, -1))
+        x = x.reshape(b * t, d) + self.proj("o_proj", attn.reshape(b * t, -1))
         flat_routing = None if routing is None else routing.reshape(b * t, -1)
         out, ids, *logits = self.moe(self.post_attn_norm(x), flat_routing, with_logits)
         return ((x + out).reshape(b, t, d), ids.reshape(b, t, -1),
@@ -213,13 +221,11 @@ class DecoderLayer(nn.Module):
         """SwiGLU: down(silu(gate(h)) * up(h)). Where cfg.mlp_impl resolves to the kernels
         (GPU), pallas_kernels.swiglu_mlp computes the product inside the GEMMs over the same
         parameters; elsewhere (and while the parameters are created) the Dense layers do."""
-        cfg = self.cfg
-        p = None if self.is_initializing() else self.variables["params"]
-        if p is not None and precision.is_quantized(p):    # the rollout's fp8 weights
-            y = precision.fused_mlp(cfg, hidden, p)
-            if y is not None:
-                return y
-        elif p is not None and \
+        cfg, p = self.cfg, self.params_or_none()
+        y = precision.fused_mlp(cfg, hidden, p)     # the rollout's fp8 weights' kernels
+        if y is not None:
+            return y
+        if p is not None and not precision.is_quantized(p) and \
                 swiglu_mlp.resolve_impl(cfg.mlp_impl, hidden.shape,
                                         (cfg.hidden_size, cfg.intermediate_size),
                                         hidden.dtype) == "pallas":

@@ -252,9 +252,9 @@ def test_the_walker_groups_traffic_by_the_operation_that_made_it():
 
 
 def test_the_fp8_decode_step_hands_the_mlp_activations_over_in_e4m3():
-    """With fp8 weights the decode step's MLP is pallas_kernels.fp8_mlp's two kernels (traced
-    for cuda): no bf16 SwiGLU kernel, and no [slots, I] tensor converted to e4m3 by XLA (the
-    down projection's input comes out of the gate/up kernel in e4m3); bf16 runs neither."""
+    """With fp8 weights the decode step's projections are pallas_kernels.fp8_gemm's kernels
+    (traced for cuda): no bf16 SwiGLU kernel, and no [slots, I] tensor converted to e4m3 by XLA
+    (the down projection's input comes out of the gate/up kernel in e4m3); bf16 runs none."""
     from brorl_jax.models.precision import with_precision
     cfg = tiny_config(**dict(GPU_TINY, intermediate_size=256))   # no projection is as wide
     inter = cfg.intermediate_size
@@ -262,7 +262,7 @@ def test_the_fp8_decode_step_hands_the_mlp_activations_over_in_e4m3():
         _, module = _lower_hlo(with_precision(cfg, *precision))
         comps = _reachable(module, _step_loop(module)[1])
         names = [i.kernel_name for c in comps for i in c.instrs if i.opcode == "custom-call"]
-        for kernel in ("fp8_swiglu_gate_up", "fp8_down"):
+        for kernel in ("fp8_linear", "fp8_swiglu_gate_up", "fp8_down"):
             assert any(kernel in n for n in names) == want, (precision, kernel)
         assert any("swiglu_gate_up" in n and "fp8" not in n for n in names) != want
         wide = [i.type for c in comps for i in c.instrs if i.opcode == "convert" and i.shapes

@@ -1,11 +1,11 @@
-"""pallas_kernels.fp8_mlp: the rollout's FP8 SwiGLU MLP with the down projection's input handed
-over in e4m3 (issue 41).
+"""pallas_kernels.fp8_gemm: the rollout's FP8 GEMM kernels (issue 41): every projection's input
+quantized in the kernel per (token, 128 channels), the SwiGLU MLP's down projection fed in e4m3.
 
-The kernels run interpreted here against their arithmetic written in jnp (bit for bit on the
-e4m3 activations and their scales), against the bf16 MLP and the per-token form the plain qwix
-GEMMs compute (the 1 x 128 scales are no worse); the model's quantized layer takes them where
-cfg.mlp_impl resolves to them (GPU: "auto" for a cuda target only, e4m3 weights only); their
-declared cost counts what their tiles read and write.
+The kernels run interpreted here against their arithmetic written in jnp, against the bf16
+projections and the per-token form the plain qwix GEMMs compute (the 1 x 128 scales are no
+worse); the model's quantized layer takes them where cfg.mlp_impl resolves to them (GPU: "auto"
+for a cuda target only, e4m3 weights only); their declared cost counts what their tiles read and
+write.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 from testutil import tiny_model_config
 
 import pallas_kernels as pk
-from pallas_kernels import fp8_mlp as fm
+from pallas_kernels import fp8_gemm as fm
 
 E4M3 = jnp.float8_e4m3fn
 
@@ -41,25 +41,51 @@ def _inputs(t, d, i, seed=0):
     return x, (wg, sg, wu, su, wd, sd), (fg, fu, fd)
 
 
-# T padded to a 64-token tile (100), whole tiles (128); D of 96 (K tiles of 32) and 64
-@pytest.mark.parametrize("shape", [(100, 96, 128), (128, 64, 384)])
-def test_kernels_equal_their_jnp_arithmetic(shape):
+def _close_e4m3(a, b):
+    """e4m3 values equal but for rare one-step roundings (the kernels sum the K blocks in
+    another order than the einsum, so a value on a rounding boundary may land either side)."""
+    a, b = np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
+    assert np.mean(a == b) > 0.99
+    np.testing.assert_allclose(a, b, rtol=0.13, atol=2.0 ** -9)
+
+
+# T padded to a 64-token tile (100), whole tiles (128); input widths of 96 (32-channel blocks)
+# and 384 (three 128-channel blocks)
+@pytest.mark.parametrize("shape", [(100, 96, 128), (128, 384, 256)])
+def test_mlp_kernels_equal_their_jnp_arithmetic(shape):
     x, w, _ = _inputs(*shape)
-    t, _, i = shape
+    t, d, i = shape
     y = fm.fp8_swiglu_mlp(x, *w)
-    xq, sx = fm.quantize_rows(x)
-    y_ref, aq_ref, sa_ref = fm.fp8_swiglu_mlp_reference(xq, sx, *w, out_dtype=x.dtype)
-    assert y.shape == (t, shape[1]) and y.dtype == jnp.bfloat16
-    t_pad = -(-t // 64) * 64
-    pad = lambda a, v: jnp.pad(a, ((0, t_pad - t), (0, 0)), constant_values=v)
-    aq, sa = fm._gate_up(pad(xq, 0), pad(sx, 1.0), *w[:4], out_dtype=x.dtype)
-    assert aq.dtype == E4M3 and sa.shape == (t_pad, i // fm.ACT_BLOCK)
-    np.testing.assert_array_equal(np.asarray(sa[:t]), np.asarray(sa_ref))
-    np.testing.assert_array_equal(np.asarray(aq[:t].astype(jnp.float32)),
-                                  np.asarray(aq_ref.astype(jnp.float32)))
+    y_ref, aq_ref, sa_ref = fm.fp8_swiglu_mlp_reference(x, *w)
+    assert y.shape == (t, d) and y.dtype == jnp.bfloat16
+    # the gate/up kernel's e4m3 output and its scales
+    xp = jnp.pad(x, ((0, -t % 64), (0, 0)))
+    aq, sa = fm._gate_up(xp, *w[:4], 64)
+    assert aq.dtype == E4M3 and sa.shape == (xp.shape[0], i // fm.ACT_BLOCK)
+    _close_e4m3(aq[:t], aq_ref)
+    np.testing.assert_allclose(np.asarray(sa[:t]), np.asarray(sa_ref), rtol=0.02)
     y, y_ref = np.asarray(y, np.float32), np.asarray(y_ref, np.float32)
-    np.testing.assert_allclose(y, y_ref, rtol=0, atol=1e-2 * np.abs(y_ref).max())
+    np.testing.assert_allclose(y, y_ref, rtol=0, atol=2e-2 * np.abs(y_ref).max())
     assert np.abs(y).max() > 0
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_kernel_equals_its_jnp_arithmetic_and_the_bf16_projection(bias):
+    """fp8_linear (T padded, a K of three 128-channel blocks, N of 80: 16-wide output tiles),
+    against fp8_linear_reference and the plain projection over the weights it stands for."""
+    x, _, _ = _inputs(100, 384, 128)
+    w, sw, wf = _quantized(jax.random.PRNGKey(7), (384, 80))
+    b = jax.random.normal(jax.random.PRNGKey(8), (80,)).astype(jnp.bfloat16) if bias else None
+    y = fm.fp8_linear(x, w, sw, b)
+    want = fm.fp8_linear_reference(x, w, sw, b)
+    assert y.shape == (100, 80) and y.dtype == jnp.bfloat16
+    y, want = np.asarray(y, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_allclose(y, want, rtol=0, atol=1e-2 * np.abs(want).max())
+    plain = np.asarray(x.astype(jnp.float32) @ (w.astype(jnp.float32) * sw.astype(jnp.float32)))
+    if bias:
+        plain = plain + np.asarray(b, np.float32)
+    err = np.sqrt(np.mean((y - plain) ** 2)) / np.sqrt(np.mean(plain ** 2))
+    assert 0 < err < 0.05
 
 
 def test_block_scales_are_no_worse_than_per_token_scales():
@@ -70,10 +96,11 @@ def test_block_scales_are_no_worse_than_per_token_scales():
     f = lambda a: a.astype(jnp.float32)
     deq = [f(q) * f(s) for q, s in zip(w[::2], w[1::2])]           # the weights as stored
     exact = (jax.nn.silu(f(x) @ deq[0]) * (f(x) @ deq[1])) @ deq[2]
-    xq, sx = fm.quantize_rows(x)
+    per_token = lambda a: fm.block_quantize(a, a.shape[1])          # one scale per row
+    xq, sx = per_token(x)
     g = (f(xq) @ f(w[0]) * sx * f(w[1])).astype(jnp.bfloat16)
     u = (f(xq) @ f(w[2]) * sx * f(w[3])).astype(jnp.bfloat16)
-    aq, sa = fm.quantize_rows(jax.nn.silu(f(g)) * f(u))
+    aq, sa = per_token(jax.nn.silu(f(g)) * f(u))
     per_token = (f(aq) @ f(w[4])) * sa * f(w[5])
     err = lambda y: float(jnp.sqrt(jnp.mean((f(y) - exact) ** 2)))
     e_kernel, e_token = err(fm.fp8_swiglu_mlp(x, *w)), err(per_token)
@@ -116,31 +143,36 @@ def test_auto_picks_the_kernels_for_cuda_and_e4m3_only(caplog, monkeypatch):
         caplog.set_level(logging.WARNING, logger="pallas_kernels")
         assert fm.resolve_impl("auto", x, (1536, 8968), E4M3) == "reference"
         assert fm.resolve_impl("auto", x, w, jnp.int8) == "reference"
-        with pytest.raises(ValueError, match="intermediate size 8968"):
-            fm.resolve_impl("pallas", x, (1536, 8968), E4M3)
+        with pytest.raises(ValueError, match="intermediate size 8976 is not a multiple of 128"):
+            fm.resolve_impl("pallas", (256, 8960), (8960, 8960 + 16), E4M3, swiglu=True)
+        assert fm.resolve_impl("pallas", (256, 8960), (8960, 8960 + 16), E4M3) == "pallas"
     with pk.compile_target("tpu"):
         assert fm.resolve_impl("auto", x, w, jnp.int8) == "reference"
-    msgs = [r.getMessage() for r in caplog.records if "fp8_swiglu_mlp" in r.getMessage()]
-    assert any("8968" in m for m in msgs) and any("int8" in m for m in msgs)
+    msgs = [r.getMessage() for r in caplog.records if "fp8_gemm" in r.getMessage()]
+    assert any("output width 8968" in m for m in msgs) and any("int8" in m for m in msgs)
     assert fm.resolve_impl("reference") == "reference"
     with pytest.raises(ValueError, match="not a multiple of 128"):
         fm.fp8_swiglu_mlp(jnp.zeros((4, 32), jnp.bfloat16), *_inputs(4, 32, 200)[1])
 
 
 def test_declared_cost_counts_the_gemms_and_the_tiles_reads():
-    """Qwen2.5-1.5B's MLP at 256 decode slots: flops are the GEMMs'; bytes the outputs, the
-    weights and their scales once, the token rows once per wave of 132 programs (gate/up:
-    4 x 70 programs, 3 waves; down: 4 x 12, 1 wave)."""
+    """Qwen2.5-1.5B at 256 decode slots: flops are the GEMMs'; bytes the outputs, the weights,
+    their scales and biases once, the token rows once per wave of 132 programs (gate/up: 4 x 70
+    programs, 3 waves; down: 4 x 12, 1 wave; q: 4 x 12, 1 wave)."""
     t, d, i = 256, 1536, 8960
     f8, f32, bf = (lambda *s: ("f8e4m3fn", s)), (lambda *s: ("f32", s)), (lambda *s: ("bf16", s))
-    b, f = fm.fp8_mlp_kernel_cost(
-        "fp8_swiglu_gate_up", [f8(t, d), f32(t, 1), f8(d, i), f8(d, i), bf(1, i), bf(1, i)],
+    b, f = fm.fp8_gemm_kernel_cost(
+        "fp8_swiglu_gate_up", [bf(t, d), f8(d, i), f8(d, i), bf(1, i), bf(1, i)],
         [f8(t, i), f32(t, i // 128)])
     assert f == 2 * 2 * t * d * i
-    assert b == (t * i + 4 * t * i // 128) + (2 * d * i + 2 * 2 * i) + 3 * (t * d + 4 * t)
-    b, f = fm.fp8_mlp_kernel_cost("fp8_down", [f8(t, i), f32(t, i // 128), f8(i, d), bf(1, d)],
-                                  [bf(t, d)])
+    assert b == (t * i + 4 * t * i // 128) + (2 * d * i + 2 * 2 * i) + 3 * (2 * t * d)
+    b, f = fm.fp8_gemm_kernel_cost("fp8_down", [f8(t, i), f32(t, i // 128), f8(i, d), bf(1, d)],
+                                   [bf(t, d)])
     assert f == 2 * t * d * i
     assert b == 2 * t * d + (i * d + 2 * d) + (t * i + 4 * t * i // 128)
+    b, f = fm.fp8_gemm_kernel_cost("fp8_linear", [bf(t, d), f8(d, d), bf(1, d), bf(1, d)],
+                                   [bf(t, d)])
+    assert f == 2 * t * d * d
+    assert b == 2 * t * d + (d * d + 2 * d + 2 * d) + 2 * t * d
     with pytest.raises(ValueError, match="unknown kernel"):
-        fm.fp8_mlp_kernel_cost("swiglu_gate_up", [f8(t, d)], [])
+        fm.fp8_gemm_kernel_cost("swiglu_gate_up", [f8(t, d)], [])
