@@ -109,7 +109,7 @@ def _own_merge_kernel_triton(layer_ref, table_ref, slen_ref, pos_ref, q_ref, pk_
     heads = pl.ds(head * group, gp)
 
     def load(j, start):
-        idx = table_ref[b, j]
+        idx = jnp.clip(table_ref[b, j], 0, pk_ref.shape[1] - 1)   # a scalar, not an XLA pass
         return ((pk_ref[layer, idx, :, :], pv_ref[layer, idx, :, :])
                 + tuple(r[layer, idx, :, :] for r in scale_refs))
 
@@ -170,7 +170,7 @@ def slot_attention(q, prefix_k, prefix_v, prefix_len, prefix_index, pages_k, pag
     b, h, _ = q.shape
     n_pages, page = pages_k.shape[1], pages_k.shape[3]
     s_len = page_table.shape[1] * page
-    page_table = jnp.clip(page_table.astype(jnp.int32), 0, n_pages - 1)
+    page_table = page_table.astype(jnp.int32)     # entries clipped to the pool in the kernel
     g = h // hkv
     scale = dh**-0.5 if scale is None else scale
     rows = register_rows(g)[1]
