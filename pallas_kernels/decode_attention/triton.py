@@ -44,8 +44,8 @@ def _prefix_kernel_triton(layer_ref, tp_ref, nt_ref, plen_ref, qrow_ref, q_ref, 
                           *refs, block_p, rows, group, scale):
     """Grid (tile, KV head). The tile's n = tile x g packed query rows are gathered from q_ref
     [B*H, Dh] (unscaled, flat) by qrow_ref [n] (row of each slot's first head in q, -1: no slot)
-    plus this KV head's offset, into a ``rows``-row register tile whose rows past n (and
-    rows of no slot) are masked: never loaded (zeros), never stored; pk_ref/pv_ref [L, K,
+    plus this KV head's offset, into a ``rows``-row register tile (masked: rows past n are
+    neither loaded nor stored, rows of no slot are not loaded: zeros); pk_ref/pv_ref [L, K,
     P_pad, Dh] (this KV head, read in place at the tile's (layer, prompt)); with an e4m3 store,
     its scale rows ks_ref/vs_ref [L, K, 1, P_pad] before the outputs o_ref [n, Dh] / lse_ref
     [n, 1]."""
@@ -55,8 +55,7 @@ def _prefix_kernel_triton(layer_ref, tp_ref, nt_ref, plen_ref, qrow_ref, q_ref, 
     @pl.when(i < nt_ref[0])
     def _():
         layer, kp = layer_ref[0], tp_ref[i]
-        r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
-        real = (r < qrow_ref.shape[0])[:, None]
+        real = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) < qrow_ref.shape[0]
         window = pl.ds(0, rows)
 
         def load(j, start):
