@@ -127,34 +127,36 @@ def slot_decode_attention_traffic(kernel: str, operands, *, group: int,
 
     * prefix (grid tile x KV head; tiles past the ones in use return at once): its q rows, the
       prompt's K and V up to ``prompt_len`` in whole blocks (Triton: blocks of <= 64 positions;
-      Mosaic: the whole padded prompt is one VMEM block), its f32 outputs (o and lse);
+      Mosaic: the whole padded prompt is one VMEM block), its f32 outputs (o and lse). Triton:
+      the tile's n = ``tile x group`` packed rows: their int32 row indices, the live slots' rows
+      of q gathered from ``q [B*H, Dh]`` (masked loads), n rows of o and lse written, the
+      register tile's padding masked off; Mosaic: every row of its blocks;
     * own (grid slot x KV head): its q rows, its pages up to its length, K and V, its page-table
-      entries; Triton: its rows of the prompt part (f32) in and the merged output (q's dtype)
-      out; Mosaic: its f32 outputs.
-    Flops: 2 x rows x positions x Dh for QK^T and again for PV, padded rows included.
+      entries; Triton: its ``group`` rows of q (masked loads from ``q [B, H, Dh]``), a live
+      slot's ``group`` rows of the prompt part (f32 o and lse) in and its ``group`` rows of the
+      merged output (q's dtype) out; Mosaic: its Gp padded rows of q in, f32 outputs out.
+    Flops: 2 x rows x positions x Dh for QK^T and again for PV, the register tiles' padded rows
+    included (Triton: ``triton.register_rows``).
 
     An e4m3 store (``kv_scales``): the KV at 1 byte an element, plus its float32 scale rows (two
-    more operands after the KV: prefix, after prefix_v; own, Triton: after the prompt part's o
+    more operands after the KV: prefix, after prefix_v, last; own, Triton: after the prompt part's o
     and lse, last; Mosaic: after pages_v, last), 4 bytes per position each for K and V.
     """
     itemsize = lambda d: 1 if str(d).startswith(("f8", "float8")) else jnp.dtype(d).itemsize
-    # the calls' operand counts without scale rows (scalars, q, K, V[, o, lse]); 2 more with
+    # the calls' operand counts without scale rows (scalars[, Triton prefix: q rows], q, K,
+    # V[, o, lse]); 2 more with
     scale_ops = lambda plain: 2 if len(operands) >= plain + 2 else 0
+    if kernel == "slot_decode_attention_prefix" and family == "triton":
+        return _triton_prefix_traffic(operands, group, slots_per_prompt, prompt_len, itemsize,
+                                      4 * scale_ops(8))
     if kernel == "slot_decode_attention_prefix":
         (q_dt, q_shape), (kv_dt, kv_shape) = operands[4], operands[5]
         sc_bytes = 4 * scale_ops(7)
         n_tiles, hkv, rows, dh = q_shape
         p_pad = kv_shape[3]
-        if family == "triton":    # packed rows (triton.slot_attention)
-            tile = triton_tile(sum(int(c) for c in slots_per_prompt), kv_shape[1], group)
-        else:
-            tile = rows // max(8, _pow2(group))
+        tile = rows // max(8, _pow2(group))
         in_use = min(n_tiles, sum(-(-int(c) // tile) for c in slots_per_prompt if c > 0))
-        if family == "triton":
-            block_p = min(64, max(16, _pow2(p_pad)))
-            positions = min(p_pad, _round_up(int(prompt_len), block_p))
-        else:
-            positions = p_pad
+        positions = p_pad
         per = (rows * dh * itemsize(q_dt) + 2 * positions * dh * itemsize(kv_dt)
                + rows * (dh + 1) * 4 + positions * sc_bytes)
         return float(in_use * hkv * per), float(in_use * hkv * 4 * rows * positions * dh)
@@ -163,19 +165,42 @@ def slot_decode_attention_traffic(kernel: str, operands, *, group: int,
         n_sc = scale_ops(9 if merged else 7)
         (q_dt, q_shape), (kv_dt, kv_shape) = operands[4 if merged else -3 - n_sc], \
             operands[5 if merged else -2 - n_sc]
-        b, hkv, gp, dh = q_shape
-        page = kv_shape[3]
+        page, hkv = kv_shape[3], kv_shape[2]
+        b, dh = q_shape[0], q_shape[-1]
         live = min(b, sum(int(c) for c in slots_per_prompt))
         positions = _round_up(int(math.ceil(own_len)), page) if own_len > 0 else 0
-        if merged:   # q in, its prompt-part rows (f32 o and lse) in, the output out
-            per_slot = gp * dh * itemsize(q_dt) + gp * (dh + 1) * 4 + gp * dh * itemsize(q_dt)
-        else:        # q in, f32 o and lse out
-            per_slot = gp * dh * itemsize(q_dt) + gp * (dh + 1) * 4
+        if merged:   # its g rows: q in, a live slot's prompt part (f32 o and lse) in, out out
+            gp = triton.register_rows(group)[0]
+            per_slot = 2 * group * dh * itemsize(q_dt)
+            prompt_part = live * group * (dh + 1) * 4
+        else:        # Gp padded rows: q in, f32 o and lse out
+            gp = q_shape[2]
+            per_slot, prompt_part = gp * dh * itemsize(q_dt) + gp * (dh + 1) * 4, 0
         kv = live * (2 * positions * dh * itemsize(kv_dt) + 4 * positions // page
                      + 4 * n_sc * positions)
-        return (float(hkv * (b * per_slot + kv)),
+        return (float(hkv * (b * per_slot + prompt_part + kv)),
                 float(hkv * live * 4 * gp * positions * dh))
     raise ValueError(f"unknown slot decode attention kernel {kernel!r}")
+
+
+def _triton_prefix_traffic(operands, group, slots_per_prompt, prompt_len, itemsize, sc_bytes):
+    """The Triton prompt kernel's part of :func:`slot_decode_attention_traffic`: operands
+    (scalars, qrow [T, n], q [B*H, Dh], K, V[, scale rows]); a tile in use reads its n row
+    indices and the live slots' ``group`` q rows each (gathered, masked), the prompt's K and V
+    in whole blocks up to ``prompt_len``, writes its n rows of f32 o and lse; it computes on
+    ``triton.register_rows`` rows."""
+    (_, (n_tiles, n)), (q_dt, (_, dh)), (kv_dt, kv_shape) = operands[4], operands[5], operands[6]
+    hkv, p_pad = kv_shape[2], kv_shape[3]
+    tile = n // group
+    in_use = min(n_tiles, sum(-(-int(c) // tile) for c in slots_per_prompt if c > 0))
+    block_p = min(64, max(16, _pow2(p_pad)))
+    positions = min(p_pad, _round_up(int(prompt_len), block_p))
+    per = (n * 4 + 2 * positions * dh * itemsize(kv_dt) + n * (dh + 1) * 4
+           + positions * sc_bytes)
+    q_rows = sum(int(c) for c in slots_per_prompt) * group
+    computed = triton.register_rows(group)[1]
+    return (float(hkv * (in_use * per + q_rows * dh * itemsize(q_dt))),
+            float(in_use * hkv * 4 * computed * positions * dh))
 
 
 def slot_decode_attention_pallas(

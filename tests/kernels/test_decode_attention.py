@@ -173,9 +173,16 @@ def test_slot_reference_matches_brute_force(shape):
     np.testing.assert_allclose(np.asarray(out), _slot_brute_force(*args, 1), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("shape,family", [(SLOT_SHAPES[0], "mosaic"), (SLOT_SHAPES[1], "triton")])
+# GQA 20 on GPU: each slot's 20 rows in a 32-row register tile (masked past the slot's heads), 16
+# slots of one prompt in three 6-slot prompt tiles (120 rows of 128, the last tile partly empty)
+WIDE_GROUP = (16, 1, 40, 2, 8, 20, 16, 1)
+
+
+@pytest.mark.parametrize("shape,family", [(SLOT_SHAPES[0], "mosaic"), (SLOT_SHAPES[1], "triton"),
+                                          (WIDE_GROUP, "triton")])
 def test_slot_kernels_match_reference(shape, family):
-    """Both kernel structures (GPU: in-kernel loops; TPU: scalar-prefetch grid), interpreted."""
+    """Both kernel structures (GPU: in-kernel loops, masked rows; TPU: scalar-prefetch grid),
+    interpreted."""
     args = _slot_inputs(*shape, seed=4)
     layer = jnp.int32(1)       # traced, as in the decode loop's layer scan
     ref = slot_decode_attention_reference(*args, layer=layer)
