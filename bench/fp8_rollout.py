@@ -40,9 +40,13 @@ from brorl_jax.config import RunConfig  # noqa: E402
 from brorl_jax.models.precision import with_precision  # noqa: E402
 from brorl_jax.rollout import Engine  # noqa: E402
 
+# arm -> (compute dtype, weights, KV[, mlp_impl]); "_gpu": the GPU's FP8 GEMM kernels
+# (pallas_kernels.fp8_gemm: activations scaled per token x 128 channels), interpreted here,
+# where the other arms run qwix's GEMMs (scaled per token)
 ARMS = {"float32": ("float32", "bf16", "bf16"), "bf16": ("bfloat16", "bf16", "bf16"),
         "bf16_w+fp8_kv": ("bfloat16", "bf16", "fp8"), "fp8_w+bf16_kv": ("bfloat16", "fp8", "bf16"),
-        "fp8_w+fp8_kv": ("bfloat16", "fp8", "fp8")}
+        "fp8_w+fp8_kv": ("bfloat16", "fp8", "fp8"),
+        "fp8_w+fp8_kv_gpu": ("bfloat16", "fp8", "fp8", "pallas")}
 TIS_HIGH = RunConfig().algo.tis_high
 
 
@@ -73,14 +77,19 @@ def main():
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS),
+                    help="the arms to run (bf16, the greedy baseline, always runs)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                   "fp8_rollout.json"))
     args = ap.parse_args()
     model, prompts, _, eos = smollm2_workload(args.prompts)
     kw = dict(max_new_tokens=args.new_tokens, eos_ids=eos)
     gap, greedy, seconds = {}, {}, {}
-    for arm, (dtype, w, kv) in ARMS.items():
-        engine = Engine(with_precision(model.config.replace(dtype=dtype), w, kv))
+    arms = ["bf16"] + [a for a in args.arms if a != "bf16"]
+    for arm in arms:
+        dtype, w, kv, *impl = ARMS[arm]
+        cfg = model.config.replace(dtype=dtype, **({"mlp_impl": impl[0]} if impl else {}))
+        engine = Engine(with_precision(cfg, w, kv))
         t0 = time.perf_counter()
         res = engine.generate(model.params, prompts, rollouts_per_prompt=args.samples,
                               temperature=1.0, seed=0, **kw)
@@ -94,7 +103,7 @@ def main():
     base = greedy["bf16"]
     valid = np.asarray(base.mask)[:, 0]
     agree = {}
-    for arm in ARMS:
+    for arm in arms:
         same = np.asarray(greedy[arm].tokens)[:, 0] == np.asarray(base.tokens)[:, 0]
         first = np.where(~same & valid, np.arange(same.shape[1])[None], same.shape[1]).min(1)
         agree[arm] = {"token_agreement": float(same[valid].mean()),

@@ -92,9 +92,8 @@ class ModelConfig:
     attention_impl: str = "reference"
     # The SwiGLU MLP in forward(): "auto" (pallas_kernels.swiglu_mlp: Triton kernels with the
     # elementwise work inside the GEMMs on GPU; the plain XLA expression on CPU and TPU),
-    # "pallas" (the kernels; interpreted on CPU), "reference" (always the XLA expression).
-    # With the rollout's fp8 weights it picks pallas_kernels.fp8_gemm's kernels for every
-    # projection likewise ("reference": qwix's GEMMs). Not part of the checkpoint.
+    # "pallas" (the kernels; interpreted on CPU), "reference" (always the XLA expression); under
+    # fp8 rollout weights likewise pallas_kernels.fp8_gemm's kernels or qwix's GEMMs. Not saved.
     mlp_impl: str = "auto"
     # The rollout copy's precision (models/precision.py; keys rollout.weight_dtype and
     # rollout.kv_dtype): "bf16" = the compute dtype, "fp8" = e4m3 values with scales. Set only on
