@@ -183,15 +183,32 @@ def _build(kernel: str, model: str, dtype: str, sharding):
     return fn, args, shape
 
 
+def _gpu_mma(dump_dir: str) -> dict[str, str]:
+    """The tensor-core instructions of each Pallas kernel's PTX (e.g. "wgmma e4m3": Hopper's
+    FP8 MMA; "mma.sync f16": Ampere-style f16 MMA), from XLA's dumped .ptx files."""
+    found = {}
+    for path in glob.glob(os.path.join(dump_dir, "*.ptx")):
+        text = open(path).read()
+        kinds = sorted({f"{op} {ty}" for op, ty in re.findall(
+            r"\b(wgmma|mma)\.(?:mma_async\.)?sync\.aligned\.[\w.]*?\.f32\.(\w+?)\.", text)})
+        for name in re.findall(r"\.entry\s+(\w+)\(", text):
+            if kinds:
+                found[name] = "/".join(kinds)
+    return found
+
+
 def _gpu_smem(dump_dir: str) -> str:
-    """Shared memory per Pallas kernel from XLA's dumped thunk sequence."""
+    """Shared memory per Pallas kernel from XLA's dumped thunk sequence (and, in brackets, its
+    tensor-core instructions, _gpu_mma)."""
     found = {}
     for path in glob.glob(os.path.join(dump_dir, "*thunk_sequence.txt")):
         for line in open(path):
             mt = re.search(r"kCustomKernel.*\]\s+(\S+) grid: .*shared_memory: (\d+) bytes", line)
             if mt and any(k in mt.group(1) for k in _KERNEL_NAMES):
                 found[mt.group(1)] = max(found.get(mt.group(1), 0), int(mt.group(2)))
-    return ", ".join(f"{k}: {v / 1024:.0f} KiB" for k, v in sorted(found.items())) or "-"
+    mma = _gpu_mma(dump_dir)
+    return ", ".join(f"{k}: {v / 1024:.0f} KiB" + (f" ({mma[k]})" if k in mma else "")
+                     for k, v in sorted(found.items())) or "-"
 
 
 def _jax_triton_smem(dump_dir: str) -> str:

@@ -37,6 +37,7 @@ is opaque to XLA's cost model and to an HLO walk), beside the kernels it describ
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend
 from pallas_kernels.swiglu_mlp import _divisor_tile, _nbytes, _silu32
+
+logger = logging.getLogger("pallas_kernels")
 
 IMPLS = ("auto", "pallas", "reference")
 # The kernels' names in the compiled program (bench/roofline.py declares their traffic).
@@ -64,6 +67,52 @@ BLOCK_T, BLOCK_N = 64, 128
 _WARPS_GATE_UP, _WARPS, _STAGES = 8, 4, 3
 # SMs of an H100 / H200: how many programs of a grid run at once (one per SM at these tiles).
 GPU_CORES = 132
+
+
+def _fp8_tensor_core_dot(dot):
+    """``dot`` (Triton's tt.dot builder) with e4m3 x e4m3 dots allowed Hopper's FP8 MMA."""
+    from jaxlib.mlir import ir
+
+    def fp8_dot(a, b, c, *, input_precision=None, max_num_imprecise_acc=None, **kw):
+        a_type = ir.RankedTensorType(a.type)
+        if max_num_imprecise_acc is None and isinstance(a_type.element_type,
+                                                        ir.Float8E4M3FNType):
+            max_num_imprecise_acc = a_type.shape[-1]     # this dot's K: <= ACT_BLOCK
+        return dot(a, b, c, input_precision=input_precision,
+                   max_num_imprecise_acc=max_num_imprecise_acc, **kw)
+    fp8_dot.wrapped = dot
+    return fp8_dot
+
+
+def enable_fp8_tensor_cores() -> bool:
+    """Let Pallas's Triton lowering run these kernels' e4m3 dots on Hopper's FP8 tensor cores.
+
+    jax 0.10's lowering builds ``tt.dot`` without ``max_num_imprecise_acc``; Triton then runs
+    an e4m3 x e4m3 dot as f16 MMAs (``mma.sync ... f16``, the operands widened in registers),
+    because Hopper's FP8 ``wgmma`` accumulates in reduced precision and Triton uses it only
+    where a dot allows that over some K. Each dot here is at most ACT_BLOCK = 128 deep and its
+    float32 result is scaled and added outside the tensor cores (DeepSeek-V3's promotion every
+    128), so the allowance is the dot's own K: the compiled kernels hold ``wgmma ... e4m3.e4m3``
+    (bench/compile_check.py's "MMA" column). The lowering's ``tt_dialect`` is wrapped, e4m3
+    operands only (no other Pallas kernel has them), once per process; if jax's internals have
+    moved it logs why and leaves them (f16 MMAs: the same results, slower) and
+    tests/kernels/test_fp8_gemm.py fails. Returns whether the wrapper is in place."""
+    try:
+        from jax._src.pallas.triton import lowering
+        dialect = lowering.tt_dialect
+        if getattr(dialect.dot, "wrapped", None) is not None:
+            return True
+
+        class _Dialect:
+            dot = staticmethod(_fp8_tensor_core_dot(dialect.dot))
+
+            def __getattr__(self, name):
+                return getattr(dialect, name)
+        lowering.tt_dialect = _Dialect()
+        return True
+    except (ImportError, AttributeError) as e:
+        logger.warning("fp8_gemm: e4m3 dots run as f16 MMAs on Hopper (%s)", e)
+        return False
 
 
 def k_block(k: int) -> int | None:
@@ -219,6 +268,7 @@ def _tiles(t: int, n: int) -> tuple[int, int, int]:
 
 
 def _call(kernel, name, grid, in_specs, out_specs, out_shape, warps, *args):
+    enable_fp8_tensor_cores()          # lowered with the program, after this trace
     return pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         interpret=_backend.interpret_mode(),

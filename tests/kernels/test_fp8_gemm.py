@@ -176,3 +176,38 @@ def test_declared_cost_counts_the_gemms_and_the_tiles_reads():
     assert b == 2 * t * d + (d * d + 2 * d + 2 * d) + 2 * t * d
     with pytest.raises(ValueError, match="unknown kernel"):
         fm.fp8_gemm_kernel_cost("swiglu_gate_up", [f8(t, d)], [])
+
+
+def test_e4m3_dots_are_lowered_for_hoppers_fp8_tensor_cores(monkeypatch):
+    """fp8_gemm.enable_fp8_tensor_cores: lowered for cuda, each e4m3 dot of the kernels allows
+    reduced-precision accumulation over its own K (<= 128), which is what makes Triton emit
+    Hopper's FP8 wgmma (bench/compile_check.py's smem column shows "wgmma e4m3"; without it,
+    "mma f16"); a bf16 kernel's dots are left as they were."""
+    from jax._src.pallas.triton import lowering
+    from jaxlib.mlir import ir
+
+    from pallas_kernels import swiglu_mlp
+    assert fm.enable_fp8_tensor_cores() and fm.enable_fp8_tensor_cores()   # idempotent
+    real, seen = lowering.tt_dialect.dot.wrapped, []
+
+    def spy(a, b, c, **kw):
+        seen.append((str(ir.RankedTensorType(a.type).element_type),
+                     kw.get("max_num_imprecise_acc")))
+        return real(a, b, c, **kw)
+    monkeypatch.setattr(type(lowering.tt_dialect), "dot",
+                        staticmethod(fm._fp8_tensor_core_dot(spy)))
+    lower = lambda fn, *args: jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    x, w, _ = _inputs(64, 96, 256)
+    with pk.compile_target("cuda"):
+        lower(fm.fp8_swiglu_mlp, x, *w)
+        lower(fm.fp8_linear, x, w[0], w[1])
+        # D = 96: the gate/up and linear kernels' K blocks of 32; down's of 128 (its input I)
+        assert set(seen) == {("f8E4M3FN", 32), ("f8E4M3FN", 128)}
+        seen.clear()
+        x, w, _ = _inputs(64, 128, 256)
+        lower(fm.fp8_swiglu_mlp, x, *w)
+        assert set(seen) == {("f8E4M3FN", 128)}
+        seen.clear()
+        bf = jnp.zeros((128, 128), jnp.bfloat16)
+        lower(lambda a, g: swiglu_mlp.swiglu_mlp(a, g, g, g, impl="pallas"), bf, bf)
+    assert seen and set(seen) == {("bf16", None)}
