@@ -164,6 +164,47 @@ def swiglu_rows(tokens: int, hidden: int, inter: int, dtype: str, repeat: int) -
     return out
 
 
+def fp8_rows(tokens: int, hidden: int, inter: int, repeat: int) -> list[dict]:
+    """The rollout's FP8 SwiGLU MLP (pallas_kernels.fp8_gemm: input quantized per token x 128
+    channels in the kernels, the down projection fed in e4m3) against the same arithmetic in
+    jnp, and its time beside the XLA form qwix compiles to (per-token scales, e4m3 x e4m3
+    dot_generals, silu(g) * u and the down input's quantization as XLA fusions), at decode
+    shapes (one token per slot)."""
+    from pallas_kernels import fp8_gemm as fg
+    ks = jax.random.split(jax.random.PRNGKey(4), 4)
+    x = jax.random.normal(ks[0], (tokens, hidden), jnp.float32).astype(jnp.bfloat16)
+
+    def quantized(k, shape):
+        w = jax.random.normal(k, shape, jnp.float32) * shape[0] ** -0.5
+        s = jnp.max(jnp.abs(w), axis=0, keepdims=True) / fg.E4M3_MAX
+        return (w / s).astype(fg.E4M3), s.astype(jnp.bfloat16)
+    w = sum((quantized(k, sh) for k, sh in zip(ks[1:], [(hidden, inter)] * 2
+                                                + [(inter, hidden)])), ())
+
+    def xla(x, wg, sg, wu, su, wd, sd):
+        dot = lambda a, b: jax.lax.dot(a, b, preferred_element_type=jnp.float32)
+        xq, sx = fg.block_quantize(x, hidden)
+        g = (dot(xq, wg) * sx * sg.astype(jnp.float32)).astype(x.dtype)
+        u = (dot(xq, wu) * sx * su.astype(jnp.float32)).astype(x.dtype)
+        aq, sa = fg.block_quantize(jax.nn.silu(g) * u, inter)
+        return (dot(aq, wd) * sa * sd.astype(jnp.float32)).astype(x.dtype)
+    fns = {"xla (qwix's form)": jax.jit(xla), "pallas": jax.jit(fg.fp8_swiglu_mlp)}
+    want = jax.jit(lambda *a: fg.fp8_swiglu_mlp_reference(*a)[0])(x, *w)
+    t_base = timed(fns["xla (qwix's form)"], x, *w, repeat=repeat)
+    out = []
+    for impl, fn in fns.items():
+        row = dict(kernel="fp8 swiglu_mlp (rollout)", variant=f"T={tokens}", impl=impl,
+                   shape=f"D={hidden} I={inter} e4m3")
+
+        def check(fn=fn):
+            err = _rel(fn(x, *w), want)
+            return f"vs the kernels' jnp arithmetic: rel {err:.1e}", err < 6e-2
+
+        out.append(_measured(row, check, lambda fn=fn: timed(fn, x, *w, repeat=repeat),
+                             t_base, impl.startswith("xla")))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
@@ -175,6 +216,7 @@ def main(argv=None) -> int:
         rows = sampling_rows(8, 1000, args.repeat)
         rows += logprob_rows(64, 64, 1000, "float32", args.repeat, naive=True)
         rows += swiglu_rows(64, 64, 128, "float32", args.repeat)
+        rows += fp8_rows(64, 64, 256, args.repeat)
     else:
         rows = sampling_rows(tg.SAMPLING_ROWS, m15.vocab, args.repeat)
         rows += logprob_rows(tg.LOGPROB_TOKENS, m15.hidden, m15.vocab, "bfloat16", args.repeat,
@@ -182,11 +224,13 @@ def main(argv=None) -> int:
         rows += logprob_rows(2048, m8.hidden, m8.vocab, "bfloat16", args.repeat, naive=False)
         # one micro-batch of the update at 8 x 2048 (2 rows x 2048 tokens)
         rows += swiglu_rows(4096, m15.hidden, m15.intermediate, "bfloat16", args.repeat)
+        # the rollout's decode step at 256 slots with fp8 weights
+        rows += fp8_rows(256, m15.hidden, m15.intermediate, args.repeat)
     dev = jax.devices()[0]
     lines = [f"# bench/kernel_check.py on {dev.device_kind} (jax {jax.__version__})", "",
              "ms: median of the jitted call; vs XLA: the XLA path's time / this impl's time "
              "(sampling: the jnp reference; log-prob: naive full logits, or chunked; SwiGLU: "
-             "the XLA expression).", "",
+             "the XLA expression; fp8: qwix's per-token W8A8 form in XLA).", "",
              "| kernel | variant | impl | shape | numerics | ok | ms | vs XLA |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
