@@ -109,8 +109,9 @@ def test_block_scales_are_no_worse_than_per_token_scales():
 
 
 def test_the_quantized_layer_takes_the_kernels_where_mlp_impl_says():
-    """models.precision.fused_mlp inside a quantized decoder layer: mlp_impl="pallas" runs the
-    kernels (interpreted), "auto" on CPU the qwix GEMMs; both near the bf16 layer."""
+    """models.precision.fused_linear / fused_mlp inside a quantized decoder layer:
+    mlp_impl="pallas" runs the kernels (interpreted on CPU), "reference" qwix's GEMMs (what
+    "auto" is on CPU); both near the bf16 layer."""
     from brorl_jax.models import transformer
     from brorl_jax.models.precision import with_precision
     from brorl_jax.rollout.programs import rollout_layout
@@ -123,7 +124,7 @@ def test_the_quantized_layer_takes_the_kernels_where_mlp_impl_says():
     attn = jax.random.normal(jax.random.PRNGKey(2), (5, 1, cfg.num_attention_heads,
                                                      cfg.head_dim), jnp.bfloat16)
     f = lambda c, p: np.asarray(transformer.layer_finish(p, c, x, attn), np.float32)
-    want, plain = f(cfg, bf), f(fp8, layer)
+    want, plain = f(cfg, bf), f(fp8.replace(mlp_impl="reference"), layer)
     kernels = f(fp8.replace(mlp_impl="pallas"), layer)
     scale = np.abs(want).max()
     assert not np.array_equal(kernels, plain)          # a different path really ran
