@@ -31,17 +31,12 @@ Predicted step time = max(bytes / HBM bandwidth, flops / peak bf16 tensor flops)
 live slots / step time. A deviceless compile has no GEMM autotuning: its default split-K float32
 partial sums are reported beside the bytes, not counted (issue 25's definition).
 
-Cases (per device): ``slots256_ctx4k`` (256 slots of one 1024-token prompt, 3072 own positions
-on average: a 4k context), ``tail32_ctx8k`` (a 32-slot tail, 8k context), ``mesh64_plan``
-(configs/brorl_64gpu.py on 64 devices: the plan's slots per device, 4k context);
-``slots256_ctx4k_fp8`` and ``tail32_ctx8k_fp8``: the same shapes, fp8 weights and KV;
-``moe_slots256_ctx4k``: slots256_ctx4k on Qwen3-30B-A3B (the case's own model, whatever
---model says; configs/brorl_64gpu.qwen3_30b_a3b, bf16 compute through Runtime.rollout_params),
-its experts as the grouped GEMM kernel (pallas_kernels.grouped_gemm, ModelConfig.moe_impl=
-"grouped", the default; its cost declared by ``grouped_gemm_kernel_cost``);
-``moe_slots256_ctx4k_ragged``: XLA's ``jax.lax.ragged_dot`` instead (moe_impl="ragged");
-``moe_slots256_ctx4k_dense``: every expert on every token (moe_impl="dense");
-``moe_tail32_ctx8k``: the MoE decode's long tail (32 slots, 8k context).
+Cases (per device; CASES below): ``slots256_ctx4k`` (256 slots of one 1024-token prompt, 3072
+own positions on average: a 4k context), ``tail32_ctx8k`` (a 32-slot tail, 8k context),
+``mesh64_plan`` (configs/brorl_64gpu.py on 64 devices: the plan's slots per device), their
+``_fp8`` forms (fp8 weights and KV) and ``moe_*`` on Qwen3-30B-A3B whatever --model says
+(configs/brorl_64gpu.qwen3_30b_a3b; the grouped GEMM kernel, its cost declared by
+``grouped_gemm_kernel_cost``, or moe_impl "ragged" / "dense", the 8k tail, expert parallel).
 
 The floor of a mixture-of-experts step reads only the experts some live slot routes to: with
 uniform routing a layer's expert is missed by all S slots with probability (1 - K/E)^S, so the
@@ -290,14 +285,34 @@ def expert_coverage(mc, slots: int) -> float:
     return 1.0 - (1.0 - mc.num_experts_per_tok / mc.num_experts) ** slots
 
 
+# The Pallas GEMM kernels (custom calls gemms() cannot see into) -> (input, weight) operands.
+_PALLAS_GEMMS = {"fp8_linear": (0, 1), "fp8_swiglu_gate_up": (0, 1), "fp8_down": (0, 2),
+                 "swiglu_gate_up": (0, 1), "swiglu_bwd": (0, 1)}
+_HLO_TYPE = {"bfloat16": "bf16", "float32": "f32", "float8_e4m3fn": "f8e4m3fn"}
+
+
+def pallas_gemms(module) -> list[tuple[str, str, str, str, str]]:
+    """gemms() rows of the Pallas GEMM kernels: "pallas <kernel>", operand types as read."""
+    import _hlo_walk as hw
+    out = []
+    for ins in (i for c in module.computations.values() for i in c.instrs
+                if i.opcode == "custom-call"):
+        kernel = max((k for k in _PALLAS_GEMMS if k in ins.kernel_name), key=len, default=None)
+        if kernel is not None:
+            ops = [_HLO_TYPE.get(str(d), str(d)) for d, _ in hw.operands_of(ins)]
+            a, b = _PALLAS_GEMMS[kernel]
+            out.append((f"pallas {kernel}", ops[a], ops[b], ins.shapes[0][0], ins.op_name))
+    return out
+
+
 def gemm_forms(module) -> list[dict]:
-    """Each distinct GEMM of the program (bench/_hlo_walk.gemms): its form ("triton" fusion or
-    a cuBLAS(Lt) custom call target), the types its operands are read as ("a->b": converted on
-    the way, e.g. a weight dequantized before a plain GEMM), its result type, the JAX operation
-    (the last two op_name components) and how many there are."""
+    """Each distinct GEMM of the program (bench/_hlo_walk.gemms, pallas_gemms): its form
+    ("triton" fusion, a cuBLAS(Lt) custom call target or "pallas <kernel>"), the types its
+    operands are read as ("a->b": converted on the way, e.g. a weight dequantized before a plain
+    GEMM), its result type, the JAX operation (the last two op_name parts) and how many."""
     import _hlo_walk as hw
     counts: dict[tuple, int] = {}
-    for form, lhs, rhs, result, op in hw.gemms(module):
+    for form, lhs, rhs, result, op in hw.gemms(module) + pallas_gemms(module):
         key = (form, lhs, rhs, result, "/".join(op.split("/")[-2:]))
         counts[key] = counts.get(key, 0) + 1
     return [dict(form=f, lhs=a, rhs=b, result=r, op=o, count=n)

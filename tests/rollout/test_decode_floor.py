@@ -255,6 +255,8 @@ def test_the_fp8_decode_step_hands_the_mlp_activations_over_in_e4m3():
     """With fp8 weights the decode step's projections are pallas_kernels.fp8_gemm's kernels
     (traced for cuda): no bf16 SwiGLU kernel, and no [slots, I] tensor converted to e4m3 by XLA
     (the down projection's input comes out of the gate/up kernel in e4m3); bf16 runs none."""
+    import roofline
+
     from brorl_jax.models.precision import with_precision
     cfg = tiny_config(**dict(GPU_TINY, intermediate_size=256))   # no projection is as wide
     inter = cfg.intermediate_size
@@ -268,6 +270,12 @@ def test_the_fp8_decode_step_hands_the_mlp_activations_over_in_e4m3():
         wide = [i.type for c in comps for i in c.instrs if i.opcode == "convert" and i.shapes
                 and i.shapes[0][0] == "f8e4m3fn" and inter in i.shapes[0][1]]
         assert not wide, wide
+        # bench/roofline.py's GEMM list names them, with the weights read in e4m3
+        forms = {(f, rhs) for f, _, rhs, _, _ in roofline.pallas_gemms(module)}
+        assert forms == ({("pallas fp8_linear", "f8e4m3fn"), ("pallas fp8_swiglu_gate_up",
+                                                              "f8e4m3fn"),
+                          ("pallas fp8_down", "f8e4m3fn")} if want
+                         else {("pallas swiglu_gate_up", "bf16")}), forms
 
 
 def test_the_fp8_floor_counts_the_fp8_rollout_copy_and_a_byte_per_kv_element():
