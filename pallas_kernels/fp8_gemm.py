@@ -59,10 +59,10 @@ E4M3_MAX = 448.0
 ACT_BLOCK = 128
 # The smallest K of a Triton FP8 dot (Hopper's FP8 MMA instruction shape).
 _MIN_FP8_K = 32
-# Tiles: 64-token blocks, 128-wide output blocks. gate/up: two float32 [64, 128] accumulators
-# over 8 warps; shared memory per stage x (64 x 128, compute dtype) + Wg, Wu (128 x 128 each,
-# e4m3) = 48 KiB, 3 stages 144 KiB of the 227 KiB an H100 block may use; linear and down: one
-# accumulator, 4 warps, at most 32 KiB a stage.
+# Tiles: 64-token blocks, 128-wide output blocks; gate/up: two float32 [64, 128] accumulators
+# over 8 warps, linear and down: one over 4. Per stage at most x (64 x 128, compute dtype) + Wg,
+# Wu (128 x 128 each, e4m3) = 48 KiB; compiled for an H100 (3 stages, bench/compile_check.py):
+# 56 KiB (gate/up, linear) and 40 KiB (down) of the 227 KiB a block may use, 88 KiB at float32.
 BLOCK_T, BLOCK_N = 64, 128
 _WARPS_GATE_UP, _WARPS, _STAGES = 8, 4, 3
 # SMs of an H100 / H200: how many programs of a grid run at once (one per SM at these tiles).
@@ -93,10 +93,11 @@ def enable_fp8_tensor_cores() -> bool:
     where a dot allows that over some K. Each dot here is at most ACT_BLOCK = 128 deep and its
     float32 result is scaled and added outside the tensor cores (DeepSeek-V3's promotion every
     128), so the allowance is the dot's own K: the compiled kernels hold ``wgmma ... e4m3.e4m3``
-    (bench/compile_check.py's "MMA" column). The lowering's ``tt_dialect`` is wrapped, e4m3
-    operands only (no other Pallas kernel has them), once per process; if jax's internals have
-    moved it logs why and leaves them (f16 MMAs: the same results, slower) and
-    tests/kernels/test_fp8_gemm.py fails. Returns whether the wrapper is in place."""
+    (bench/compile_check.py names each kernel's MMA instructions beside its shared memory).
+    The lowering's ``tt_dialect`` is wrapped, e4m3 operands only (no other Pallas kernel has
+    them), once per process; if jax's internals have moved it logs why and leaves them (f16
+    MMAs: the same results, slower) and tests/kernels/test_fp8_gemm.py fails. Returns whether
+    the wrapper is in place."""
     try:
         from jax._src.pallas.triton import lowering
         dialect = lowering.tt_dialect
