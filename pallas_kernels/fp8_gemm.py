@@ -6,8 +6,8 @@ The plain form (qwix's quantized Dense layers, compiled by XLA) runs each projec
 reduction for its input's per-token absmax, a convert that writes the e4m3 input, the FP8 GEMM
 writing float32 and a fusion that scales it (and adds the bias); the SwiGLU MLP besides writes g
 and u, multiplies them in a fusion of its own and reads the product twice more to quantize the
-down projection's input. At 256 decode slots on Qwen2.5-1.5B that was 2.4 GB of a 16.2 GB H100
-decode step against 1.3 GB of weights (bench/roofline.py). Here three kernels:
+down projection's input. At 256 decode slots on Qwen2.5-1.5B the projections moved 2.6 GB of a
+16.2 GB H100 decode step against 1.3 GB of weights (bench/roofline.py). Here three kernels:
 
 * ``fp8_linear`` (q, k, v, o), grid (token block, output block): x in the compute dtype, read a
   [block_t, 128] tile at a time, each tile quantized in registers with one float32 scale per

@@ -113,9 +113,7 @@ def _silu32(g):
     return g / (1.0 + jnp.exp(-g))
 
 
-def accumulate_gate_up(x_ref, wg_ref, wu_ref, bk: int, n_k: int):
-    """Inside a kernel: x Wg and x Wu of the program's blocks in float32 accumulators, over
-    n_k steps of bk (fp8_mlp's gate/up kernel shares it)."""
+def _gate_up_kernel(x_ref, wg_ref, wu_ref, *out_refs, bk: int, n_k: int, save: bool):
     bt, bi = x_ref.shape[0], wg_ref.shape[1]
 
     def body(k, acc):
@@ -127,11 +125,7 @@ def accumulate_gate_up(x_ref, wg_ref, wu_ref, bk: int, n_k: int):
         return ag, au
 
     zero = jnp.zeros((bt, bi), jnp.float32)
-    return lax.fori_loop(0, n_k, body, (zero, zero))
-
-
-def _gate_up_kernel(x_ref, wg_ref, wu_ref, *out_refs, bk: int, n_k: int, save: bool):
-    g, u = accumulate_gate_up(x_ref, wg_ref, wu_ref, bk, n_k)
+    g, u = lax.fori_loop(0, n_k, body, (zero, zero))
     a_ref = out_refs[0]
     g = g.astype(a_ref.dtype)
     u = u.astype(a_ref.dtype)
